@@ -1,0 +1,34 @@
+# Set-up is automatic: every target creates .venv/ at the repo root when it
+# is missing and installs the project (with test and bench extras) into it.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export JAX_PLATFORMS ?= cpu
+# libtpu's start-up chatter goes to stderr; keep the user's terminal clean.
+export TF_CPP_MIN_LOG_LEVEL ?= 3
+
+.PHONY: demo test lint bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check asyncops tests examples benchmarks
+	$(VENV)/bin/ruff format --check asyncops tests examples benchmarks
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""asyncops: asynchronous collectives for Pallas TPU kernels."""
