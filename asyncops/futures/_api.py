@@ -1,0 +1,307 @@
+"""The value-level API: ``*_start`` returns ``(x, future)``, ``*_done`` waits.
+
+**Use the returned ``x``**, not the one you passed in: the start kernel
+aliases its input, and code that keeps using the pre-start buffer makes XLA
+insert a defensive copy (and lets it schedule that code before the start).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from asyncops.futures import _emulation, _primitives, _validate
+from asyncops.futures._future import Future, FutureError, _user_frame
+from asyncops.futures._spec import MemorySpace, OpSpec
+from asyncops.kernels import _common, _registry
+
+
+def _start(x, spec: OpSpec):
+  _registry.get(spec.kind).validate(spec)
+  with jax.named_scope(f"asyncops.{spec.kind}_start"):
+    x, dst, *sems = _primitives.start_p.bind(x, spec=spec)
+  return x, Future(tuple(sems), x, dst, spec, origin=_user_frame())
+
+
+def _check(fut, fn: str, kind: str | None):
+  if not isinstance(fut, Future):
+    raise TypeError(
+      f"{fn}: expected the Future returned by a *_start function, got "
+      f"{type(fut).__name__}. (Did you pass the returned x instead of the "
+      "future?)"
+    )
+  if kind is not None and fut.spec.kind != kind:
+    raise FutureError(
+      f"{fn}: this future comes from {fut.spec.kind}_start "
+      f"({fut.spec.short()}); await it with {fut.spec.kind}_done (or the "
+      "generic asyncops.done)."
+    )
+
+
+def _finalize(y, spec: OpSpec):
+  return _registry.get(spec.kind).finalize(y, spec)
+
+
+def _wait_all(fut: Future, fn: str, kind: str | None):
+  _check(fut, fn, kind)
+  fut._consume(fn)
+  spec = fut.spec
+  with jax.named_scope(f"asyncops.{spec.kind}_done"):
+    if fut.state == "sent":
+      y = _primitives.recv_done_p.bind(fut.dst, *fut.sems, spec=spec)
+    else:
+      y = _primitives.done_p.bind(fut.src, fut.dst, *fut.sems, spec=spec)
+  return _finalize(y, spec)
+
+
+def _collective_spec(kind, x, axis_name, fn, perm=(), **kw) -> OpSpec:
+  _validate.array(x, fn)
+  size = _validate.axis(axis_name, fn)
+  names = _validate.mesh_axes(axis_name, fn)
+  return OpSpec(
+    kind=kind,
+    shape=tuple(x.shape),
+    dtype=jnp.dtype(x.dtype).name,
+    axis_name=axis_name,
+    mesh_axes=names,
+    axis_size=size,
+    perm=perm,
+    collective_id=_common.collective_id((kind, axis_name, perm, size)),
+    transfer=_emulation.current().transfer,
+    **kw,
+  )
+
+
+# ppermute --------------------------------------------------------------------
+
+
+def ppermute_start(x, axis_name: str, perm=None, *, shift: int | None = None):
+  """Starts a collective permute of ``x`` along ``axis_name``.
+
+  Same semantics as ``jax.lax.ppermute(x, axis_name, perm)``: device
+  ``src`` sends ``x`` to device ``dst`` for each pair; a device nobody sends
+  to receives zeros. ``shift=k`` is shorthand for the ring
+  ``[(i, (i + k) % n) for i in range(n)]``.
+
+  Args:
+    x: the array to send (per device, inside ``shard_map``).
+    axis_name: the mesh axis to permute over.
+    perm: ``(source, destination)`` index pairs along ``axis_name``.
+    shift: ring shift, instead of ``perm``.
+
+  Returns:
+    ``(x, future)``: ``x`` aliased through the start kernel (**use it, not
+    the original, for any compute before the done**) and the future to
+    pass to :func:`ppermute_done`.
+
+  Raises:
+    NameError: ``axis_name`` is not bound by an enclosing ``shard_map``.
+    TypeError: both or neither of ``perm``/``shift``; a dtype a DMA cannot
+      move.
+    ValueError: a perm index out of range or a duplicate source/destination.
+
+  Example:
+    >>> x, fut = asyncops.ppermute_start(x, "i", shift=1)  # doctest: +SKIP
+    >>> z = x @ w                                           # doctest: +SKIP
+    >>> y = asyncops.ppermute_done(fut)                     # doctest: +SKIP
+  """
+  fn = "ppermute_start"
+  _validate.array(x, fn)
+  size = _validate.axis(axis_name, fn)
+  pairs = _validate.perm(perm, shift, size, fn)
+  return _start(x, _collective_spec("ppermute", x, axis_name, fn, pairs))
+
+
+def ppermute_done(fut: Future):
+  """Waits for a :func:`ppermute_start` and returns the received array.
+
+  Args:
+    fut: the future from :func:`ppermute_start`, awaited exactly once.
+
+  Returns:
+    The permuted array (zeros on devices that receive from no one).
+
+  Raises:
+    FutureError: ``fut`` is from another op, or was already awaited.
+  """
+  return _wait_all(fut, "ppermute_done", "ppermute")
+
+
+# bidirectional ring ----------------------------------------------------------
+
+
+def bidirectional_start(x, axis_name: str):
+  """Starts a bidirectional ring permute: half of ``x`` each way.
+
+  The first half of ``x`` along axis 0 goes to index + 1, the second half
+  to index - 1 (modulo the axis size), so both ICI directions carry data.
+  The result on device ``i`` is ``concat(x_{i-1}[:h], x_{i+1}[h:])``.
+
+  Args:
+    x: the array; ``x.shape[0]`` must be even.
+    axis_name: the ring's mesh axis.
+
+  Returns:
+    ``(x, future)`` for :func:`bidirectional_done`.
+
+  Raises:
+    ValueError: ``x.shape[0]`` is odd.
+  """
+  fn = "bidirectional_start"
+  _validate.array(x, fn)
+  if x.shape[0] % 2:
+    raise ValueError(
+      f"{fn}: x.shape[0] = {x.shape[0]} is odd; the bidirectional permute "
+      "sends half of axis 0 each way. Pad x to an even leading dimension, "
+      "or use ppermute_start."
+    )
+  size = _validate.axis(axis_name, fn)
+  pairs = tuple((i, (i + 1) % size) for i in range(size))
+  return _start(x, _collective_spec("bidirectional", x, axis_name, fn, pairs))
+
+
+def bidirectional_done(fut: Future):
+  """Waits for a :func:`bidirectional_start`; returns the received array."""
+  return _wait_all(fut, "bidirectional_done", "bidirectional")
+
+
+# all-gather ------------------------------------------------------------------
+
+
+def all_gather_start(x, axis_name: str, *, axis: int = 0, tiled: bool = False):
+  """Starts an all-gather of ``x`` along ``axis_name``.
+
+  Same result as ``jax.lax.all_gather(x, axis_name, axis=axis,
+  tiled=tiled)``.
+
+  Args:
+    x: this device's shard.
+    axis_name: the mesh axis to gather over.
+    axis: where the gathered axis goes in the result.
+    tiled: concatenate along ``axis`` instead of stacking a new axis.
+
+  Returns:
+    ``(x, future)`` for :func:`all_gather_done`.
+
+  Raises:
+    ValueError: ``axis`` out of range.
+  """
+  fn = "all_gather_start"
+  _validate.array(x, fn)
+  ndim = len(x.shape) if tiled else len(x.shape) + 1
+  if not isinstance(axis, int) or not -ndim <= axis < ndim:
+    raise ValueError(
+      f"{fn}: axis={axis!r} is out of range for a result of rank {ndim}."
+    )
+  size = _validate.axis(axis_name, fn)
+  pairs = tuple((i, j) for i in range(size) for j in range(size) if i != j)
+  return _start(
+    x,
+    _collective_spec(
+      "all_gather",
+      x,
+      axis_name,
+      fn,
+      pairs,
+      gather_axis=axis % ndim,
+      tiled=bool(tiled),
+    ),
+  )
+
+
+def all_gather_done(fut: Future):
+  """Waits for an :func:`all_gather_start`; returns the gathered array."""
+  return _wait_all(fut, "all_gather_done", "all_gather")
+
+
+# local copy ------------------------------------------------------------------
+
+
+def copy_start(x, *, memory_space: MemorySpace = "any"):
+  """Starts a local asynchronous copy of ``x`` (HBM to HBM, or to VMEM).
+
+  Args:
+    x: the array to copy.
+    memory_space: ``"any"`` (let XLA place it, normally HBM) or ``"vmem"``
+      (TPU v5 and later).
+
+  Returns:
+    ``(x, future)`` for :func:`copy_done`.
+  """
+  fn = "copy_start"
+  _validate.array(x, fn)
+  if memory_space not in ("any", "vmem"):
+    raise ValueError(
+      f"{fn}: memory_space must be 'any' or 'vmem', got {memory_space!r}."
+    )
+  spec = OpSpec(
+    kind="copy",
+    shape=tuple(x.shape),
+    dtype=jnp.dtype(x.dtype).name,
+    memory_space=memory_space,
+    transfer=_emulation.current().transfer,
+  )
+  return _start(x, spec)
+
+
+def copy_done(fut: Future):
+  """Waits for a :func:`copy_start`; returns the copy."""
+  return _wait_all(fut, "copy_done", "copy")
+
+
+# generic waits ---------------------------------------------------------------
+
+
+def done(fut: Future):
+  """Waits for any future (sends and receives); returns the result."""
+  return _wait_all(fut, "done", None)
+
+
+def send_done(fut: Future):
+  """Waits for the sends only, releasing the source early.
+
+  Args:
+    fut: an in-flight future.
+
+  Returns:
+    ``(x, future)``: the source, now free to reuse or overwrite, and a
+    future that only awaits the receives; pass it to :func:`recv_done`.
+
+  Raises:
+    FutureError: the sends were already awaited.
+  """
+  fn = "send_done"
+  _check(fut, fn, None)
+  if fut.state != "inflight":
+    raise FutureError(f"{fn}: the sends of this future were already awaited.")
+  fut._consume(fn)
+  spec = fut.spec
+  with jax.named_scope(f"asyncops.{spec.kind}_send_done"):
+    x, dst = _primitives.send_done_p.bind(
+      fut.src, fut.dst, *fut.sems, spec=spec
+    )
+  recv = fut.sems[_primitives.n_send(spec) :]
+  nxt = Future(recv, None, dst, spec, "sent", origin=fut._origin)
+  return x, nxt
+
+
+def recv_done(fut: Future):
+  """Waits for the receives of a future whose sends were awaited.
+
+  Args:
+    fut: the future returned by :func:`send_done`.
+
+  Returns:
+    The received array.
+
+  Raises:
+    FutureError: the sends were not awaited yet (call :func:`send_done`
+      first, or :func:`done` for both).
+  """
+  fn = "recv_done"
+  _check(fut, fn, None)
+  if fut.state != "sent":
+    raise FutureError(
+      f"{fn}: the sends of this future are still in flight. Call "
+      "send_done(fut) first (it returns the future to pass here), or "
+      "done(fut) to wait for both."
+    )
+  return _wait_all(fut, fn, None)

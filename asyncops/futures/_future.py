@@ -1,0 +1,130 @@
+"""The value-level future: a pytree from a start to its done.
+
+Layout. A :class:`Future` holds, as pytree children:
+
+- ``sems``: the DMA semaphores the start kernel returned (``int32[]`` values;
+  on TPU they are ``s32[]`` in semaphore memory, ``S(2)``),
+- ``src``: the source buffer, aliased through the start kernel, so passing
+  the future to the done keeps the source alive until the data has left
+  (``None`` once ``send_done`` released it),
+- ``dst``: the destination buffer the DMA writes into,
+
+and as static structure the :class:`OpSpec` (op, axis, perm, shapes) and its
+life-cycle state (``"inflight"`` or ``"sent"``). Futures therefore travel
+through ``jit``, ``shard_map`` and loop carries like any pytree.
+
+Life cycle: start, then done exactly once. Awaiting a future twice is an
+error at trace time; a future dropped without being awaited (and without
+being handed to a transformation, e.g. as a loop carry) warns when it is
+garbage collected.
+"""
+
+import traceback
+import warnings
+from typing import Any, Literal
+
+import jax
+
+from asyncops.futures._spec import OpSpec
+
+State = Literal["inflight", "sent"]
+
+
+class FutureError(ValueError):
+  """A future was used against its life cycle."""
+
+
+class NeverAwaitedWarning(RuntimeWarning):
+  """A future was dropped without being awaited."""
+
+
+def _user_frame() -> str:
+  """``file:line in fn`` of the first frame outside asyncops and JAX."""
+  for frame in reversed(traceback.extract_stack()):
+    f = frame.filename
+    if "/asyncops/" in f or "/jax/" in f or "/contextlib" in f:
+      continue
+    return f"{f}:{frame.lineno} in {frame.name}"
+  return "<unknown>"
+
+
+@jax.tree_util.register_pytree_node_class
+class Future:
+  """An asynchronous transfer in flight.
+
+  Create with a ``*_start`` function; consume exactly once with the
+  matching ``*_done`` (or ``send_done`` then ``recv_done``).
+
+  Example:
+    >>> import asyncops, jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((8,), ("i",))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    ... def f(x):
+    ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
+    ...   z = x * 2  # overlaps the transfer on TPU
+    ...   return asyncops.ppermute_done(fut) + z
+  """
+
+  __slots__ = ("sems", "src", "dst", "spec", "state", "_origin", "_status")
+
+  def __init__(
+    self,
+    sems: tuple[Any, ...],
+    src: Any,
+    dst: Any,
+    spec: OpSpec,
+    state: State = "inflight",
+    *,
+    origin: str | None = None,
+  ):
+    self.sems = tuple(sems)
+    self.src = src
+    self.dst = dst
+    self.spec = spec
+    self.state = state
+    self._origin = origin
+    # "fresh": nobody consumed it; "awaited": a done consumed it;
+    # "handed_off": flattened into a transformation that owns it now.
+    self._status = "fresh"
+
+  # Pytree protocol ---------------------------------------------------------
+
+  def tree_flatten(self):
+    if self._status == "fresh":
+      self._status = "handed_off"
+    return (self.sems, self.src, self.dst), (self.spec, self.state)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    spec, state = aux
+    sems, src, dst = children
+    fut = cls(sems, src, dst, spec, state)
+    # Futures made by transformations (loop bodies, jit) are tracked from
+    # here on but never warn: their origin owns the obligation to await.
+    fut._status = "handed_off"
+    return fut
+
+  # Life cycle --------------------------------------------------------------
+
+  def _consume(self, by: str) -> None:
+    if self._status == "awaited":
+      raise FutureError(
+        f"asyncops: future of {self.spec.short()} (started at "
+        f"{self._origin or 'unknown'}) was already awaited; {by} may wait "
+        "on it only once. Start a new transfer instead of awaiting twice."
+      )
+    self._status = "awaited"
+
+  def __del__(self):
+    if getattr(self, "_status", None) == "fresh":
+      warnings.warn(
+        f"asyncops: future of {self.spec.short()} started at "
+        f"{self._origin} was never awaited: its DMA semaphores are left "
+        "signalled. Pass it to the matching *_done.",
+        NeverAwaitedWarning,
+        stacklevel=2,
+      )
+
+  def __repr__(self):
+    return f"Future({self.spec.short()}, state={self.state!r})"

@@ -1,0 +1,143 @@
+"""Building blocks shared by the start/done kernels.
+
+Device addressing: kernels address peers by full mesh coordinates. The axis
+we communicate over gets the peer's index; every other mesh axis keeps this
+device's own index. (Passing a dict with only the communicated axis makes
+Pallas fill the others with an ``axis_index`` that fails to lower in jax
+0.10.2, so we always spell all coordinates out.)
+
+Barriers: before a device writes into a peer's destination buffer it must
+know the peer has entered the matching start kernel (so nothing else still
+uses that buffer). Each receiver signals the global barrier semaphore of each
+device that sends to it, and each sender waits for as many signals as it has
+receivers. When a device waits for signals from two or more peers, one fast
+peer re-entering the next kernel with the same ``collective_id`` could
+satisfy the wait on its own (jax-ml/jax PR #27963); such kernels add a second
+barrier on a kernel-local semaphore.
+
+Collective ids: kernels that synchronise with different peer patterns must
+not share a barrier semaphore, so every distinct pattern gets its own id.
+"""
+
+import threading
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# Dtypes a TPU DMA moves as-is. 64-bit and boolean types are not DMA-able.
+MOVABLE_DTYPES = (
+  "float32",
+  "bfloat16",
+  "float16",
+  "int32",
+  "uint32",
+  "int16",
+  "uint16",
+  "int8",
+  "uint8",
+)
+
+# A TPU has a small, fixed number of barrier semaphores (tens).
+MAX_COLLECTIVE_IDS = 16
+
+_ids_lock = threading.Lock()
+_collective_ids: dict[tuple, int] = {}
+
+
+def collective_id(pattern: tuple) -> int:
+  """A stable barrier-semaphore id for one communication pattern.
+
+  Args:
+    pattern: hashable description of who synchronises with whom (op kind,
+      mesh axis, the pairs).
+
+  Returns:
+    The id, allocated on first use in this process.
+
+  Raises:
+    RuntimeError: when a program uses more distinct patterns than there are
+      barrier semaphores.
+  """
+  with _ids_lock:
+    if pattern not in _collective_ids:
+      if len(_collective_ids) >= MAX_COLLECTIVE_IDS:
+        raise RuntimeError(
+          f"asyncops: more than {MAX_COLLECTIVE_IDS} distinct communication "
+          "patterns in one process; a TPU has only a few barrier semaphores. "
+          "Reuse perms (e.g. express rings with shift=) to share ids."
+        )
+      _collective_ids[pattern] = len(_collective_ids)
+    return _collective_ids[pattern]
+
+
+def peer(
+  mesh_axes: Sequence[str], axis_name: str, index: jax.Array
+) -> tuple[jax.Array, ...]:
+  """Full mesh coordinates of the peer at ``index`` along ``axis_name``."""
+  return tuple(
+    index if a == axis_name else jax.lax.axis_index(a) for a in mesh_axes
+  )
+
+
+def lookup(me: jax.Array, table: dict[int, int]) -> jax.Array:
+  """``table[me]`` for a traced scalar ``me``; -1 where ``me`` is absent."""
+  out = jnp.int32(-1)
+  for k, v in sorted(table.items()):
+    out = jnp.where(me == k, jnp.int32(v), out)
+  return out
+
+
+def signal(sem, mesh_axes, axis_name, index) -> None:
+  pl.semaphore_signal(
+    sem,
+    1,
+    device_id=peer(mesh_axes, axis_name, index),
+    device_id_type=pl.DeviceIdType.MESH,
+  )
+
+
+def second_barrier(mesh_axes, axis_name, peers_to_signal, count) -> None:
+  """A kernel-local barrier run after the global one (PR #27963)."""
+
+  def body(sem):
+    for index, cond in peers_to_signal:
+
+      @pl.when(cond)
+      def _():
+        signal(sem, mesh_axes, axis_name, index)
+
+    pl.semaphore_wait(sem, count)
+
+  pl.run_scoped(body, pltpu.SemaphoreType.REGULAR)
+
+
+def wait_dma(ref, sem) -> None:
+  """Waits until ``sem`` has seen a transfer the size of ``ref``."""
+  pltpu.make_async_copy(ref, ref, sem).wait()
+
+
+ANY = pl.BlockSpec(memory_space=pl.ANY)
+SEM = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+DMA = pltpu.SemaphoreType.DMA(())
+
+
+def params(*, collective_id: int | None = None) -> pltpu.CompilerParams:
+  """Compiler params: kernels are never dead code, they move data."""
+  if collective_id is None:
+    return pltpu.CompilerParams(has_side_effects=True)
+  return pltpu.CompilerParams(
+    collective_id=collective_id, has_side_effects=True
+  )
+
+
+def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
+  """An output shape that varies over the same manual axes as ``x``."""
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(
+    aval.shape if shape is None else tuple(shape),
+    aval.dtype if dtype is None else dtype,
+    manual_axis_type=aval.manual_axis_type,
+  )

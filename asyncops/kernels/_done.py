@@ -1,0 +1,96 @@
+"""Done kernels, shared by every op: wait for sends, receives, or both.
+
+A done kernel takes the semaphores a start kernel returned and blocks until
+they have seen the transfers. The combined done also takes the source buffer
+as an input it does not read, so XLA keeps the source alive until the done
+(the lifetime problem of the design), and aliases the destination buffer to
+its output, so every consumer of the result is ordered after the wait.
+
+``send_done`` aliases the source (after it, the source may be reused);
+``recv_done`` aliases the destination. Each kernel has exactly one
+``input_output_aliases`` entry (several aliases on one kernel gave wrong
+values in jax-ml/jax#24023).
+"""
+
+import functools
+
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from asyncops.futures._spec import OpSpec
+from asyncops.kernels import _common as c
+from asyncops.kernels import _registry
+
+
+def _dst_spec(spec: OpSpec):
+  k = _registry.get(spec.kind)
+  if k.dst_memory(spec) == "vmem":
+    return pl.BlockSpec(memory_space=pltpu.VMEM)
+  return c.ANY
+
+
+def _dst_shape(dst, spec: OpSpec):
+  k = _registry.get(spec.kind)
+  if k.dst_memory(spec) == "vmem":
+    return pltpu.VMEM(dst.shape, dst.dtype)
+  return c.shape_like(dst)
+
+
+def done_kernel(x_ref, o_ref, *refs, spec: OpSpec, n_send: int):
+  *sems, aliased_o_ref = refs
+  del aliased_o_ref
+  k = _registry.get(spec.kind)
+  k.wait_send(x_ref, sems[:n_send], spec=spec)
+  k.wait_recv(o_ref, sems[n_send:], spec=spec)
+
+
+def send_done_kernel(x_ref, *refs, spec: OpSpec):
+  *sems, aliased_x_ref = refs
+  del aliased_x_ref
+  _registry.get(spec.kind).wait_send(x_ref, sems, spec=spec)
+
+
+def recv_done_kernel(o_ref, *refs, spec: OpSpec):
+  *sems, aliased_o_ref = refs
+  del aliased_o_ref
+  _registry.get(spec.kind).wait_recv(o_ref, sems, spec=spec)
+
+
+def done(x, dst, *sems, spec: OpSpec):
+  """Waits for sends and receives; returns the destination (aliased)."""
+  n_send = _registry.get(spec.kind).send_sems(spec)
+  return pl.pallas_call(
+    functools.partial(done_kernel, spec=spec, n_send=n_send),
+    out_shape=_dst_shape(dst, spec),
+    in_specs=[c.ANY, _dst_spec(spec)] + [c.SEM] * len(sems),
+    out_specs=_dst_spec(spec),
+    input_output_aliases={1: 0},
+    compiler_params=c.params(),
+    name=f"asyncops_{spec.kind}_done",
+  )(x, dst, *sems)
+
+
+def send_done(x, *send_sems, spec: OpSpec):
+  """Waits for the sends; returns the source (aliased), free to reuse."""
+  return pl.pallas_call(
+    functools.partial(send_done_kernel, spec=spec),
+    out_shape=c.shape_like(x),
+    in_specs=[c.ANY] + [c.SEM] * len(send_sems),
+    out_specs=c.ANY,
+    input_output_aliases={0: 0},
+    compiler_params=c.params(),
+    name=f"asyncops_{spec.kind}_send_done",
+  )(x, *send_sems)
+
+
+def recv_done(dst, *recv_sems, spec: OpSpec):
+  """Waits for the receives; returns the destination (aliased)."""
+  return pl.pallas_call(
+    functools.partial(recv_done_kernel, spec=spec),
+    out_shape=_dst_shape(dst, spec),
+    in_specs=[_dst_spec(spec)] + [c.SEM] * len(recv_sems),
+    out_specs=_dst_spec(spec),
+    input_output_aliases={0: 0},
+    compiler_params=c.params(),
+    name=f"asyncops_{spec.kind}_recv_done",
+  )(dst, *recv_sems)
