@@ -33,7 +33,8 @@ class Emulation:
 
 
 _current: contextvars.ContextVar[Emulation] = contextvars.ContextVar(
-  "asyncops_emulation", default=Emulation()
+  "asyncops_emulation",
+  default=Emulation(),  # noqa: B039 (frozen, immutable)
 )
 
 

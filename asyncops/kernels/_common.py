@@ -106,7 +106,7 @@ def second_barrier(mesh_axes, axis_name, peers_to_signal, count) -> None:
     for index, cond in peers_to_signal:
 
       @pl.when(cond)
-      def _():
+      def _(index=index):
         signal(sem, mesh_axes, axis_name, index)
 
     pl.semaphore_wait(sem, count)
