@@ -349,8 +349,8 @@ def analyze_module(
         overlapped=_has_compute(m, between, start_done_names),
         source_live=_reaches(g, srcs, d) if kernel else True,
         dest_live=_reaches(g, dsts, d) if kernel else True,
-        start_source=s.source,
-        done_source=d.source,
+        start_source=s.where,
+        done_source=d.where,
       )
     )
     if not kernel:
@@ -414,7 +414,7 @@ def _resolve(m: Module, pos: Pos) -> Pos:
 def _producer_source(m: Module, name: str, depth: int = 0) -> str:
   i = m.instr(name)
   if i.source or depth > 8:
-    return i.source
+    return i.where
   if i.opcode in ("get-tuple-element", "bitcast") and i.operands:
     return _producer_source(m, i.operands[0], depth + 1)
   return ""
@@ -440,7 +440,7 @@ def _classify(m: Module, uf: _UnionFind, i: Instr, inflight: str) -> Copy:
   if not source:
     for user in (u for c in m.computations.values() for u in c.instrs):
       if i.name in user.operands and user.source:
-        source = f"used by {user.source}"
+        source = f"used by {user.where}"
         break
   return Copy(
     name=i.name,

@@ -121,6 +121,11 @@ class Instr:
     return str(self.stack[0]) if self.stack else ""
 
   @property
+  def where(self) -> str:
+    """Innermost frame and its caller, e.g. ``k.py:24 in start <- f.py:9``."""
+    return " <- ".join(str(f) for f in self.stack[:2])
+
+  @property
   def is_tuple(self) -> bool:
     return self.shape_text.startswith("(")
 

@@ -51,6 +51,9 @@ def tpu_topology(topology: str):
   Returns:
     The ``TopologyDescription`` from ``jax.experimental.topologies``.
   """
+  # Several processes (other test runs, the CLI) may compile concurrently on
+  # one host; without this libtpu refuses to load a second time.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   with quiet_stderr():
     return topologies.get_topology_desc(topology, platform="tpu")
 
