@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 # libtpu's start-up chatter goes to stderr; keep the user's terminal clean.
 export TF_CPP_MIN_LOG_LEVEL ?= 3
+export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
 
 .PHONY: demo test lint bench clean
 
