@@ -83,7 +83,7 @@ def _matching(s: str, i: int) -> int:
       depth -= 1
       if depth == 0:
         return j
-  raise ValueError(f"unbalanced: {s[i:i + 80]}")
+  raise ValueError(f"unbalanced: {s[i : i + 80]}")
 
 
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = ")

@@ -202,9 +202,12 @@ class _Flow:
           found.append(val)
     return found[0] if len(found) == 1 else None
 
-  def no_consts(self, eqn, sems, what: str) -> None:
-    for s in sems:
-      if s is not None:
+  @staticmethod
+  def unused_consts(sems, uses, what: str) -> None:
+    """Loop constants may hold futures (JAX hoists untouched carries) only
+    if the body never awaits them."""
+    for s, n in zip(sems, uses, strict=False):
+      if s is not None and n:
         _fail(
           f"{_where(s)} is captured by a {what} body as a constant: the "
           "body would await it on every iteration. Pass the future in as a "
@@ -217,6 +220,7 @@ class _Flow:
     ins = list(const_sems) + list(carry_sems) + [None] * n_extra_in
     outs, uses = _Flow(body, ins).run()
     n_c = len(const_sems)
+    self.unused_consts(const_sems, uses[:n_c], what)
     for k, s in enumerate(carry_sems):
       out = outs[k]
       if s is not None:
@@ -237,20 +241,18 @@ class _Flow:
 
   def while_loop(self, eqn, in_sems) -> None:
     nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    self.no_consts(eqn, in_sems[: nc + nb], "while_loop")
     carry = in_sems[nc + nb :]
     _, cond_uses = _Flow(eqn.params["cond_jaxpr"], in_sems[:nc] + carry).run()
-    for s, n in zip(carry, cond_uses[nc:], strict=True):
+    for s, n in zip(in_sems[:nc] + carry, cond_uses, strict=True):
       if s is not None and n:
         _fail(f"{_where(s)} is used by a while_loop's condition.")
     outs = self.loop_body(
       eqn.params["body_jaxpr"], in_sems[nc : nc + nb], carry, 0, "while_loop"
     )
-    self.hand_over(eqn.invars, eqn.outvars, in_sems, outs)
+    self.hand_over(eqn.invars[nc + nb :], eqn.outvars, carry, outs)
 
   def scan(self, eqn, in_sems) -> None:
     nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
-    self.no_consts(eqn, in_sems[:nc], "scan/fori_loop")
     carry = in_sems[nc : nc + ncarry]
     for s in in_sems[nc + ncarry :]:
       if s is not None:
@@ -265,7 +267,9 @@ class _Flow:
           f"{_where(s)} is returned as a scan output (ys): the stacked "
           "semaphores cannot be awaited. Await it inside the body."
         )
-    self.hand_over(eqn.invars, eqn.outvars, in_sems, outs)
+    self.hand_over(
+      eqn.invars[nc : nc + ncarry], eqn.outvars, carry, outs[:ncarry]
+    )
 
   def cond(self, eqn, in_sems) -> None:
     branches = eqn.params["branches"]
