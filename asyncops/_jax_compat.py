@@ -27,6 +27,7 @@ __all__ = [
   "register_effect",
   "sem_like",
   "DMA_SEM_AVAL",
+  "user_frame",
 ]
 
 # The aval a Pallas TPU DMA semaphore has inside a jaxpr.
@@ -95,3 +96,23 @@ def register_effect(effect_type: type) -> None:
   _effects.lowerable_effects.add_type(effect_type)
   _effects.custom_derivatives_allowed_effects.add_type(effect_type)
   _effects.remat_allowed_effects.add_type(effect_type)
+
+
+def user_frame(eqn: Any, skip: Sequence[str] = ("/asyncops/",)) -> str:
+  """``file:line (function)`` of the user code that created ``eqn``.
+
+  A jaxpr equation's ``source_info`` is not public API; its traceback lists
+  frames innermost first. We return the first frame outside JAX, asyncops
+  (``skip``) and ``contextlib``.
+  """
+  tb = getattr(getattr(eqn, "source_info", None), "traceback", None)
+  if tb is None:
+    return "<unknown>"
+  for fr in tb.frames:
+    f = fr.file_name
+    if "/jax/" in f or "/jaxlib/" in f or "contextlib" in f:
+      continue
+    if any(s in f for s in skip):
+      continue
+    return f"{f}:{fr.line_num} ({fr.function_name})"
+  return "<unknown>"

@@ -11,6 +11,7 @@ from asyncops.futures._api import ppermute_done as ppermute_done
 from asyncops.futures._api import ppermute_start as ppermute_start
 from asyncops.futures._api import recv_done as recv_done
 from asyncops.futures._api import send_done as send_done
+from asyncops.futures._check import check_futures as check_futures
 from asyncops.futures._emulation import Emulation as Emulation
 from asyncops.futures._emulation import emulation as emulation
 from asyncops.futures._future import Future as Future

@@ -42,7 +42,7 @@ def _finalize(y, spec: OpSpec):
 
 def _wait_all(fut: Future, fn: str, kind: str | None):
   _check(fut, fn, kind)
-  fut._consume(fn)
+  fut._consume(fn, fut.sems)
   spec = fut.spec
   with jax.named_scope(f"asyncops.{spec.kind}_done"):
     if fut.state == "sent":
@@ -272,8 +272,8 @@ def send_done(fut: Future):
   _check(fut, fn, None)
   if fut.state != "inflight":
     raise FutureError(f"{fn}: the sends of this future were already awaited.")
-  fut._consume(fn)
   spec = fut.spec
+  fut._consume(fn, fut.sems[: _primitives.n_send(spec)])
   with jax.named_scope(f"asyncops.{spec.kind}_send_done"):
     x, dst = _primitives.send_done_p.bind(
       fut.src, fut.dst, *fut.sems, spec=spec

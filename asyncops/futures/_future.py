@@ -21,6 +21,7 @@ garbage collected.
 
 import traceback
 import warnings
+import weakref
 from typing import Any, Literal
 
 import jax
@@ -28,6 +29,27 @@ import jax
 from asyncops.futures._spec import OpSpec
 
 State = Literal["inflight", "sent"]
+
+
+# The semaphores already awaited, by identity, while their tracers live: a
+# future copied by ``jax.tree.map`` (or rebuilt from its children) is a new
+# Python object holding the same semaphores, and must not be awaited again.
+_awaited: "weakref.WeakValueDictionary[int, Any]" = (
+  weakref.WeakValueDictionary()
+)
+
+
+# Where each live semaphore was started, so copies of a future report it.
+_origins: dict[int, str] = {}
+
+
+def _remember_origin(sems: tuple[Any, ...], origin: str) -> None:
+  for s in sems:
+    try:
+      weakref.finalize(s, _origins.pop, id(s), None)
+    except TypeError:
+      continue
+    _origins[id(s)] = origin
 
 
 class FutureError(ValueError):
@@ -83,6 +105,10 @@ class Future:
     self.dst = dst
     self.spec = spec
     self.state = state
+    if origin is None and self.sems:
+      origin = _origins.get(id(self.sems[0]))
+    elif origin is not None and state == "inflight":
+      _remember_origin(self.sems, origin)
     self._origin = origin
     # "fresh": nobody consumed it; "awaited": a done consumed it;
     # "handed_off": flattened into a transformation that owns it now.
@@ -107,14 +133,28 @@ class Future:
 
   # Life cycle --------------------------------------------------------------
 
-  def _consume(self, by: str) -> None:
-    if self._status == "awaited":
+  def _consume(self, by: str, sems: tuple[Any, ...]) -> None:
+    """Marks this future and ``sems`` (the ones ``by`` waits on) awaited.
+
+    Raises:
+      FutureError: this future, or another holding one of ``sems`` (a
+        ``jax.tree.map`` copy, a second capture), was already awaited.
+    """
+    copy = any(_awaited.get(id(s)) is s for s in sems)
+    if self._status == "awaited" or copy:
+      how = " through a copy of it" if self._status != "awaited" else ""
       raise FutureError(
         f"asyncops: future of {self.spec.short()} (started at "
-        f"{self._origin or 'unknown'}) was already awaited; {by} may wait "
-        "on it only once. Start a new transfer instead of awaiting twice."
+        f"{self._origin or 'unknown'}) was already awaited{how}; {by} may "
+        "wait on it only once. Await each future once (not also a copy "
+        "made by jax.tree.map), or start a new transfer."
       )
     self._status = "awaited"
+    for s in sems:
+      try:
+        _awaited[id(s)] = s
+      except TypeError:  # not weakly referenceable (e.g. a Python int)
+        pass
 
   def __del__(self):
     if getattr(self, "_status", None) == "fresh":
