@@ -6,14 +6,17 @@ as an input it does not read, so XLA keeps the source alive until the done
 (the lifetime problem of the design), and aliases the destination buffer to
 its output, so every consumer of the result is ordered after the wait.
 
-``send_done`` aliases the source (after it, the source may be reused);
-``recv_done`` aliases the destination. Each kernel has exactly one
+``send_done`` reads the source without aliasing it and returns it through
+an optimization barrier with the wait's token (after it, the source may be
+reused); ``recv_done`` aliases the destination. Each kernel has exactly one
 ``input_output_aliases`` entry (several aliases on one kernel gave wrong
 values in jax-ml/jax#24023).
 """
 
 import functools
 
+import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -45,9 +48,9 @@ def done_kernel(x_ref, o_ref, *refs, spec: OpSpec, n_send: int):
 
 
 def send_done_kernel(x_ref, *refs, spec: OpSpec):
-  *sems, aliased_x_ref = refs
-  del aliased_x_ref
+  *sems, token_ref = refs
   _registry.get(spec.kind).wait_send(x_ref, sems, spec=spec)
+  token_ref[0] = jnp.int32(0)
 
 
 def recv_done_kernel(o_ref, *refs, spec: OpSpec):
@@ -71,16 +74,25 @@ def done(x, dst, *sems, spec: OpSpec):
 
 
 def send_done(x, *send_sems, spec: OpSpec):
-  """Waits for the sends; returns the source (aliased), free to reuse."""
-  return pl.pallas_call(
+  """Waits for the sends; returns the source, now free to reuse.
+
+  The source is a plain (not aliased) input: if the program also reads it
+  before this wait, XLA has no reason to copy it, and the buffer the DMA
+  reads stays alive until the wait. (With an alias, XLA copied the source
+  and handed the copy to the wait, so the real source could be freed while
+  the DMA still read it.) A tiny SMEM token orders the returned source after
+  the wait, through an optimization barrier.
+  """
+  token = pl.pallas_call(
     functools.partial(send_done_kernel, spec=spec),
-    out_shape=c.shape_like(x),
+    out_shape=c.shape_like(x, (1,), jnp.int32),
     in_specs=[c.ANY] + [c.SEM] * len(send_sems),
-    out_specs=c.ANY,
-    input_output_aliases={0: 0},
+    out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
     compiler_params=c.params(),
     name=f"asyncops_{spec.kind}_send_done",
   )(x, *send_sems)
+  x, _ = jax.lax.optimization_barrier((x, token))
+  return x
 
 
 def recv_done(dst, *recv_sems, spec: OpSpec):
