@@ -71,8 +71,9 @@ def staggered(
     >>> start = functools.partial(asyncops.ppermute_start, axis_name="i",
     ...                           shift=1)  # doctest: +SKIP
     >>> acc = lambda i, x, out: out + x  # doctest: +SKIP
-    >>> y, out = asyncops.scheduling.staggered(8, start, acc, x,
-    ...                                        jnp.zeros_like(x))  # doctest: +SKIP
+    >>> zero = jnp.zeros_like(x)  # doctest: +SKIP
+    >>> from asyncops.scheduling import staggered  # doctest: +SKIP
+    >>> y, out = staggered(8, start, acc, x, zero)  # doctest: +SKIP
   """
   n = steps if isinstance(steps, int) else None
   if n is not None and n < 0:
