@@ -10,3 +10,12 @@ class CopyHazardError(ValueError):
   is still reading or writing) wrong results on TPU. The message says which
   value and what to change.
   """
+
+
+class CopyHazardWarning(UserWarning):
+  """A program XLA will compile with a (safe but wasted) buffer copy.
+
+  Warned at trace time when the copy touches no buffer in flight, so the
+  results are right but a full read and write of the buffer is added. The
+  message says what to change to avoid it.
+  """

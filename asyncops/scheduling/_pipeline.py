@@ -19,8 +19,9 @@ boundary separates the halves) and the loop is :func:`fori_loop` (so the
 carried future's buffers alternate and nothing in flight is copied).
 
 Limits. ``compute`` reads ``x`` but must not return it inside ``carry``
-(the buffer is in flight; :class:`CopyHazardError` says so). A traced
-``steps`` must be at least 1 at run time.
+(the buffer is in flight; :class:`CopyHazardError` says so). ``steps``
+must be a static int: the loop carries a future, and a traced trip count
+would need a ``lax.cond`` that XLA copies in-flight buffers through.
 """
 
 from collections.abc import Callable
@@ -53,7 +54,7 @@ def staggered(
       x = done(start(x)[1])
 
   Args:
-    steps: number of transfers (static int >= 0, or a traced int >= 1).
+    steps: number of transfers (a static int >= 0).
     start: ``x -> (x, future)``, e.g.
       ``functools.partial(asyncops.ppermute_start, axis_name="i", shift=1)``.
     compute: ``(i, x, carry) -> carry``, overlapped with transfer ``i``.
@@ -66,6 +67,7 @@ def staggered(
 
   Raises:
     CopyHazardError: ``compute`` returns the in-flight buffer in ``carry``.
+    ValueError: ``steps`` is not a static int >= 0.
 
   Example:
     >>> start = functools.partial(asyncops.ppermute_start, axis_name="i",
@@ -75,10 +77,13 @@ def staggered(
     >>> from asyncops.scheduling import staggered  # doctest: +SKIP
     >>> y, out = staggered(8, start, acc, x, zero)  # doctest: +SKIP
   """
-  n = steps if isinstance(steps, int) else None
-  if n is not None and n < 0:
-    raise ValueError(f"staggered: steps must be >= 0, got {steps}.")
-  if n == 0:
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    raise ValueError(
+      f"staggered: steps must be a static int >= 0, got {steps!r}. A traced "
+      "count would need a lax.cond that XLA copies in-flight buffers "
+      "through; bound it statically (e.g. the axis size)."
+    )
+  if steps == 0:
     return x, carry
 
   def step(i, x, fut, carry):
