@@ -20,7 +20,9 @@ def reports():
   def get(name, topology=TOPO, **kw):
     key = (name, topology, tuple(sorted(kw.items())))
     if key not in cache:
-      cache[key] = analyze(*_flat(util.build(util.PATTERNS[name], topology, **kw)))
+      cache[key] = analyze(
+        *_flat(util.build(util.PATTERNS[name], topology, **kw))
+      )
     return cache[key]
 
   return get

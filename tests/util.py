@@ -163,9 +163,7 @@ def build(f, topology="v5e:2x4", shape=SHAPE, dtype=jnp.float32):
     dtype,
     sharding=NamedSharding(mesh, spec),
   )
-  jitted = jax.jit(
-    jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec)
-  )
+  jitted = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
   return jitted, (arg,)
 
 

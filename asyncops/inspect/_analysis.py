@@ -154,9 +154,13 @@ class _Graph:
                   crossing + (f"next iteration of %{caller.name}",),
                 )
               )
-            nxt.append(((caller.name, idx), crossing + (f"out of %{caller.name}",)))
+            nxt.append(
+              ((caller.name, idx), crossing + (f"out of %{caller.name}",))
+            )
           elif caller.opcode == "call":
-            nxt.append(((caller.name, idx), crossing + (f"out of %{caller.name}",)))
+            nxt.append(
+              ((caller.name, idx), crossing + (f"out of %{caller.name}",))
+            )
       queue.extend(nxt)
 
 
@@ -293,7 +297,7 @@ def _find_pairs(m: Module, g: _Graph):
 def _buffers(m: Module, s: Instr):
   """Source (operand) and destination (non-aliased output) positions."""
   srcs: list[Pos] = []
-  for k, o in enumerate(s.operands):
+  for o in s.operands:
     for lf in m.instr(o).leaves:
       if lf.memory_space != SEM and lf.num_elements > 1:
         srcs.append((o, lf.index))
@@ -388,9 +392,7 @@ def analyze_module(
     copies=tuple(copies),
     pairs=tuple(pairs),
     starts=tuple(starts),
-    dones=tuple(
-      dict.fromkeys(m.instr(p.done) for p in pairs)
-    ),
+    dones=tuple(dict.fromkeys(m.instr(p.done) for p in pairs)),
     schedule={name: c.instrs for name, c in m.computations.items()},
   )
 

@@ -225,9 +225,7 @@ def _copy_line(c: Copy) -> str:
 
 def _pair_line(p: Pair) -> str:
   where = ", ".join(p.crossing) if p.crossing else "same computation"
-  return (
-    f"  %{p.start} ({p.kernel}) -> %{p.done} ({p.done_kernel}) [{where}]"
-  )
+  return f"  %{p.start} ({p.kernel}) -> %{p.done} ({p.done_kernel}) [{where}]"
 
 
 def _summary(r: Report) -> str:
