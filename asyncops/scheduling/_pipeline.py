@@ -1,0 +1,103 @@
+"""``staggered``: a transfer per step, overlapped with that step's compute.
+
+The pattern of the design's "Putting it all together": start the first
+transfer in a prologue; in each loop step await the previous transfer,
+start the next one from the received buffer and compute on that buffer
+while the transfer runs; await the last transfer in an epilogue::
+
+  x, fut = start(x)                    # prologue
+  carry = compute(0, x, carry)
+  for i in 1 .. steps-1:               # body: done, start, compute
+    x = done(fut)
+    x, fut = start(x)
+    carry = compute(i, x, carry)
+  y = done(fut)                        # epilogue
+
+Each ``compute`` runs through :func:`overlap` (so it sits inside its
+transfer's window even inside a loop body unrolled by two, where no loop
+boundary separates the halves) and the loop is :func:`fori_loop` (so the
+carried future's buffers alternate and nothing in flight is copied).
+
+Limits. ``compute`` reads ``x`` but must not return it inside ``carry``
+(the buffer is in flight; :class:`CopyHazardError` says so). ``steps``
+must be a static int: the loop carries a future, and a traced trip count
+would need a ``lax.cond`` that XLA copies in-flight buffers through.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from asyncops.futures import done as _done
+from asyncops.scheduling._loop import fori_loop
+from asyncops.scheduling._overlap import overlap
+
+
+def staggered(
+  steps: Any,
+  start: Callable[[Any], tuple[Any, Any]],
+  compute: Callable[[Any, Any, Any], Any],
+  x: Any,
+  carry: Any = None,
+  *,
+  done: Callable[[Any], Any] = _done,
+) -> tuple[Any, Any]:
+  """Runs ``steps`` transfers in a chain, each overlapped with compute.
+
+  Transfer ``i`` sends what transfer ``i - 1`` received (transfer 0 sends
+  ``x``); while it runs, ``compute(i, x_i, carry)`` updates ``carry`` with
+  the buffer being sent. Equivalent to::
+
+    for i in range(steps):
+      carry = compute(i, x, carry)
+      x = done(start(x)[1])
+
+  Args:
+    steps: number of transfers (a static int >= 0).
+    start: ``x -> (x, future)``, e.g.
+      ``functools.partial(asyncops.ppermute_start, axis_name="i", shift=1)``.
+    compute: ``(i, x, carry) -> carry``, overlapped with transfer ``i``.
+    x: the first buffer to send.
+    carry: the initial compute state (any pytree of arrays, or None).
+    done: how to await a future (default :func:`asyncops.done`).
+
+  Returns:
+    ``(y, carry)``: what the last transfer received and the final carry.
+
+  Raises:
+    CopyHazardError: ``compute`` returns the in-flight buffer in ``carry``.
+    ValueError: ``steps`` is not a static int >= 0.
+
+  Example:
+    >>> start = functools.partial(asyncops.ppermute_start, axis_name="i",
+    ...                           shift=1)  # doctest: +SKIP
+    >>> acc = lambda i, x, out: out + x  # doctest: +SKIP
+    >>> zero = jnp.zeros_like(x)  # doctest: +SKIP
+    >>> from asyncops.scheduling import staggered  # doctest: +SKIP
+    >>> y, out = staggered(8, start, acc, x, zero)  # doctest: +SKIP
+  """
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    raise ValueError(
+      f"staggered: steps must be a static int >= 0, got {steps!r}. A traced "
+      "count would need a lax.cond that XLA copies in-flight buffers "
+      "through; bound it statically (e.g. the axis size)."
+    )
+  if steps == 0:
+    return x, carry
+
+  def step(i, x, fut, carry):
+    carry, fut = overlap(fut, lambda x, c: compute(i, x, c), x, carry)
+    return fut, carry
+
+  with jax.named_scope("asyncops.staggered"):
+    x, fut = start(x)
+    fut, carry = step(0, x, fut, carry)
+
+    def body(i, state):
+      fut, carry = state
+      x, fut = start(done(fut))
+      return step(i, x, fut, carry)
+
+    fut, carry = fori_loop(1, steps, body, (fut, carry))
+    return done(fut), carry
