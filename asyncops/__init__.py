@@ -7,6 +7,7 @@ Start a transfer, compute while it runs, wait for it::
   y = asyncops.ppermute_done(fut)
 """
 
+from asyncops import scheduling as scheduling
 from asyncops.futures import Emulation as Emulation
 from asyncops.futures import Future as Future
 from asyncops.futures import FutureError as FutureError
@@ -15,6 +16,7 @@ from asyncops.futures import all_gather_done as all_gather_done
 from asyncops.futures import all_gather_start as all_gather_start
 from asyncops.futures import bidirectional_done as bidirectional_done
 from asyncops.futures import bidirectional_start as bidirectional_start
+from asyncops.futures import check_futures as check_futures
 from asyncops.futures import copy_done as copy_done
 from asyncops.futures import copy_start as copy_start
 from asyncops.futures import done as done
@@ -23,3 +25,4 @@ from asyncops.futures import ppermute_done as ppermute_done
 from asyncops.futures import ppermute_start as ppermute_start
 from asyncops.futures import recv_done as recv_done
 from asyncops.futures import send_done as send_done
+from asyncops.scheduling import overlap as overlap
