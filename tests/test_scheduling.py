@@ -403,7 +403,7 @@ def test_overlap_consumes_the_future_it_was_given():
     asyncops.ppermute_done(new)
     return asyncops.ppermute_done(fut)
 
-  with pytest.raises(asyncops.FutureError):
+  with pytest.raises(asyncops.FutureError, match="returned a new future"):
     _trace(f)
 
 

@@ -88,7 +88,16 @@ class Future:
     ...   return asyncops.ppermute_done(fut) + z
   """
 
-  __slots__ = ("sems", "src", "dst", "spec", "state", "_origin", "_status")
+  __slots__ = (
+    "sems",
+    "src",
+    "dst",
+    "spec",
+    "state",
+    "_origin",
+    "_status",
+    "_successor_of",
+  )
 
   def __init__(
     self,
@@ -113,6 +122,7 @@ class Future:
     # "fresh": nobody consumed it; "awaited": a done consumed it;
     # "handed_off": flattened into a transformation that owns it now.
     self._status = "fresh"
+    self._successor_of = None  # who replaced this future, once superseded
 
   # Pytree protocol ---------------------------------------------------------
 
@@ -140,6 +150,12 @@ class Future:
       FutureError: this future, or another holding one of ``sems`` (a
         ``jax.tree.map`` copy, a second capture), was already awaited.
     """
+    if self._status == "superseded":
+      raise FutureError(
+        f"asyncops: future of {self.spec.short()} (started at "
+        f"{self._origin or 'unknown'}) was passed to {self._successor_of}, "
+        f"which returned a new future; {by} must wait on that one instead."
+      )
     copy = any(_awaited.get(id(s)) is s for s in sems)
     if self._status == "awaited" or copy:
       how = " through a copy of it" if self._status != "awaited" else ""
@@ -155,6 +171,17 @@ class Future:
         _awaited[id(s)] = s
       except TypeError:  # not weakly referenceable (e.g. a Python int)
         pass
+
+  def _supersede(self, by: str) -> None:
+    """Hands this future's obligation to a new future returned by ``by``.
+
+    Raises:
+      FutureError: this future was already awaited or superseded.
+    """
+    if self._status in ("awaited", "superseded"):
+      self._consume(by, ())  # raises with the right message
+    self._status = "superseded"
+    self._successor_of = by
 
   def __del__(self):
     if getattr(self, "_status", None) == "fresh":

@@ -69,7 +69,7 @@ def split_futures(tree: Any):
         continue
       sems, src, dst = jax.tree.unflatten(kdef, chunk)
       origin = getattr(node, "_origin", None)
-      node._consume("asyncops.scheduling (use the future it returned)")
+      node._supersede("asyncops.scheduling.overlap")
       out.append(Future(sems, src, dst, node.spec, node.state, origin=origin))
     return jax.tree.unflatten(outer_def, out)
 
