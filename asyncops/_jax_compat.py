@@ -172,11 +172,16 @@ def eqn_where(eqn: Any) -> str:
 def ref_effect_inputs(eqn: Any) -> tuple[set[int], set[int]]:
   """Operand positions ``eqn`` reads and writes as Refs."""
   reads, writes = set(), set()
+  vals = eqn_vals(eqn)
   for eff in eqn.effects:
-    if isinstance(eff, _state.ReadEffect):
-      reads.add(eff.input_index)
-    elif isinstance(eff, (_state.WriteEffect, _state.AccumEffect)):
-      writes.add(eff.input_index)
+    if not isinstance(eff, _state.RefEffect):
+      continue
+    where = eff.input
+    if not isinstance(where, int):  # resolved to the Ref's Var
+      where = next((i for i, v in enumerate(vals) if v is where), None)
+      if where is None:
+        continue
+    (reads if isinstance(eff, _state.ReadEffect) else writes).add(where)
   return reads, writes
 
 

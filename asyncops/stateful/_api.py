@@ -98,8 +98,8 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
     if not (
       same_base(s0, src)
       and same_base(d0, dst)
-      and _hazards._same_slot(s0.slot, src.slot)
-      and _hazards._same_slot(d0.slot, dst.slot)
+      and _hazards.maybe_same_slot(s0.slot, src.slot)
+      and _hazards.maybe_same_slot(d0.slot, dst.slot)
     ):
       raise FutureError(
         f"asyncops.stateful.{fn}: done without a start: no transfer "

@@ -51,6 +51,19 @@ def _same_slot(a, b) -> bool:
   return False
 
 
+def maybe_same_slot(a, b) -> bool:
+  """False only when slots ``a`` and ``b`` provably differ."""
+  if a is None or b is None:
+    return True
+  va, vb = getattr(a, "val", a), getattr(b, "val", b)
+  if va is vb:
+    return True
+  if (id(va), id(vb)) in _distinct:
+    return False
+  sa, sb = _static(a), _static(b)
+  return sa is None or sb is None or sa == sb
+
+
 _N_VALS = {"get": 1, "swap": 2, "addupdate": 2}
 
 
