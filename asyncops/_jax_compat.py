@@ -126,9 +126,11 @@ def ref_effects(reads: Sequence[int], writes: Sequence[int]) -> set:
 
 def is_ref(x: Any) -> bool:
   """Whether ``x`` is a (traced) ``jax.Ref`` or a transformed one."""
-  return isinstance(x, TransformedRef) or isinstance(
-    getattr(x, "aval", None), _state.AbstractRef
-  ) or isinstance(x, _core.Ref)
+  return (
+    isinstance(x, TransformedRef)
+    or isinstance(getattr(x, "aval", None), _state.AbstractRef)
+    or isinstance(x, _core.Ref)
+  )
 
 
 def ref_inner_aval(ref: Any) -> Any:
@@ -144,9 +146,11 @@ def register_discharge(prim: Primitive, rule: Callable[..., Any]) -> None:
 def current_frame(x: Any) -> Any:
   """The jaxpr frame ``x`` (a tracer) is being traced into, or None."""
   trace = getattr(x, "_trace", None)
-  return getattr(trace, "frame", None) if isinstance(
-    trace, _pe.DynamicJaxprTrace
-  ) else None
+  return (
+    getattr(trace, "frame", None)
+    if isinstance(trace, _pe.DynamicJaxprTrace)
+    else None
+  )
 
 
 def live_eqns(frame: Any) -> list[Any]:
@@ -245,7 +249,7 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
       if (e if isinstance(e, _pe.TracingEqn) else e()) is start_eqn
     )
     frame.tracing_eqns.insert(pos + 1, barrier)
-    new = {t.val: o for t, o in zip(ins, outs[: len(ins)])}
+    new = {t.val: o for t, o in zip(ins, outs[: len(ins)], strict=False)}
     for e in between:
       e.in_tracers = [
         new.get(t.val, t) if isinstance(t.val, _core.Var) else t

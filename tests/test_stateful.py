@@ -55,7 +55,9 @@ def test_pattern_ref_equals_value_and_lax(p, transfer):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
-@pytest.mark.parametrize("perm", [[(0, 3), (3, 5), (5, 0)], [(i, 7 - i) for i in range(8)]])
+@pytest.mark.parametrize(
+  "perm", [[(0, 3), (3, 5), (5, 0)], [(i, 7 - i) for i in range(8)]]
+)
 def test_partial_perm_keeps_destination(dtype, perm):
   def f(x, w):
     del w
@@ -218,7 +220,9 @@ def test_compute_between_is_tied():
   jaxpr = str(_trace(f).jaxpr)
   order = [
     m.group(0)
-    for m in re.finditer(r"asyncops_ref_start|asyncops_tie|sin|asyncops_ref_done", jaxpr)
+    for m in re.finditer(
+      r"asyncops_ref_start|asyncops_tie|sin|asyncops_ref_done", jaxpr
+    )
   ]
   assert order == [
     "asyncops_ref_start",
@@ -248,7 +252,9 @@ def _tpu_hlo(topology, fn, looped):
     )
   )
   S = jax.NamedSharding
-  x = jax.ShapeDtypeStruct((n * 256, 512), jnp.float32, sharding=S(mesh, jax.P("i")))
+  x = jax.ShapeDtypeStruct(
+    (n * 256, 512), jnp.float32, sharding=S(mesh, jax.P("i"))
+  )
   w = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=S(mesh, jax.P()))
   return g.trace(x, w).lower().compile().as_text()
 

@@ -46,8 +46,10 @@ def _check_dst(src: RefView, dst: RefView, spec: OpSpec, fn: str):
       f"writes {src.aval.dtype}{list(want)}. Make it with "
       f"jax.empty_ref(jax.ShapeDtypeStruct({want}, {src.aval.dtype}))."
     )
-  if same_base(src, dst) and src.static_slot is not None and (
-    src.static_slot == dst.static_slot
+  if (
+    same_base(src, dst)
+    and src.static_slot is not None
+    and (src.static_slot == dst.static_slot)
   ):
     raise ValueError(
       f"{fn}: src_ref and dst_ref are the same slot {src.static_slot}; a "

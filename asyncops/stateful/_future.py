@@ -26,7 +26,13 @@ class RefFuture:
   """
 
   __slots__ = (
-    "sems", "spec", "layout", "_origin", "_status", "_track", "_awaited_at"
+    "sems",
+    "spec",
+    "layout",
+    "_origin",
+    "_status",
+    "_track",
+    "_awaited_at",
   )
 
   def __init__(self, sems, spec: OpSpec, layout: Layout, *, origin=None):
@@ -72,5 +78,3 @@ class RefFuture:
 
   def __repr__(self):
     return f"RefFuture({self.spec.short()})"
-
-

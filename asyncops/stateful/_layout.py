@@ -94,7 +94,7 @@ def view(ref, fn: str, name: str) -> RefView:
       getattr(s, "start", None) == 0
       and getattr(s, "stride", None) == 1
       and getattr(s, "size", None) == n
-      for s, n in zip(rest, base_shape[1:])
+      for s, n in zip(rest, base_shape[1:], strict=False)
     )
     ok = scalar and full
   if not ok:
