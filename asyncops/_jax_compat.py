@@ -113,21 +113,27 @@ _device_kind: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 def _kind_of(ctx) -> str | None:
   """The device kind of the devices a lowering rule context targets."""
-  # Rule contexts are internal (LoweringRuleContext.module_context); plain
-  # jit gives a ShardingContext with a device assignment, shard_map bodies
-  # an SPMDAxisContext with a mesh.
-  axis_ctx = getattr(ctx.module_context, "axis_context", None)
+  # Rule contexts are internal (LoweringRuleContext.module_context). Under
+  # shard_map the abstract mesh names the device kind; plain jit may give a
+  # ShardingContext with a device assignment, or none (one device), and then
+  # the backend (for an ahead-of-time compile, the topology's compile-only
+  # client) has the devices.
+  module = ctx.module_context
+  axis_ctx = getattr(module, "axis_context", None)
   devices = getattr(axis_ctx, "device_assignment", None)
   if devices:
     return devices[0].device_kind
-  mesh = getattr(axis_ctx, "mesh", None)
-  for m in (mesh, jax.sharding.get_abstract_mesh()):
+  for m in (getattr(axis_ctx, "mesh", None), jax.sharding.get_abstract_mesh()):
     device = getattr(m, "abstract_device", None)
     if device is not None:
       return device.device_kind
     if isinstance(m, jax.sharding.Mesh) and m.devices.size:
       return m.devices.flat[0].device_kind
-  return None
+  backend = getattr(module, "backend", None)
+  try:
+    return backend.devices()[0].device_kind
+  except Exception:  # no backend, or one without devices: unknown target
+    return None
 
 
 @contextlib.contextmanager
