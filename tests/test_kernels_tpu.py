@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops.kernels import _common
 
 # Several test processes may compile for TPU at once on one host; libtpu
 # otherwise refuses to load twice (it takes a lock meant for real chips).
@@ -30,6 +31,17 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4")
 SEM = "s32[]{:S(2)}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_collective_ids():
+  """Each test compiles its own programs, so ids may restart per test.
+
+  ``_common.collective_id`` allocates per process (at most 16 patterns, never
+  freed); without this, a long session of many meshes and perms exhausts
+  them. Reusing an id across separately compiled programs is safe.
+  """
+  _common._collective_ids.clear()
 
 
 # HLO text helper -------------------------------------------------------------
