@@ -12,7 +12,10 @@ of ``jax._src`` is here; a JAX upgrade should be one edit of this file.
 Pinned to jax 0.10.2.
 """
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +31,7 @@ __all__ = [
   "sem_like",
   "DMA_SEM_AVAL",
   "user_frame",
+  "tpu_generation",
 ]
 
 # The aval a Pallas TPU DMA semaphore has inside a jaxpr.
@@ -80,7 +84,8 @@ def register_lowering(
       for i in positions:
         avals[i] = DMA_SEM_AVAL
       ctx = ctx.replace(avals_in=avals)
-    return lowered(ctx, *args, **params)
+    with _lowering_for(ctx):
+      return lowered(ctx, *args, **params)
 
   if platform is None:
     _mlir.register_lowering(prim, rule)
@@ -285,3 +290,57 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   if not leaves:
     return sems
   return list(tie_p.bind(*leaves, *sems)[len(leaves) :])
+
+
+# The device kind (e.g. "TPU v4") a TPU rule is lowering for. Kernels that
+# only some chips support need it at trace time, and an ahead-of-time
+# compile from a CPU host has no TPU default device to ask; the rule context
+# knows the target devices. Set around every rule by ``register_lowering``.
+_device_kind: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+  "asyncops_device_kind", default=None
+)
+
+
+def _kind_of(ctx) -> str | None:
+  """The device kind of the devices a lowering rule context targets."""
+  # Rule contexts are internal (LoweringRuleContext.module_context). Under
+  # shard_map the abstract mesh names the device kind; plain jit may give a
+  # ShardingContext with a device assignment, or none (one device), and then
+  # the backend (for an ahead-of-time compile, the topology's compile-only
+  # client) has the devices.
+  module = ctx.module_context
+  axis_ctx = getattr(module, "axis_context", None)
+  devices = getattr(axis_ctx, "device_assignment", None)
+  if devices:
+    return devices[0].device_kind
+  for m in (getattr(axis_ctx, "mesh", None), jax.sharding.get_abstract_mesh()):
+    device = getattr(m, "abstract_device", None)
+    if device is not None:
+      return device.device_kind
+    if isinstance(m, jax.sharding.Mesh) and m.devices.size:
+      return m.devices.flat[0].device_kind
+  backend = getattr(module, "backend", None)
+  try:
+    return backend.devices()[0].device_kind
+  except Exception:  # no backend, or one without devices: unknown target
+    return None
+
+
+@contextlib.contextmanager
+def _lowering_for(ctx) -> Iterator[None]:
+  token = _device_kind.set(_kind_of(ctx))
+  try:
+    yield
+  finally:
+    _device_kind.reset(token)
+
+
+def tpu_generation() -> int | None:
+  """The TPU generation being lowered for (4 for "TPU v4"), or None.
+
+  Only meaningful inside an asyncops TPU lowering rule; None when the target
+  is unknown (callers must then not reject the program).
+  """
+  kind = _device_kind.get()
+  match = re.match(r"TPU ?v?(\d+)", kind or "")
+  return int(match.group(1)) if match else None

@@ -1,0 +1,182 @@
+"""Bidirectional ring permute: half of ``x`` each way around the ring.
+
+Algorithm. ``x`` is split along axis 0 into halves of ``h = x.shape[0] // 2``
+rows. Device ``i`` of the ring over ``spec.axis_name`` (size ``n``) sends the
+first half to ``right = i + 1`` and the second half to ``left = i - 1``
+(modulo ``n``), so both ICI directions of the ring carry data. The result on
+device ``i`` is ``concat(x_{i-1}[:h], x_{i+1}[h:])``. The start kernel:
+
+1. signals the global barrier semaphore of both neighbours (each sends into
+   this device's destination) and waits for two signals (both neighbours
+   are ready to receive),
+2. runs the second, kernel-local barrier (``_common.second_barrier``): this
+   device waits for signals from two peers, so without it a fast neighbour
+   re-entering a later kernel with the same ``collective_id`` could supply
+   both signals on its own (jax-ml/jax PR #27963),
+3. starts two remote DMAs, ``x[:h]`` into the right neighbour's ``o[:h]``
+   and ``x[h:]`` into the left neighbour's ``o[h:]``, and returns: the
+   aliased source, the destination and four DMA semaphores
+   ``(send_right, send_left, recv_from_left, recv_from_right)``.
+
+Each direction has its own send and receive semaphore; the done kernels wait
+on each with a half-sized descriptor.
+
+Axis size 2: both neighbours are the same device. It receives two barrier
+signals from it, and both halves go to it over two DMAs; nothing changes.
+Axis size 1: the device is its own neighbour, so the "transfer" is a local
+copy. The kernel runs two local async copies (``x`` halves into ``o``) on the
+*send* semaphores, with no barrier, and ``wait_recv`` waits for nothing: a
+local copy's semaphore covers its read and its write, and ``recv_done``
+always runs after ``send_done`` (or inside the combined done), so the
+source is held until the copy has read it and the destination is complete
+when it is returned.
+
+Limits. ``x.shape[0]`` must be even (checked by ``bidirectional_start``).
+One mesh axis per call. Dtypes must be DMA-able (``_common.MOVABLE_DTYPES``).
+"""
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from asyncops.futures._spec import OpSpec
+from asyncops.kernels import _common as c
+from asyncops.kernels import _registry
+
+
+def neighbours(spec: OpSpec) -> tuple[jax.Array, jax.Array]:
+  """Traced ``(right, left)`` ring neighbours of this device."""
+  n = spec.axis_size
+  me = jax.lax.axis_index(spec.axis_name)
+  return jax.lax.rem(me + 1, n), jax.lax.rem(me + (n - 1), n)
+
+
+def halves(ref, spec: OpSpec):
+  """``(ref[:h], ref[h:])`` as ref views, ``h = spec.shape[0] // 2``."""
+  h = spec.shape[0] // 2
+  return ref.at[pl.ds(0, h)], ref.at[pl.ds(h, h)]
+
+
+def bidirectional_start_kernel(
+  x_ref,
+  aliased_x_ref,
+  o_ref,
+  send_right,
+  send_left,
+  recv_left,
+  recv_right,
+  *,
+  spec: OpSpec,
+):
+  del aliased_x_ref
+  x_lo, x_hi = halves(x_ref, spec)
+  o_lo, o_hi = halves(o_ref, spec)
+  if spec.axis_size == 1:
+    with jax.named_scope("local_copy"):
+      pltpu.make_async_copy(x_lo, o_lo, send_right).start()
+      pltpu.make_async_copy(x_hi, o_hi, send_left).start()
+    return
+  right, left = neighbours(spec)
+  axes, name = spec.mesh_axes, spec.axis_name
+  with jax.named_scope("barrier"):
+    barrier = pltpu.get_barrier_semaphore()
+    c.signal(barrier, axes, name, left)
+    c.signal(barrier, axes, name, right)
+    pl.semaphore_wait(barrier, 2)
+    c.second_barrier(axes, name, [(left, True), (right, True)], 2)
+  with jax.named_scope("dma"):
+    # The receive semaphore named here is the peer's (same kernel, same
+    # output slot): the right neighbour receives x[:h] from its left.
+    pltpu.make_async_remote_copy(
+      x_lo,
+      o_lo,
+      send_right,
+      recv_left,
+      device_id=c.peer(axes, name, right),
+      device_id_type=pl.DeviceIdType.MESH,
+    ).start()
+    pltpu.make_async_remote_copy(
+      x_hi,
+      o_hi,
+      send_left,
+      recv_right,
+      device_id=c.peer(axes, name, left),
+      device_id_type=pl.DeviceIdType.MESH,
+    ).start()
+
+
+def wait_send(x_ref, sems, *, spec: OpSpec):
+  send_right, send_left = sems
+  x_lo, x_hi = halves(x_ref, spec)
+  c.wait_dma(x_lo, send_right)
+  c.wait_dma(x_hi, send_left)
+
+
+def wait_recv(o_ref, sems, *, spec: OpSpec):
+  recv_left, recv_right = sems
+  if spec.axis_size == 1:
+    return  # The local copies signalled the send semaphores.
+  o_lo, o_hi = halves(o_ref, spec)
+  c.wait_dma(o_lo, recv_left)
+  c.wait_dma(o_hi, recv_right)
+
+
+def start(x, *, spec: OpSpec):
+  return pl.pallas_call(
+    functools.partial(bidirectional_start_kernel, spec=spec),
+    out_shape=(
+      jax.ShapeDtypeStruct.like(x),
+      c.shape_like(x),
+      c.DMA,
+      c.DMA,
+      c.DMA,
+      c.DMA,
+    ),
+    in_specs=[c.ANY],
+    out_specs=(c.ANY, c.ANY, c.SEM, c.SEM, c.SEM, c.SEM),
+    input_output_aliases={0: 0},
+    compiler_params=c.params(
+      collective_id=None if spec.axis_size == 1 else spec.collective_id
+    ),
+    name="asyncops_bidirectional_start",
+  )(x)
+
+
+def emulate(x, *, spec: OpSpec):
+  h = spec.shape[0] // 2
+  n = spec.axis_size
+  right = [(i, (i + 1) % n) for i in range(n)]
+  left = [(i, (i - 1) % n) for i in range(n)]
+  return jax.numpy.concatenate(
+    [
+      jax.lax.ppermute(x[:h], spec.axis_name, right),
+      jax.lax.ppermute(x[h:], spec.axis_name, left),
+    ],
+    axis=0,
+  )
+
+
+def validate(spec: OpSpec) -> None:
+  if not spec.shape or spec.shape[0] % 2:
+    raise ValueError(
+      f"bidirectional_start: x.shape = {spec.shape}; axis 0 must be even "
+      "(half of it goes each way). Pad x along axis 0, or use "
+      "ppermute_start."
+    )
+
+
+_registry.register(
+  "bidirectional",
+  _registry.KernelSet(
+    send_sems=lambda spec: 2,
+    recv_sems=lambda spec: 2,
+    dst_shape=lambda spec: spec.shape,
+    start=start,
+    wait_send=wait_send,
+    wait_recv=wait_recv,
+    emulate=emulate,
+    validate=validate,
+  ),
+)

@@ -1,0 +1,394 @@
+"""The kernels as compiled for TPU: structure of the scheduled HLO.
+
+Every op is compiled ahead of time for real TPU topologies from the CPU host
+and the compiled HLO text is read back. Each start and done must be a Mosaic
+custom call with our instruction name; the done must alias the destination
+(exactly one alias per kernel, jax-ml/jax#24023); the start's semaphore
+outputs must reach the done; and start kernels that synchronise with
+different peer patterns must use different barrier ids (the barrier race of
+jax-ml/jax PR #27963).
+"""
+
+import dataclasses
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import asyncops
+from asyncops.kernels import _common
+
+# Several test processes may compile for TPU at once on one host; libtpu
+# otherwise refuses to load twice (it takes a lock meant for real chips).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4")
+SEM = "s32[]{:S(2)}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_collective_ids():
+  """Each test compiles its own programs, so ids may restart per test.
+
+  ``_common.collective_id`` allocates per process (at most 16 patterns, never
+  freed); without this, a long session of many meshes and perms exhausts
+  them. Reusing an id across separately compiled programs is safe.
+  """
+  _common._collective_ids.clear()
+
+
+# HLO text helper -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+  """One instruction of compiled HLO text."""
+
+  name: str
+  shape: str
+  opcode: str
+  operands: tuple[str, ...]
+  text: str  # the whole instruction, continuation lines joined
+
+  def attr(self, key: str) -> str | None:
+    """The value of ``key=...`` (balanced braces), or None."""
+    i = self.text.find(f" {key}=")
+    if i < 0:
+      return None
+    j = i + len(key) + 2
+    if self.text[j] != "{":
+      return self.text[j:].split(",", 1)[0]
+    return self.text[j : _closing(self.text, j, "{", "}") + 1]
+
+  @property
+  def collective_id(self) -> int | None:
+    m = re.search(
+      r'"custom_call_config":\{.*?"collective_id":"(\d+)"', self.text, re.S
+    )
+    return int(m.group(1)) if m else None
+
+  @property
+  def aliases(self) -> list[str]:
+    """``output_to_operand_aliasing`` entries, e.g. ``['{}: (1, {})']``."""
+    value = self.attr("output_to_operand_aliasing")
+    if value is None:
+      return []
+    return re.findall(r"\{[\d,]*\}: \(\d+, \{[\d,]*\}\)", value)
+
+
+def _closing(text: str, i: int, open_: str, close: str) -> int:
+  """Index of the bracket closing the one at ``text[i]``."""
+  depth = 0
+  for k in range(i, len(text)):
+    depth += (text[k] == open_) - (text[k] == close)
+    if depth == 0:
+      return k
+  raise ValueError(f"unbalanced {open_}{close} in {text[:80]!r}")
+
+
+_HEAD = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$")
+
+
+def _parse(line: str, text: str) -> Instr:
+  name, body = _HEAD.match(line).groups()
+  if body.startswith("("):  # tuple shape: parentheses nest, as in S(2)
+    end = _closing(body, 0, "(", ")")
+    shape, rest = body[: end + 1], body[end + 2 :]
+  else:
+    shape, rest = body.split(" ", 1)
+  opcode, rest = rest.split("(", 1)
+  operands = tuple(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0]))
+  return Instr(name, shape, opcode, operands, text)
+
+
+def hlo_instructions(hlo: str) -> dict[str, Instr]:
+  """Instructions of compiled HLO text by name (all computations)."""
+  out, lines = {}, []
+
+  def flush():
+    if lines:
+      instr = _parse(lines[0], "\n".join(lines))
+      out[instr.name] = instr
+      lines.clear()
+
+  for line in hlo.splitlines():
+    if _HEAD.match(line):
+      flush()
+      lines.append(line)
+    elif (
+      lines
+      and line.strip() not in ("", "}")
+      and not line.startswith(("ENTRY", "%", "HloModule"))
+    ):
+      lines.append(line)  # e.g. kernel_metadata spanning lines
+    else:
+      flush()
+  flush()
+  return out
+
+
+def kernels(instrs: dict[str, Instr], kind: str, phase: str) -> list[Instr]:
+  """Our custom calls ``asyncops_<kind>_<phase>``, in name order."""
+  pattern = re.compile(rf"asyncops_{kind}_{phase}(\.\d+)?$")
+  return sorted(
+    (i for i in instrs.values() if pattern.match(i.name)),
+    key=lambda i: i.name,
+  )
+
+
+def sem_outputs(instrs: dict[str, Instr], start: Instr) -> set[str]:
+  """Names of the ``get-tuple-element``s taking semaphores out of a start."""
+  return {
+    i.name
+    for i in instrs.values()
+    if i.opcode == "get-tuple-element"
+    and i.operands == (start.name,)
+    and i.shape == SEM
+  }
+
+
+# Compilation -----------------------------------------------------------------
+
+
+@functools.cache
+def tpu_mesh(topology: str, shape=(2, 4), names=("x", "y")):
+  devices = topologies.get_topology_desc(topology, platform="tpu").devices
+  return jax.sharding.Mesh(np.array(devices).reshape(shape), names)
+
+
+def compile_hlo(f, mesh, shape=(16, 512), dtype=jnp.float32) -> str:
+  """Compiled TPU HLO of ``f`` under ``shard_map`` over every mesh axis."""
+  spec = P(*mesh.axis_names)
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
+  x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  return g.trace(x).lower().compile().as_text()
+
+
+def check_pair(hlo: str, kind: str, n_sems: int) -> tuple[Instr, Instr]:
+  """Asserts the start/done structure of the one ``kind`` op in ``hlo``."""
+  instrs = hlo_instructions(hlo)
+  (start,) = kernels(instrs, kind, "start")
+  (done,) = kernels(instrs, kind, "done")
+  for k in (start, done):
+    assert k.opcode == "custom-call", k.text[:200]
+    assert k.attr("custom_call_target") == '"tpu_custom_call"'
+  assert start.aliases == ["{0}: (0, {})"]  # the source passes through
+  assert done.aliases == ["{}: (1, {})"]  # the destination, and only it
+  sems = sem_outputs(instrs, start)
+  assert len(sems) == n_sems
+  assert sems <= set(done.operands)
+  assert start.shape.count(SEM) == n_sems
+  assert done.collective_id is None  # done kernels never synchronise
+  return start, done
+
+
+# Per op, per topology --------------------------------------------------------
+
+
+def _ppermute_full(x):
+  x, fut = asyncops.ppermute_start(x, "y", shift=1)
+  return asyncops.ppermute_done(fut) + x
+
+
+def _ppermute_partial(x):
+  x, fut = asyncops.ppermute_start(x, "y", perm=[(0, 1), (1, 2)])
+  return asyncops.ppermute_done(fut) + x
+
+
+def _bidirectional(x):
+  x, fut = asyncops.bidirectional_start(x, "y")
+  return asyncops.bidirectional_done(fut) + x
+
+
+def _all_gather(x):
+  x, fut = asyncops.all_gather_start(x, "y", axis=1, tiled=True)
+  g = asyncops.all_gather_done(fut)
+  return g[:, : x.shape[1]] + x
+
+
+def _copy_hbm(x):
+  x, fut = asyncops.copy_start(x)
+  return asyncops.copy_done(fut) * 2 + x
+
+
+def _copy_vmem(x):
+  x, fut = asyncops.copy_start(x, memory_space="vmem")
+  return asyncops.copy_done(fut) * 2 + x
+
+
+# (op kind, program, semaphores per start, synchronises)
+OPS = {
+  "ppermute_full": ("ppermute", _ppermute_full, 2, True),
+  "ppermute_partial": ("ppermute", _ppermute_partial, 2, True),
+  "bidirectional": ("bidirectional", _bidirectional, 4, True),
+  "all_gather": ("all_gather", _all_gather, 2, True),
+  "copy_hbm": ("copy", _copy_hbm, 1, False),
+}
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_start_done_structure(op, topology):
+  kind, f, n_sems, synchronises = OPS[op]
+  start, _ = check_pair(compile_hlo(f, tpu_mesh(topology)), kind, n_sems)
+  assert (start.collective_id is not None) == synchronises
+  if synchronises:
+    assert '"has_communication":true' in start.text
+
+
+@pytest.mark.parametrize("topology", ("v5e:2x4", "v6e:2x4"))
+def test_copy_to_vmem_compiles_on_v5_and_later(topology):
+  check_pair(compile_hlo(_copy_vmem, tpu_mesh(topology)), "copy", 1)
+
+
+def test_copy_to_vmem_on_v4_is_a_clear_error():
+  # Without the check, libtpu fails with "Invalid memory space: 1".
+  with pytest.raises(NotImplementedError, match=r"needs TPU v5.*TPU v4"):
+    compile_hlo(_copy_vmem, tpu_mesh("v4:2x2x1"))
+
+
+@pytest.mark.parametrize("topology", ("v5e:2x4", "v4:2x2x1"))
+def test_copy_under_plain_jit(topology):
+  device = tpu_mesh(topology).devices.flat[0]
+  x = jax.ShapeDtypeStruct(
+    (16, 512), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
+  hlo = jax.jit(_copy_hbm).trace(x).lower().compile().as_text()
+  check_pair(hlo, "copy", 1)
+  with (
+    pytest.raises(NotImplementedError, match="needs TPU v5")
+    if (topology.startswith("v4"))
+    else _no_error()
+  ):
+    hlo = jax.jit(_copy_vmem).trace(x).lower().compile().as_text()
+    check_pair(hlo, "copy", 1)
+
+
+class _no_error:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+@pytest.mark.parametrize(
+  "mesh_shape,kind,f,n_sems",
+  [
+    ((4, 2), "bidirectional", _bidirectional, 4),  # both neighbours equal
+    ((8, 1), "bidirectional", _bidirectional, 4),  # self: local copies
+    ((4, 2), "all_gather", _all_gather, 2),
+    ((8, 1), "all_gather", _all_gather, 2),
+  ],
+  ids=["bidir-2", "bidir-1", "gather-2", "gather-1"],
+)
+def test_small_axes(mesh_shape, kind, f, n_sems):
+  start, _ = check_pair(
+    compile_hlo(f, tpu_mesh("v5e:2x4", mesh_shape)), kind, n_sems
+  )
+  # Axis size 1 needs no peer: no barrier, no collective id.
+  assert (start.collective_id is None) == (mesh_shape[1] == 1)
+
+
+# Split waits -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize(
+  "kind,start_fn,n_send,n_recv",
+  [
+    ("ppermute", lambda x: asyncops.ppermute_start(x, "x", shift=1), 1, 1),
+    ("bidirectional", lambda x: asyncops.bidirectional_start(x, "y"), 2, 2),
+    ("all_gather", lambda x: asyncops.all_gather_start(x, "y"), 1, 1),
+    ("copy", lambda x: asyncops.copy_start(x), 1, 0),
+  ],
+  ids=["ppermute", "bidirectional", "all_gather", "copy"],
+)
+def test_send_done_recv_done_split(topology, kind, start_fn, n_send, n_recv):
+  def f(x):
+    x, fut = start_fn(x)
+    src, fut = asyncops.send_done(fut)
+    src = src * 3  # the source is free to overwrite now
+    y = asyncops.recv_done(fut)
+    return y.reshape(-1, *src.shape[1:])[: src.shape[0]] + src
+
+  instrs = hlo_instructions(compile_hlo(f, tpu_mesh(topology)))
+  (start,) = kernels(instrs, kind, "start")
+  (send,) = kernels(instrs, kind, "send_done")
+  (recv,) = kernels(instrs, kind, "recv_done")
+  assert not kernels(instrs, kind, "done")
+  sems = sem_outputs(instrs, start)
+  assert len(sems) == n_send + n_recv
+  send_sems = sems & set(send.operands)
+  recv_sems = sems & set(recv.operands)
+  assert len(send_sems) == n_send and len(recv_sems) == n_recv
+  assert not send_sems & recv_sems
+  # One alias each: the source through send_done, the destination through
+  # recv_done (operand 0 of both).
+  assert send.aliases == ["{}: (0, {})"]
+  assert recv.aliases == ["{}: (0, {})"]
+  for k in (send, recv):
+    assert k.attr("custom_call_target") == '"tpu_custom_call"'
+
+
+# Sharp edges -----------------------------------------------------------------
+
+
+def test_inflight_ops_of_different_patterns_have_distinct_collective_ids():
+  """Barrier race (jax-ml/jax PR #27963): one id per sync pattern."""
+
+  def f(x):
+    x, a = asyncops.ppermute_start(x, "y", shift=1)
+    x, b = asyncops.ppermute_start(x, "y", shift=-1)
+    x, c = asyncops.bidirectional_start(x, "y")
+    x, d = asyncops.all_gather_start(x, "y")
+    x, e = asyncops.bidirectional_start(x, "x")
+    x, g = asyncops.copy_start(x)
+    x, h = asyncops.ppermute_start(x, "y", shift=1)  # same pattern as a
+    outs = [asyncops.done(fut) for fut in (a, b, c, e, g, h)]
+    gathered = asyncops.done(d)
+    return sum(outs) + gathered[0] + x
+
+  instrs = hlo_instructions(compile_hlo(f, tpu_mesh("v5e:2x4")))
+  ids = {}
+  for kind in ("ppermute", "bidirectional", "all_gather", "copy"):
+    for k in kernels(instrs, kind, "start"):
+      ids[k.name] = k.collective_id
+  assert len(ids) == 7
+  assert list(ids.values()).count(None) == 1  # the copy
+  pp = sorted(ids[n] for n in ids if n.startswith("asyncops_ppermute"))
+  # Two shift=1 starts share one id; shift=-1 has its own.
+  assert len(pp) == 3 and len(set(pp)) == 2
+  distinct = {v for v in ids.values() if v is not None}
+  assert len(distinct) == 5  # ppermute +1, -1, bidir y, gather y, bidir x
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_every_done_kernel_has_exactly_one_alias(topology):
+  """Several aliases on one Mosaic kernel gave wrong values (jax#24023)."""
+
+  def f(x):
+    x, a = asyncops.bidirectional_start(x, "y")
+    x, b = asyncops.all_gather_start(x, "x")
+    x, c = asyncops.copy_start(x)
+    ya = asyncops.bidirectional_done(a)
+    src, b = asyncops.send_done(b)
+    yb = asyncops.recv_done(b)
+    yc = asyncops.copy_done(c)
+    return ya + yb[0] + yc + src
+
+  instrs = hlo_instructions(compile_hlo(f, tpu_mesh(topology)))
+  ours = [i for i in instrs.values() if i.name.startswith("asyncops_")]
+  waits = [
+    i for i in ours if re.search(r"_(send_|recv_)?done(\.\d+)?$", i.name)
+  ]
+  assert len(waits) == 4
+  for k in ours:
+    assert len(k.aliases) == 1, (k.name, k.aliases)
