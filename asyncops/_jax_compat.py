@@ -28,6 +28,7 @@ __all__ = [
   "Primitive",
   "register_lowering",
   "register_effect",
+  "module_scope",
   "sem_like",
   "DMA_SEM_AVAL",
   "user_frame",
@@ -63,6 +64,7 @@ def register_lowering(
   platform: str | None = None,
   sem_in: Callable[[dict], Sequence[int]] = lambda params: (),
   multiple_results: bool = True,
+  prepare: Callable[[dict, dict], dict] | None = None,
 ) -> None:
   """Registers ``fn`` (a traceable JAX function) as ``prim``'s lowering.
 
@@ -74,6 +76,9 @@ def register_lowering(
       TPU those operands are re-typed from ``int32[]`` to DMA semaphores
       before ``fn`` is traced (their IR type is the same).
     multiple_results: whether ``fn`` returns a sequence.
+    prepare: optional ``prepare(scope, params) -> params`` run before
+      tracing ``fn``; ``scope`` is a dict that lives as long as the module
+      being lowered (see :func:`module_scope`).
   """
   lowered = _mlir.lower_fun(fn, multiple_results=multiple_results)
 
@@ -84,6 +89,8 @@ def register_lowering(
       for i in positions:
         avals[i] = DMA_SEM_AVAL
       ctx = ctx.replace(avals_in=avals)
+    if prepare is not None:
+      params = prepare(module_scope(ctx), params)
     with _lowering_for(ctx):
       return lowered(ctx, *args, **params)
 
@@ -91,6 +98,20 @@ def register_lowering(
     _mlir.register_lowering(prim, rule)
   else:
     _mlir.register_lowering(prim, rule, platform=platform)
+
+
+def module_scope(ctx) -> dict:
+  """A dict private to asyncops, shared by every rule of one lowered module.
+
+  Why: barrier-semaphore ids must differ between communication patterns
+  within one program, but may be reused across programs; allocating them per
+  module keeps a long process (a test session, a server compiling many
+  programs) from running out. The rule context's ``module_context`` is
+  internal; its ``cached_primitive_lowerings`` dict is one object per module
+  (``replace`` shares it), so we keep our scope under a private key there.
+  """
+  cache = ctx.module_context.cached_primitive_lowerings
+  return cache.setdefault(("asyncops", "module_scope"), {})
 
 
 def register_effect(effect_type: type) -> None:

@@ -41,17 +41,6 @@ MESHES = (
 MESH_IDS = ("8-i", "2x4-x", "2x4-y")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_collective_ids():
-  """Each test compiles its own programs, so ids may restart per test.
-
-  ``_common.collective_id`` allocates per process (at most 16 patterns, never
-  freed); without this, a long session of many meshes and perms exhausts
-  them. Reusing an id across separately compiled programs is safe.
-  """
-  _common._collective_ids.clear()
-
-
 @functools.cache
 def _mesh(shape, names):
   return jax.make_mesh(shape, names)

@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
-from asyncops.kernels import _common
 
 # Several test processes may compile for TPU at once on one host; libtpu
 # otherwise refuses to load twice (it takes a lock meant for real chips).
@@ -31,17 +30,6 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4")
 SEM = "s32[]{:S(2)}"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_collective_ids():
-  """Each test compiles its own programs, so ids may restart per test.
-
-  ``_common.collective_id`` allocates per process (at most 16 patterns, never
-  freed); without this, a long session of many meshes and perms exhausts
-  them. Reusing an id across separately compiled programs is safe.
-  """
-  _common._collective_ids.clear()
 
 
 # HLO text helper -------------------------------------------------------------
@@ -330,9 +318,9 @@ def test_send_done_recv_done_split(topology, kind, start_fn, n_send, n_recv):
   recv_sems = sems & set(recv.operands)
   assert len(send_sems) == n_send and len(recv_sems) == n_recv
   assert not send_sems & recv_sems
-  # One alias each: the source through send_done, the destination through
-  # recv_done (operand 0 of both).
-  assert send.aliases == ["{}: (0, {})"]
+  # send_done reads the source without aliasing it (an alias let XLA copy
+  # an in-flight source); recv_done aliases the destination (operand 0).
+  assert send.aliases == []
   assert recv.aliases == ["{}: (0, {})"]
   for k in (send, recv):
     assert k.attr("custom_call_target") == '"tpu_custom_call"'
@@ -372,7 +360,11 @@ def test_inflight_ops_of_different_patterns_have_distinct_collective_ids():
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_done_kernel_has_exactly_one_alias(topology):
-  """Several aliases on one Mosaic kernel gave wrong values (jax#24023)."""
+  """Several aliases on one Mosaic kernel gave wrong values (jax#24023).
+
+  Every start and done aliases exactly one buffer, except send_done, which
+  aliases none (it returns the source through an optimization barrier).
+  """
 
   def f(x):
     x, a = asyncops.bidirectional_start(x, "y")
@@ -391,4 +383,48 @@ def test_every_done_kernel_has_exactly_one_alias(topology):
   ]
   assert len(waits) == 4
   for k in ours:
-    assert len(k.aliases) == 1, (k.name, k.aliases)
+    expected = 0 if "_send_done" in k.name else 1
+    assert len(k.aliases) == expected, (k.name, k.aliases)
+
+
+def _perm_program(perms):
+  """A program with one in-flight ppermute per perm (8 devices, axis i)."""
+
+  def f(x):
+    futs = []
+    for p in perms:
+      x, fut = asyncops.ppermute_start(x, "i", p)
+      futs.append(fut)
+    return sum(asyncops.ppermute_done(fut) for fut in futs)
+
+  return f
+
+
+def _one_cycle(k):
+  """A full perm of 8 made of a k-cycle and fixed points; distinct per k."""
+  return [(i, (i + 1) % k if i < k else i) for i in range(8)]
+
+
+def test_collective_ids_are_per_program_not_per_process():
+  """Ids are allocated per compiled program: many programs, no exhaustion."""
+  mesh = tpu_mesh("v5e:2x4", (8,), ("i",))
+  seen = set()
+  for k in range(2, 8):  # a k-cycle with fixed points is never a ring
+    for shift in range(1, 4):
+      perms = [[(i, (i + shift) % 8) for i in range(8)], _one_cycle(k)]
+      instrs = hlo_instructions(compile_hlo(_perm_program(perms), mesh))
+      ids = [s.collective_id for s in kernels(instrs, "ppermute", "start")]
+      assert len(set(ids)) == 2  # distinct patterns, distinct ids
+      assert set(ids) <= {0, 1}  # and numbered from 0 in every program
+      seen.add(tuple(map(tuple, perms[1])))
+  assert len(seen) > asyncops.kernels._common.MAX_COLLECTIVE_IDS // 3
+
+
+def test_too_many_patterns_in_one_program_is_a_clear_error():
+  mesh = tpu_mesh("v5e:2x4", (8,), ("i",))
+  limit = asyncops.kernels._common.MAX_COLLECTIVE_IDS
+  perms = [[(0, d)] for d in range(1, 8)] + [[(1, d)] for d in (0, 2, 3)]
+  perms += [[(2, d)] for d in (0, 1, 3, 4, 5, 6, 7)]
+  assert len(perms) > limit
+  with pytest.raises(RuntimeError, match="distinct communication patterns"):
+    compile_hlo(_perm_program(perms), mesh)

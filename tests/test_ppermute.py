@@ -18,24 +18,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
-from asyncops.kernels import _common
 from tests import _hlo_util as hlo
 
 DTYPES = ("float32", "bfloat16", "int32")
 MESHES = {"1d": ((8,), ("i",)), "2d": ((2, 4), ("x", "y"))}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_collective_ids():
-  """Frees the process-wide barrier ids between tests.
-
-  asyncops hands each communication pattern its own barrier semaphore id
-  for the life of the process (at most 16); the drawn perms here are many
-  more patterns than one program would use. Nothing here runs on a TPU, so
-  reusing ids across tests is harmless.
-  """
-  _common._collective_ids.clear()
-  yield
 
 
 def _bits(a) -> np.ndarray:
@@ -77,7 +63,6 @@ def _permute_program(mesh, axis, perm, shift):
 
 
 def _check_numerics(mesh_name, axis, perm, shift, dtype, local_shape):
-  _common._collective_ids.clear()  # per hypothesis example, as the fixture
   shape, names = MESHES[mesh_name]
   mesh = jax.make_mesh(shape, names)
   n = int(np.prod(shape))

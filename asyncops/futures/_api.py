@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from asyncops.futures import _emulation, _primitives, _validate
 from asyncops.futures._future import Future, FutureError, _user_frame
 from asyncops.futures._spec import MemorySpace, OpSpec
-from asyncops.kernels import _common, _registry
+from asyncops.kernels import _registry
 
 
 def _start(x, spec: OpSpec):
@@ -64,7 +64,6 @@ def _collective_spec(kind, x, axis_name, fn, perm=(), **kw) -> OpSpec:
     mesh_axes=names,
     axis_size=size,
     perm=perm,
-    collective_id=_common.collective_id((kind, axis_name, perm, size)),
     transfer=_emulation.current().transfer,
     **kw,
   )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
-from asyncops.kernels import _done, _registry
+from asyncops.kernels import _common, _done, _registry
 
 
 def n_send(spec: OpSpec) -> int:
@@ -132,7 +132,12 @@ def _sems_from(first: int):
   return lambda params: range(first, first + n_sems(params["spec"]))
 
 
-jc.register_lowering(start_p, _start_tpu, platform="tpu")
+jc.register_lowering(
+  start_p,
+  _start_tpu,
+  platform="tpu",
+  prepare=_common.assign_collective_id,
+)
 jc.register_lowering(
   done_p,
   _done_tpu,

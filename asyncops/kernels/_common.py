@@ -16,10 +16,12 @@ satisfy the wait on its own (jax-ml/jax PR #27963); such kernels add a second
 barrier on a kernel-local semaphore.
 
 Collective ids: kernels that synchronise with different peer patterns must
-not share a barrier semaphore, so every distinct pattern gets its own id.
+not share a barrier semaphore, so every distinct pattern gets its own id. Ids
+are allocated when the start is lowered, per program (a TPU has few barrier
+semaphores; separately compiled programs may reuse them).
 """
 
-import threading
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -43,34 +45,43 @@ MOVABLE_DTYPES = (
 # A TPU has a small, fixed number of barrier semaphores (tens).
 MAX_COLLECTIVE_IDS = 16
 
-_ids_lock = threading.Lock()
-_collective_ids: dict[tuple, int] = {}
 
-
-def collective_id(pattern: tuple) -> int:
-  """A stable barrier-semaphore id for one communication pattern.
+def collective_id(scope: dict, pattern: tuple) -> int:
+  """A barrier-semaphore id for one communication pattern in one program.
 
   Args:
+    scope: per-program storage (``_jax_compat.module_scope``).
     pattern: hashable description of who synchronises with whom (op kind,
-      mesh axis, the pairs).
+      mesh axis, the pairs, the axis size).
 
   Returns:
-    The id, allocated on first use in this process.
+    The id: equal for equal patterns, distinct for distinct ones, within the
+    program being lowered.
 
   Raises:
-    RuntimeError: when a program uses more distinct patterns than there are
-      barrier semaphores.
+    RuntimeError: when one program uses more distinct patterns than there
+      are barrier semaphores.
   """
-  with _ids_lock:
-    if pattern not in _collective_ids:
-      if len(_collective_ids) >= MAX_COLLECTIVE_IDS:
-        raise RuntimeError(
-          f"asyncops: more than {MAX_COLLECTIVE_IDS} distinct communication "
-          "patterns in one process; a TPU has only a few barrier semaphores. "
-          "Reuse perms (e.g. express rings with shift=) to share ids."
-        )
-      _collective_ids[pattern] = len(_collective_ids)
-    return _collective_ids[pattern]
+  ids = scope.setdefault("collective_ids", {})
+  if pattern not in ids:
+    if len(ids) >= MAX_COLLECTIVE_IDS:
+      raise RuntimeError(
+        f"asyncops: more than {MAX_COLLECTIVE_IDS} distinct communication "
+        "patterns in one program; a TPU has only a few barrier semaphores. "
+        "Reuse perms (e.g. express rings with shift=) to share ids."
+      )
+    ids[pattern] = len(ids)
+  return ids[pattern]
+
+
+def assign_collective_id(scope: dict, params: dict) -> dict:
+  """Lowering hook: gives ``params["spec"]`` its program-wide barrier id."""
+  spec = params["spec"]
+  if spec.axis_name is None or spec.collective_id is not None:
+    return params
+  pattern = (spec.kind, spec.axis_name, spec.perm, spec.axis_size)
+  spec = dataclasses.replace(spec, collective_id=collective_id(scope, pattern))
+  return {**params, "spec": spec}
 
 
 def peer(

@@ -18,7 +18,7 @@ from asyncops import _jax_compat as jc
 from asyncops.futures import _emulation, _validate
 from asyncops.futures._future import FutureError, _user_frame
 from asyncops.futures._spec import OpSpec
-from asyncops.kernels import _common, _registry
+from asyncops.kernels import _registry
 from asyncops.stateful import _hazards
 from asyncops.stateful._future import RefFuture
 from asyncops.stateful._layout import Layout, RefView, same_base, view
@@ -135,7 +135,6 @@ def _collective(kind, aval, axis_name, fn, perm=(), **kw) -> OpSpec:
     mesh_axes=names,
     axis_size=size,
     perm=perm,
-    collective_id=_common.collective_id((kind, axis_name, perm, size)),
     transfer=_emulation.current().transfer,
     **kw,
   )

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
-from asyncops.kernels import _registry
+from asyncops.kernels import _common, _registry
 from asyncops.stateful import _kernels
 from asyncops.stateful._layout import Layout
 
@@ -113,7 +113,12 @@ def _done_tpu(*args, spec, layout):
 
 jc.register_lowering(buf_start_p, _start_emulated)
 jc.register_lowering(buf_done_p, _done_emulated, multiple_results=False)
-jc.register_lowering(buf_start_p, _start_tpu, platform="tpu")
+jc.register_lowering(
+  buf_start_p,
+  _start_tpu,
+  platform="tpu",
+  prepare=_common.assign_collective_id,
+)
 jc.register_lowering(
   buf_done_p,
   _done_tpu,
