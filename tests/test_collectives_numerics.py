@@ -377,6 +377,7 @@ def _interpret(x, spec: OpSpec):
     ("all_gather", (4, 2)),
     ("all_gather", (8, 1)),
     ("ppermute", (2, 4)),
+    ("ppermute", (8, 1)),
     ("copy", (2, 4)),
   ],
 )

@@ -274,8 +274,10 @@ class _no_error:
     ((8, 1), "bidirectional", _bidirectional, 4),  # self: local copies
     ((4, 2), "all_gather", _all_gather, 2),
     ((8, 1), "all_gather", _all_gather, 2),
+    ((4, 2), "ppermute", _ppermute_full, 2),
+    ((8, 1), "ppermute", _ppermute_full, 2),  # self: a local copy
   ],
-  ids=["bidir-2", "bidir-1", "gather-2", "gather-1"],
+  ids=["bidir-2", "bidir-1", "gather-2", "gather-1", "perm-2", "perm-1"],
 )
 def test_small_axes(mesh_shape, kind, f, n_sems):
   start, _ = check_pair(

@@ -17,6 +17,9 @@ the destination holds the data. Devices that receive from no one get zeros,
 as with ``jax.lax.ppermute``; the zeroing is an elementwise select after the
 receive, so no buffer is written while a DMA may target it.
 
+On an axis of size 1 the "permute" is a local async copy (or nothing, for an
+empty perm), with no barrier and no collective id.
+
 Limits. One mesh axis per call. The source moves as one DMA; dtypes must be
 DMA-able (``_common.MOVABLE_DTYPES``). Every device waits for at most one
 barrier signal, so reusing the collective id across calls is safe.
@@ -62,6 +65,12 @@ def ppermute_start_kernel(
   x_ref, aliased_x_ref, o_ref, send_sem, recv_sem, *, spec: OpSpec
 ):
   del aliased_x_ref
+  if spec.axis_size == 1:
+    # Alone on the axis: a local copy, no barrier, counted on the send
+    # semaphore (so send_done cannot release x before it was read).
+    if spec.perm:
+      pltpu.make_async_copy(x_ref, o_ref, send_sem).start()
+    return
   dst, src = peers(spec)
   barrier = pltpu.get_barrier_semaphore()
 
@@ -84,6 +93,10 @@ def ppermute_start_kernel(
 
 def wait_send(x_ref, sems, *, spec: OpSpec):
   (send_sem,) = sems
+  if spec.axis_size == 1:
+    if spec.perm:
+      c.wait_dma(x_ref, send_sem)
+    return
   dst, _ = peers(spec)
 
   @pl.when(dst >= 0)
@@ -93,6 +106,8 @@ def wait_send(x_ref, sems, *, spec: OpSpec):
 
 def wait_recv(o_ref, sems, *, spec: OpSpec):
   (recv_sem,) = sems
+  if spec.axis_size == 1:
+    return  # the local copy was awaited on the send semaphore
   _, src = peers(spec)
 
   @pl.when(src >= 0)
@@ -112,7 +127,9 @@ def start(x, *, spec: OpSpec):
     in_specs=[c.ANY],
     out_specs=(c.ANY, c.ANY, c.SEM, c.SEM),
     input_output_aliases={0: 0},
-    compiler_params=c.params(collective_id=spec.collective_id),
+    compiler_params=c.params(
+      collective_id=None if spec.axis_size == 1 else spec.collective_id
+    ),
     name="asyncops_ppermute_start",
   )(x)
 
