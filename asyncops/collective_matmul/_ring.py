@@ -64,12 +64,12 @@ def step(
     ... # doctest: +SKIP
   """
   with jax.named_scope("ring_step"):
-    started = [start(x, axis_name, k) for x, k in zip(sends, shifts)]
+    started = [
+      start(x, axis_name, k) for x, k in zip(sends, shifts, strict=True)
+    ]
     sent = tuple(x for x, _ in started)
     futs = tuple(f for _, f in started)
-    futs, sent, operands = jax.lax.optimization_barrier(
-      (futs, sent, operands)
-    )
+    futs, sent, operands = jax.lax.optimization_barrier((futs, sent, operands))
     out = compute(sent, *operands)
     out, futs = jax.lax.optimization_barrier((out, futs))
     received = tuple(futures.ppermute_done(f) for f in futs)
