@@ -237,7 +237,10 @@ def test_allreduce_pads_nondivisible_columns():
 # Errors --------------------------------------------------------------------
 
 
-def _trace(fn, a_shape, w_shape, in_specs=(P("x", "y"), P(None, "y")), **kw):
+AG_SPECS = (P("x", "y"), P(None, "y"))
+
+
+def _trace(fn, a_shape, w_shape, in_specs=AG_SPECS, **kw):
   mesh = _mesh("2x4")
   a = jax.ShapeDtypeStruct(
     a_shape[0], a_shape[1], sharding=NamedSharding(mesh, in_specs[0])
