@@ -64,7 +64,7 @@ MATMUL_OPS = ("fusion", "convolution", "dot")
 _SCOPE = re.compile(r"^(.*/chunk\d+)/ring_step/")
 
 
-def _report(topology, variant, bidirectional, dtype=jnp.bfloat16):
+def _report(topology, variant, bidirectional, dtype=jnp.bfloat16, api="value"):
   fn, shapes, in_specs, out_spec = VARIANTS[variant]
   mesh = tpu_mesh(topology, TOPOLOGIES[topology], ("x", "y"))
   args = [
@@ -73,7 +73,9 @@ def _report(topology, variant, bidirectional, dtype=jnp.bfloat16):
   ]
   f = jax.jit(
     jax.shard_map(
-      functools.partial(fn, axis_name="y", bidirectional=bidirectional),
+      functools.partial(
+        fn, axis_name="y", bidirectional=bidirectional, api=api
+      ),
       mesh=mesh,
       in_specs=in_specs,
       out_specs=out_spec,
@@ -113,7 +115,7 @@ def check_overlap(report, n: int, directions: int, stages: int):
   """Every transfer hides the chunk matmul(s) of its own step."""
   report.assert_no_defensive_copies()
   report.assert_no_inflight_copies()
-  pairs = report.pairs_for("asyncops.ppermute_start")
+  pairs = report.pairs_for("asyncops.ppermute")  # value or ref kernels
   assert len(pairs) == stages * directions * (n - 1), [p.start for p in pairs]
   for p in pairs:
     assert p.source_live and p.dest_live, p
@@ -146,6 +148,13 @@ def test_every_chunk_overlaps(topology, variant, bidirectional):
   r = _report(topology, variant, bidirectional)
   n = TOPOLOGIES[topology][1]
   check_overlap(r, n, 2 if bidirectional else 1, STAGES[variant])
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("variant", ["allgather", "reducescatter"])
+def test_ref_api_overlaps_v5e(variant, bidirectional):
+  r = _report("v5e:2x4", variant, bidirectional, api="ref")
+  check_overlap(r, 4, 2 if bidirectional else 1, 1)
 
 
 def test_float32_chapter_shape_v5e():

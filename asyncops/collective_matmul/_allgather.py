@@ -46,11 +46,11 @@ def _rows(rhs, chunk, k: int):
   return jax.lax.dynamic_slice_in_dim(rhs, chunk * k, k, axis=0)
 
 
-def _unidirectional(lhs, rhs, axis_name: str, n: int):
+def _unidirectional(lhs, rhs, axis_name: str, n: int, api: str):
   k = lhs.shape[1]
   me = jax.lax.axis_index(axis_name)
   acc = jnp.zeros((lhs.shape[0], rhs.shape[1]), accumulator_dtype(lhs.dtype))
-  cur = lhs
+  ring = _ring.Ring((lhs,), (-1,), axis_name, api)
   for s in range(n - 1):
     chunk = jax.lax.rem(me + s, n)
 
@@ -58,19 +58,20 @@ def _unidirectional(lhs, rhs, axis_name: str, n: int):
       return chunk_matmul(sent[0], _rows(rhs, chunk, k), acc)
 
     with jax.named_scope(f"chunk{s}"):
-      (cur,), acc = _ring.step((cur,), (-1,), axis_name, compute, rhs, acc)
+      acc = ring.step(compute, rhs, acc)
   with jax.named_scope(f"chunk{n - 1}"):
+    (cur,) = ring.values()
     acc = chunk_matmul(cur, _rows(rhs, jax.lax.rem(me + n - 1, n), k), acc)
   return acc.astype(lhs.dtype)
 
 
-def _bidirectional(lhs, rhs, axis_name: str, n: int):
+def _bidirectional(lhs, rhs, axis_name: str, n: int, api: str):
   k, h = lhs.shape[1], lhs.shape[0] // 2
   me = jax.lax.axis_index(axis_name)
   acc_dtype = accumulator_dtype(lhs.dtype)
   # The top half travels to index + 1, so at step s it holds chunk me - s;
   # the bottom half travels to index - 1 and holds chunk me + s.
-  top, bot = lhs[:h], lhs[h:]
+  ring = _ring.Ring((lhs[:h], lhs[h:]), (1, -1), axis_name, api)
   acc = (
     jnp.zeros((h, rhs.shape[1]), acc_dtype),
     jnp.zeros((lhs.shape[0] - h, rhs.shape[1]), acc_dtype),
@@ -88,16 +89,9 @@ def _bidirectional(lhs, rhs, axis_name: str, n: int):
 
   for s in range(n - 1):
     with jax.named_scope(f"chunk{s}"):
-      (top, bot), acc = _ring.step(
-        (top, bot),
-        (1, -1),
-        axis_name,
-        functools.partial(both, s=s),
-        rhs,
-        acc,
-      )
+      acc = ring.step(functools.partial(both, s=s), rhs, acc)
   with jax.named_scope(f"chunk{n - 1}"):
-    acc = both((top, bot), rhs, acc, n - 1)
+    acc = both(ring.values(), rhs, acc, n - 1)
   return jnp.concatenate(acc, axis=0).astype(lhs.dtype)
 
 
@@ -125,7 +119,8 @@ def allgather_matmul(
       ``axis_name``. Same dtype as ``lhs``.
     axis_name: the mesh axis ``lhs``'s contracting dimension is sharded
       over.
-    api: ``"value"`` (futures) or ``"ref"`` (the Ref API).
+    api: ``"value"`` (futures) or ``"ref"`` (double-buffered Refs,
+      ``asyncops.stateful``); same result and schedule.
     bidirectional: send half of ``lhs``'s rows each way around the ring
       (``m`` must be even); halves the bytes per link per step.
 
@@ -138,7 +133,6 @@ def allgather_matmul(
       ``m`` is odd with ``bidirectional=True``, or an unknown ``api``.
     TypeError: mismatched or non-movable dtypes.
     NameError: ``axis_name`` is not bound.
-    NotImplementedError: ``api="ref"`` without ``asyncops.stateful``.
 
   Example:
     >>> @jax.shard_map(mesh=mesh, in_specs=(P("x", "y"), P(None, "y")),
@@ -155,11 +149,9 @@ def allgather_matmul(
   _validate.contracting(lhs, rhs, fn, n * lhs.shape[1])
   if bidirectional:
     _validate.even_rows(lhs, fn, "lhs")
-  if api == "ref":
-    _validate.ref_api(fn)
   if n == 1:
     return jnp.dot(lhs, rhs, preferred_element_type=lhs.dtype)
   with jax.named_scope(fn):
     if bidirectional:
-      return _bidirectional(lhs, rhs, axis_name, n)
-    return _unidirectional(lhs, rhs, axis_name, n)
+      return _bidirectional(lhs, rhs, axis_name, n, api)
+    return _unidirectional(lhs, rhs, axis_name, n, api)

@@ -37,14 +37,15 @@ def matmul_allreduce(
     rhs: ``[k, f]``, the matching rows; any ``f`` (padded internally to a
       multiple of the axis size). Same dtype as ``lhs``.
     axis_name: the mesh axis to reduce over.
-    api: ``"value"`` (futures) or ``"ref"`` (the Ref API).
+    api: ``"value"`` (futures) or ``"ref"`` (double-buffered Refs,
+      ``asyncops.stateful``); same result and schedule.
     bidirectional: reduce-scatter half the rows each way (``m`` even).
 
   Returns:
     ``[m, f]`` in ``lhs.dtype``, identical on every device of the axis.
 
   Raises:
-    ValueError, TypeError, NameError, NotImplementedError: as
+    ValueError, TypeError, NameError: as
       :func:`matmul_reducescatter`, except that ``f`` need not divide.
 
   Example:

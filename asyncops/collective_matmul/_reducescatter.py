@@ -42,7 +42,7 @@ def _add(acc, y):
   return acc + y.astype(acc.dtype)
 
 
-def _unidirectional(lhs, rhs, axis_name: str, n: int):
+def _unidirectional(lhs, rhs, axis_name: str, n: int, api: str):
   c = rhs.shape[1] // n
   me = jax.lax.axis_index(axis_name)
 
@@ -51,6 +51,7 @@ def _unidirectional(lhs, rhs, axis_name: str, n: int):
 
   with jax.named_scope("chunk0"):
     acc = _partial(lhs, _cols(rhs, block(0), c), lhs.dtype)
+  ring = _ring.Ring((acc,), (1,), axis_name, api)
   for s in range(1, n):
 
     def compute(sent, lhs, rhs, s=s):
@@ -58,12 +59,13 @@ def _unidirectional(lhs, rhs, axis_name: str, n: int):
       return _partial(lhs, _cols(rhs, block(s), c), lhs.dtype)
 
     with jax.named_scope(f"chunk{s}"):
-      (acc,), y = _ring.step((acc,), (1,), axis_name, compute, lhs, rhs)
-      acc = _add(acc, y)
-  return acc
+      y = ring.step(compute, lhs, rhs)
+      (acc,) = ring.values()
+      ring.set((_add(acc, y),))
+  return ring.values()[0]
 
 
-def _bidirectional(lhs, rhs, axis_name: str, n: int):
+def _bidirectional(lhs, rhs, axis_name: str, n: int, api: str):
   c, h = rhs.shape[1] // n, lhs.shape[0] // 2
   me = jax.lax.axis_index(axis_name)
 
@@ -83,19 +85,13 @@ def _bidirectional(lhs, rhs, axis_name: str, n: int):
   top, bot = lhs[:h], lhs[h:]
   with jax.named_scope("chunk0"):
     acc = both((), top, bot, rhs, 0)
+  ring = _ring.Ring(acc, (1, -1), axis_name, api)
   for s in range(1, n):
     with jax.named_scope(f"chunk{s}"):
-      acc, y = _ring.step(
-        acc,
-        (1, -1),
-        axis_name,
-        functools.partial(both, s=s),
-        top,
-        bot,
-        rhs,
-      )
-      acc = (_add(acc[0], y[0]), _add(acc[1], y[1]))
-  return jnp.concatenate(acc, axis=0)
+      y = ring.step(functools.partial(both, s=s), top, bot, rhs)
+      acc = ring.values()
+      ring.set((_add(acc[0], y[0]), _add(acc[1], y[1])))
+  return jnp.concatenate(ring.values(), axis=0)
 
 
 def matmul_reducescatter(
@@ -121,7 +117,8 @@ def matmul_reducescatter(
     rhs: ``[k, f]``, the matching rows; ``f`` must be divisible by the size
       ``n`` of ``axis_name``. Same dtype as ``lhs``.
     axis_name: the mesh axis to reduce over.
-    api: ``"value"`` (futures) or ``"ref"`` (the Ref API).
+    api: ``"value"`` (futures) or ``"ref"`` (double-buffered Refs,
+      ``asyncops.stateful``); same result and schedule.
     bidirectional: send the partial sums of half the rows each way around
       the ring (``m`` must be even).
 
@@ -135,7 +132,6 @@ def matmul_reducescatter(
       unknown ``api``.
     TypeError: mismatched or non-movable dtypes.
     NameError: ``axis_name`` is not bound.
-    NotImplementedError: ``api="ref"`` without ``asyncops.stateful``.
 
   Example:
     >>> @jax.shard_map(mesh=mesh, in_specs=(P("x", "y"), P("y", None)),
@@ -160,11 +156,9 @@ def matmul_reducescatter(
     )
   if bidirectional:
     _validate.even_rows(lhs, fn, "lhs")
-  if api == "ref":
-    _validate.ref_api(fn)
   if n == 1:
     return jnp.dot(lhs, rhs, preferred_element_type=lhs.dtype)
   with jax.named_scope(fn):
     if bidirectional:
-      return _bidirectional(lhs, rhs, axis_name, n)
-    return _unidirectional(lhs, rhs, axis_name, n)
+      return _bidirectional(lhs, rhs, axis_name, n, api)
+    return _unidirectional(lhs, rhs, axis_name, n, api)

@@ -16,6 +16,13 @@ start), and the compute result passes through a barrier together with the
 future before the done (so the done waits for it). A future is a pytree of
 arrays, so it travels through the barriers unchanged.
 
+With ``api="ref"`` the same step runs on the Ref API
+(``asyncops.stateful``): each travelling buffer is a double-buffered Ref
+``[2, ...]``; a step sends slot ``s`` into the peer's slot ``1 - s``, reads
+slot ``s`` for the compute (reading a source is allowed while it is in
+flight) and flips the slot after the done. :class:`Ring` hides which API
+runs.
+
 Bidirectional steps move two buffers (the two halves of the rows), one to
 ``index + 1`` and one to ``index - 1``, as two concurrent permutes, so both
 directions of every ICI link carry data.
@@ -74,3 +81,65 @@ def step(
     out, futs = jax.lax.optimization_barrier((out, futs))
     received = tuple(futures.ppermute_done(f) for f in futs)
   return received, out
+
+
+class Ring:
+  """The buffers travelling around a ring, on either API.
+
+  Args:
+    sends: the initial buffers, one per direction.
+    shifts: the ring shift of each buffer.
+    axis_name: the ring's mesh axis.
+    api: ``"value"`` (futures) or ``"ref"`` (double-buffered Refs).
+
+  Example:
+    >>> ring = Ring((x,), (-1,), "y", "value")         # doctest: +SKIP
+    >>> out = ring.step(lambda s, w: s[0] @ w, w)       # doctest: +SKIP
+    >>> x_next, = ring.values()                         # doctest: +SKIP
+  """
+
+  def __init__(self, sends, shifts, axis_name: str, api: str):
+    self.shifts, self.axis_name, self.api = tuple(shifts), axis_name, api
+    if api == "ref":
+      self.bufs = tuple(
+        jax.new_ref(jax.numpy.stack([x, jax.numpy.zeros_like(x)]))
+        for x in sends
+      )
+      self.slot = 0
+    else:
+      self.current = tuple(sends)
+
+  def values(self) -> tuple[Any, ...]:
+    """The buffers held now (what the last step received)."""
+    if self.api == "ref":
+      return tuple(b[self.slot] for b in self.bufs)
+    return self.current
+
+  def set(self, values) -> None:
+    """Replaces the buffers to send next (e.g. an updated partial sum)."""
+    if self.api == "ref":
+      for b, v in zip(self.bufs, values, strict=True):
+        b[self.slot] = v
+    else:
+      self.current = tuple(values)
+
+  def step(self, compute: Callable[..., Any], *operands: Any) -> Any:
+    """One overlapped step; returns ``compute(sent, *operands)``."""
+    if self.api == "value":
+      self.current, out = step(
+        self.current, self.shifts, self.axis_name, compute, *operands
+      )
+      return out
+    from asyncops import stateful
+
+    s, d = self.slot, 1 - self.slot
+    with jax.named_scope("ring_step"):
+      futs = [
+        stateful.ppermute_start(b.at[s], b.at[d], self.axis_name, shift=k)
+        for b, k in zip(self.bufs, self.shifts, strict=True)
+      ]
+      out = compute(tuple(b[s] for b in self.bufs), *operands)
+      for f, b in zip(futs, self.bufs, strict=True):
+        stateful.ppermute_done(f, b.at[s], b.at[d])
+    self.slot = d
+    return out

@@ -88,12 +88,3 @@ def even_rows(x, fn: str, name: str) -> None:
       f"{name}.shape[0] = {x.shape[0]} is odd. Pad {name} to an even number "
       "of rows, or pass bidirectional=False."
     )
-
-
-def ref_api(fn: str):
-  """``api="ref"`` needs the Ref API (``asyncops.stateful``)."""
-  raise NotImplementedError(
-    f"{fn}: api='ref' needs the Ref API (asyncops.stateful), which is not "
-    "available in this build yet. Use api='value': same result, same "
-    "overlap."
-  )
