@@ -7,7 +7,9 @@ Start a transfer, compute while it runs, wait for it::
   y = asyncops.ppermute_done(fut)
 """
 
+from asyncops import collective_matmul as collective_matmul
 from asyncops import scheduling as scheduling
+from asyncops import stateful as stateful
 from asyncops.futures import Emulation as Emulation
 from asyncops.futures import Future as Future
 from asyncops.futures import FutureError as FutureError
