@@ -22,7 +22,7 @@ def chrome_trace(tl: Timeline, title: str) -> dict:
   """The Chrome trace dict (open in ui.perfetto.dev or chrome://tracing).
 
   Example:
-    >>> json.dump(chrome_trace(tl, "jit"), open("t.json", "w"))  # doctest: +SKIP
+    >>> trace = chrome_trace(tl, "jit")  # doctest: +SKIP
   """
   events = [
     {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": title}}

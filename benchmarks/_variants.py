@@ -61,7 +61,7 @@ def asyncops_manual(lhs, rhs, *, precision=None):
     start = (idx + i) % n * cs
     if i < n - 1:
       lhs, fut = asyncops.ppermute_start(lhs, AXIS, shift=-1)
-      lhs, rhs, acc = jax.lax.optimization_barrier((lhs, rhs, acc))
+      lhs, acc = jax.lax.optimization_barrier((lhs, acc))
     part = mm(lhs, jax.lax.dynamic_slice_in_dim(rhs, start, cs))
     acc = acc + part
     if i < n - 1:

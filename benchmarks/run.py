@@ -44,6 +44,8 @@ def make_mesh(topology: str):
   from jax.experimental import topologies  # noqa: PLC0415
   from jax.sharding import Mesh  # noqa: PLC0415
 
+  # Several processes (tests, benchmarks) may compile for TPU at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   with _quiet_fd2():
     topo = topologies.get_topology_desc(topology, platform="tpu")
   devs = sorted(topo.devices, key=lambda d: tuple(reversed(d.coords)))
