@@ -3,7 +3,7 @@
 
 Usage::
 
-  python -m benchmarks.cpu_walltime [--shape 256,512,1024] [--repeats 15]
+  python -m benchmarks.cpu_walltime [--shape 512,1024,2048] [--repeats 20]
 
 Each variant is compiled, warmed up twice, then timed ``--repeats`` times
 (``block_until_ready``); the table gives the median and the ratio to the
@@ -47,9 +47,9 @@ def _time(fn, args, repeats: int) -> float:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--shape", default="256,512,1024", help="B,D,F (global)")
+  p.add_argument("--shape", default="512,1024,2048", help="B,D,F (global)")
   p.add_argument("--dtype", default="float32")
-  p.add_argument("--repeats", type=int, default=15)
+  p.add_argument("--repeats", type=int, default=20)
   a = p.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", 8)
   b, d, f = (int(s) for s in a.shape.split(","))
