@@ -95,3 +95,172 @@ def register_effect(effect_type: type) -> None:
   _effects.lowerable_effects.add_type(effect_type)
   _effects.custom_derivatives_allowed_effects.add_type(effect_type)
   _effects.remat_allowed_effects.add_type(effect_type)
+
+
+# Stateful API (asyncops.stateful) --------------------------------------------
+#
+# Why: the Ref API defines primitives whose operands are ``jax.Ref``s. They
+# need (1) state effects on those operands, so JAX orders them against every
+# other read and write of the same Refs and never drops them, (2) a discharge
+# rule, which turns them into our value-level primitives when JAX removes
+# state before lowering, and (3) a look at the equations traced since a
+# start, for the trace-time hazard check and to keep compute written
+# between a start and its done there. None of this is public API in 0.10.2.
+
+from jax._src import effects as _effects  # noqa: E402 (Effect base class).
+from jax._src import source_info_util as _source_info  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax._src.state import discharge as _discharge  # noqa: E402
+from jax._src.state import types as _state  # noqa: E402
+
+Effect = _effects.Effect
+TransformedRef = _state.TransformedRef
+
+
+def ref_effects(reads: Sequence[int], writes: Sequence[int]) -> set:
+  """Read/Write effects on the Ref operands at the given positions."""
+  return {_state.ReadEffect(i) for i in reads} | {
+    _state.WriteEffect(i) for i in writes
+  }
+
+
+def is_ref(x: Any) -> bool:
+  """Whether ``x`` is a (traced) ``jax.Ref`` or a transformed one."""
+  return (
+    isinstance(x, TransformedRef)
+    or isinstance(getattr(x, "aval", None), _state.AbstractRef)
+    or isinstance(x, _core.Ref)
+  )
+
+
+def ref_inner_aval(ref: Any) -> Any:
+  """The array aval a Ref holds."""
+  return _core.typeof(ref).inner_aval
+
+
+def register_discharge(prim: Primitive, rule: Callable[..., Any]) -> None:
+  """``rule(in_avals, out_avals, *vals, **params) -> (new_ins, outs)``."""
+  _discharge.register_discharge_rule(prim)(rule)
+
+
+def current_frame(x: Any) -> Any:
+  """The jaxpr frame ``x`` (a tracer) is being traced into, or None."""
+  trace = getattr(x, "_trace", None)
+  return (
+    getattr(trace, "frame", None)
+    if isinstance(trace, _pe.DynamicJaxprTrace)
+    else None
+  )
+
+
+def live_eqns(frame: Any) -> list[Any]:
+  """The frame's equations traced so far, in order (dead ones skipped)."""
+  out = []
+  for e in frame.tracing_eqns:
+    e = e() if callable(e) and not isinstance(e, _pe.TracingEqn) else e
+    if e is not None:
+      out.append(e)
+  return out
+
+
+def eqn_vals(eqn: Any) -> list[Any]:
+  """The ``Var``s an equation reads (its input tracers' values)."""
+  return [getattr(t, "val", t) for t in eqn.in_tracers]
+
+
+def eqn_where(eqn: Any) -> str:
+  """``file:line (fn)`` of the user code that traced ``eqn``."""
+  return _source_info.summarize(eqn.source_info)
+
+
+def ref_effect_inputs(eqn: Any) -> tuple[set[int], set[int]]:
+  """Operand positions ``eqn`` reads and writes as Refs."""
+  reads, writes = set(), set()
+  vals = eqn_vals(eqn)
+  for eff in eqn.effects:
+    if not isinstance(eff, _state.RefEffect):
+      continue
+    where = eff.input
+    if not isinstance(where, int):  # resolved to the Ref's Var
+      where = next((i for i, v in enumerate(vals) if v is where), None)
+      if where is None:
+        continue
+    (reads if isinstance(eff, _state.ReadEffect) else writes).add(where)
+  return reads, writes
+
+
+# An optimization barrier without optimization_barrier's check that every
+# operand varies over the same manual axes (semaphores and weights differ).
+tie_p = Primitive("asyncops_tie")
+tie_p.multiple_results = True
+tie_p.def_abstract_eval(lambda *avals: list(avals))
+
+
+def _tie_lowering(ctx, *args):
+  del ctx
+  from jax._src.lib.mlir.dialects import hlo as _hlo  # the HLO op.
+
+  return _hlo.OptimizationBarrierOp(args).results
+
+
+_mlir.register_lowering(tie_p, _tie_lowering)
+
+
+def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
+  """Keeps pure compute traced after ``start_eqn`` after it and before now.
+
+  Inserts ``optimization_barrier(*inputs, *sems)`` right after the start
+  and points the pure equations traced since then at its outputs (so they
+  run after the start), then returns ``sems`` passed through a second
+  barrier with those equations' results (so the done runs after them).
+  ``sems`` are the start's semaphore tracers. Without this XLA may hoist the
+  compute above the start (measured on v5e). Equations stay in the frame,
+  so user tracers of their results remain valid.
+  """
+  frame = current_frame(sems[0])
+  trace = sems[0]._trace
+  eqns = live_eqns(frame)
+  at = next((i for i, e in enumerate(eqns) if e is start_eqn), None)
+  if at is None:
+    return sems
+  after = eqns[at + 1 :]
+  defined = {v for e in after for v in e.outvars}
+  between = [e for e in after if not e.effects]
+  if not between:
+    return sems
+  outside: dict[Any, Any] = {}
+  used = set()
+  for e in between:
+    for t in e.in_tracers:
+      v = getattr(t, "val", None)
+      if isinstance(v, _core.Var):
+        used.add(v)
+      if isinstance(v, _core.Var) and v not in defined:
+        outside.setdefault(v, t)
+  if outside:
+    ins = list(outside.values())
+    n = len(frame.tracing_eqns)
+    outs = tie_p.bind(*ins, *sems)
+    (barrier,) = frame.tracing_eqns[n:]
+    del frame.tracing_eqns[n:]
+    pos = next(
+      i
+      for i, e in enumerate(frame.tracing_eqns)
+      if (e if isinstance(e, _pe.TracingEqn) else e()) is start_eqn
+    )
+    frame.tracing_eqns.insert(pos + 1, barrier)
+    new = {t.val: o for t, o in zip(ins, outs[: len(ins)], strict=False)}
+    for e in between:
+      e.in_tracers = [
+        new.get(t.val, t) if isinstance(t.val, _core.Var) else t
+        for t in e.in_tracers
+      ]
+  leaves = [
+    trace.var_to_tracer(v, e.source_info, e)
+    for e in between
+    for v in e.outvars
+    if v not in used
+  ]
+  if not leaves:
+    return sems
+  return list(tie_p.bind(*leaves, *sems)[len(leaves) :])

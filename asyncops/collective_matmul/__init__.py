@@ -1,0 +1,12 @@
+"""Collective matmuls: tensor-parallel matmuls with hidden communication."""
+
+from asyncops.collective_matmul._allgather import (
+  allgather_matmul as allgather_matmul,
+)
+from asyncops.collective_matmul._allreduce import (
+  matmul_allreduce as matmul_allreduce,
+)
+from asyncops.collective_matmul._mlp import mlp_block as mlp_block
+from asyncops.collective_matmul._reducescatter import (
+  matmul_reducescatter as matmul_reducescatter,
+)

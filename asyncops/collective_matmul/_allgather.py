@@ -1,0 +1,157 @@
+"""All-gather collective matmul: ``all_gather(lhs, axis=1, tiled) @ rhs``.
+
+Algorithm (the scaling book's "collective matmul", Wang et al. 2023). Inside
+``shard_map`` over a ring of ``n`` devices, ``lhs`` is sharded along the
+contracting dimension (per device ``[m, k]``, the global contracting size is
+``n * k``) and ``rhs`` holds every contracting row (``[n * k, f]``). Device
+``i`` starts with chunk ``i`` of ``lhs``. For ``s = 0 .. n - 2`` it starts
+sending its current chunk to ``i - 1``, multiplies that chunk by the
+matching ``k`` rows of ``rhs`` inside the transfer's window, and waits for
+chunk ``i + s + 1`` to arrive from ``i + 1``. The last chunk is multiplied
+after the last transfer. ``n - 1`` transfers each hide one chunk matmul;
+nothing is gathered in full.
+
+Bidirectional: the rows of ``lhs`` are split in two halves; the top half
+travels to ``i + 1`` and the bottom half to ``i - 1``, so each link carries
+half the bytes per step in each direction (the chapter's Problem 4).
+
+Limits. One mesh axis. Floating-point chunks accumulate in float32 (as a
+``jnp.dot`` does internally) and round once to the input dtype; the result
+equals the reference up to summation order.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from asyncops.collective_matmul import _ring, _validate
+
+
+def accumulator_dtype(dtype) -> jnp.dtype:
+  """float32 for floating inputs (one rounding at the end), else ``dtype``."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+  return dtype
+
+
+def chunk_matmul(x, w, acc):
+  """``acc + x @ w`` accumulated in ``acc``'s dtype."""
+  y = jnp.dot(x, w, preferred_element_type=acc.dtype)
+  return acc + y
+
+
+def _rows(rhs, chunk, k: int):
+  return jax.lax.dynamic_slice_in_dim(rhs, chunk * k, k, axis=0)
+
+
+def _unidirectional(lhs, rhs, axis_name: str, n: int, api: str):
+  k = lhs.shape[1]
+  me = jax.lax.axis_index(axis_name)
+  acc = jnp.zeros((lhs.shape[0], rhs.shape[1]), accumulator_dtype(lhs.dtype))
+  ring = _ring.Ring((lhs,), (-1,), axis_name, api)
+  for s in range(n - 1):
+    chunk = jax.lax.rem(me + s, n)
+
+    def compute(sent, rhs, acc, chunk=chunk):
+      return chunk_matmul(sent[0], _rows(rhs, chunk, k), acc)
+
+    with jax.named_scope(f"chunk{s}"):
+      acc = ring.step(compute, rhs, acc)
+  with jax.named_scope(f"chunk{n - 1}"):
+    (cur,) = ring.values()
+    acc = chunk_matmul(cur, _rows(rhs, jax.lax.rem(me + n - 1, n), k), acc)
+  return acc.astype(lhs.dtype)
+
+
+def _bidirectional(lhs, rhs, axis_name: str, n: int, api: str):
+  k, h = lhs.shape[1], lhs.shape[0] // 2
+  me = jax.lax.axis_index(axis_name)
+  acc_dtype = accumulator_dtype(lhs.dtype)
+  # The top half travels to index + 1, so at step s it holds chunk me - s;
+  # the bottom half travels to index - 1 and holds chunk me + s.
+  ring = _ring.Ring((lhs[:h], lhs[h:]), (1, -1), axis_name, api)
+  acc = (
+    jnp.zeros((h, rhs.shape[1]), acc_dtype),
+    jnp.zeros((lhs.shape[0] - h, rhs.shape[1]), acc_dtype),
+  )
+
+  def chunks(s):
+    return jax.lax.rem(me + n - s, n), jax.lax.rem(me + s, n)
+
+  def both(sent, rhs, acc, s):
+    ct, cb = chunks(s)
+    return (
+      chunk_matmul(sent[0], _rows(rhs, ct, k), acc[0]),
+      chunk_matmul(sent[1], _rows(rhs, cb, k), acc[1]),
+    )
+
+  for s in range(n - 1):
+    with jax.named_scope(f"chunk{s}"):
+      acc = ring.step(functools.partial(both, s=s), rhs, acc)
+  with jax.named_scope(f"chunk{n - 1}"):
+    acc = both(ring.values(), rhs, acc, n - 1)
+  return jnp.concatenate(acc, axis=0).astype(lhs.dtype)
+
+
+def allgather_matmul(
+  lhs,
+  rhs,
+  axis_name: str,
+  *,
+  api: _validate.Api = "value",
+  bidirectional: bool = False,
+):
+  """All-gathers ``lhs`` along its columns and multiplies by ``rhs``.
+
+  Equals ``jax.lax.all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``,
+  with the gather hidden behind the chunk matmuls: each of the ``n - 1``
+  ring transfers runs while the previous chunk is multiplied. This is the
+  chapter's ``A[B_X, D_Y] * W[D, F_Y] -> Out[B_X, F_Y]``.
+
+  Call it inside ``jax.shard_map`` (manual over every mesh axis); shapes
+  are per device.
+
+  Args:
+    lhs: ``[m, k]``, this device's slice of the contracting dimension.
+    rhs: ``[n * k, f]``, every contracting row, where ``n`` is the size of
+      ``axis_name``. Same dtype as ``lhs``.
+    axis_name: the mesh axis ``lhs``'s contracting dimension is sharded
+      over.
+    api: ``"value"`` (futures) or ``"ref"`` (double-buffered Refs,
+      ``asyncops.stateful``); same result and schedule.
+    bidirectional: send half of ``lhs``'s rows each way around the ring
+      (``m`` must be even); halves the bytes per link per step.
+
+  Returns:
+    ``[m, f]`` in ``lhs.dtype``. With an axis of size 1, a plain local
+    matmul.
+
+  Raises:
+    ValueError: ranks are not 2, ``rhs.shape[0] != n * lhs.shape[1]``,
+      ``m`` is odd with ``bidirectional=True``, or an unknown ``api``.
+    TypeError: mismatched or non-movable dtypes.
+    NameError: ``axis_name`` is not bound.
+
+  Example:
+    >>> @jax.shard_map(mesh=mesh, in_specs=(P("x", "y"), P(None, "y")),
+    ...                out_specs=P("x", "y"))
+    ... def f(a, w):
+    ...   return allgather_matmul(a, w, "y")  # doctest: +SKIP
+  """
+  fn = "allgather_matmul"
+  _validate.api(api, fn)
+  _validate.operand(lhs, fn, "lhs")
+  _validate.operand(rhs, fn, "rhs")
+  _validate.same_dtype(lhs, rhs, fn)
+  n = _validate.axis(axis_name, fn)
+  _validate.contracting(lhs, rhs, fn, n * lhs.shape[1])
+  if bidirectional:
+    _validate.even_rows(lhs, fn, "lhs")
+  if n == 1:
+    return jnp.dot(lhs, rhs, preferred_element_type=lhs.dtype)
+  with jax.named_scope(fn):
+    if bidirectional:
+      return _bidirectional(lhs, rhs, axis_name, n, api)
+    return _unidirectional(lhs, rhs, axis_name, n, api)

@@ -1,0 +1,145 @@
+"""One ring step: start a transfer, compute inside its window, wait.
+
+Every collective matmul here is a ring of such steps. A step
+
+1. starts moving a buffer one hop around the ring (``ppermute_start``),
+2. computes one chunk matmul **between** the start and the done,
+3. waits (``ppermute_done``) and returns what arrived plus the chunk.
+
+Step 2 must land inside the window on the compiled TPU schedule. Data
+dependencies alone do not force that: the chunk matmul of a reduce-scatter
+does not read the buffer in flight, so XLA may schedule it before the start,
+and nothing stops it from scheduling any matmul after the done. Two
+``jax.lax.optimization_barrier`` calls pin it: the compute operands pass
+through a barrier together with the future (so they exist only after the
+start), and the compute result passes through a barrier together with the
+future before the done (so the done waits for it). A future is a pytree of
+arrays, so it travels through the barriers unchanged.
+
+With ``api="ref"`` the same step runs on the Ref API
+(``asyncops.stateful``): each travelling buffer is a double-buffered Ref
+``[2, ...]``; a step sends slot ``s`` into the peer's slot ``1 - s``, reads
+slot ``s`` for the compute (reading a source is allowed while it is in
+flight) and flips the slot after the done. :class:`Ring` hides which API
+runs.
+
+Bidirectional steps move two buffers (the two halves of the rows), one to
+``index + 1`` and one to ``index - 1``, as two concurrent permutes, so both
+directions of every ICI link carry data.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from asyncops.futures import _api as futures
+
+Shift = int
+
+
+def start(x, axis_name: str, shift: Shift):
+  """Starts moving ``x`` one hop: ``index -> index + shift``."""
+  return futures.ppermute_start(x, axis_name, shift=shift)
+
+
+def step(
+  sends: tuple[Any, ...],
+  shifts: tuple[Shift, ...],
+  axis_name: str,
+  compute: Callable[..., Any],
+  *operands: Any,
+) -> tuple[tuple[Any, ...], Any]:
+  """One overlapped ring step.
+
+  Args:
+    sends: the buffers to move, one per direction.
+    shifts: the ring shift of each buffer (``+1`` or ``-1``).
+    axis_name: the ring's mesh axis.
+    compute: the chunk work, ``compute(sent, *operands)`` where ``sent``
+      are the start kernels' aliased outputs (**read these, never the
+      pre-start buffers**, or XLA inserts a defensive copy).
+    *operands: the other inputs of ``compute``; they pass through a barrier
+      with the futures so ``compute`` cannot run before the starts.
+
+  Returns:
+    ``(received, out)``: the buffers that arrived (same order as
+    ``sends``) and ``compute``'s result.
+
+  Example:
+    >>> (nxt,), acc = step((x,), (-1,), "y", lambda s, w: s[0] @ w, w)
+    ... # doctest: +SKIP
+  """
+  with jax.named_scope("ring_step"):
+    started = [
+      start(x, axis_name, k) for x, k in zip(sends, shifts, strict=True)
+    ]
+    sent = tuple(x for x, _ in started)
+    futs = tuple(f for _, f in started)
+    futs, sent, operands = jax.lax.optimization_barrier((futs, sent, operands))
+    out = compute(sent, *operands)
+    out, futs = jax.lax.optimization_barrier((out, futs))
+    received = tuple(futures.ppermute_done(f) for f in futs)
+  return received, out
+
+
+class Ring:
+  """The buffers travelling around a ring, on either API.
+
+  Args:
+    sends: the initial buffers, one per direction.
+    shifts: the ring shift of each buffer.
+    axis_name: the ring's mesh axis.
+    api: ``"value"`` (futures) or ``"ref"`` (double-buffered Refs).
+
+  Example:
+    >>> ring = Ring((x,), (-1,), "y", "value")         # doctest: +SKIP
+    >>> out = ring.step(lambda s, w: s[0] @ w, w)       # doctest: +SKIP
+    >>> x_next, = ring.values()                         # doctest: +SKIP
+  """
+
+  def __init__(self, sends, shifts, axis_name: str, api: str):
+    self.shifts, self.axis_name, self.api = tuple(shifts), axis_name, api
+    if api == "ref":
+      self.bufs = tuple(
+        jax.new_ref(jax.numpy.stack([x, jax.numpy.zeros_like(x)]))
+        for x in sends
+      )
+      self.slot = 0
+    else:
+      self.current = tuple(sends)
+
+  def values(self) -> tuple[Any, ...]:
+    """The buffers held now (what the last step received)."""
+    if self.api == "ref":
+      return tuple(b[self.slot] for b in self.bufs)
+    return self.current
+
+  def set(self, values) -> None:
+    """Replaces the buffers to send next (e.g. an updated partial sum)."""
+    if self.api == "ref":
+      for b, v in zip(self.bufs, values, strict=True):
+        b[self.slot] = v
+    else:
+      self.current = tuple(values)
+
+  def step(self, compute: Callable[..., Any], *operands: Any) -> Any:
+    """One overlapped step; returns ``compute(sent, *operands)``."""
+    if self.api == "value":
+      self.current, out = step(
+        self.current, self.shifts, self.axis_name, compute, *operands
+      )
+      return out
+    from asyncops import stateful
+
+    s, d = self.slot, 1 - self.slot
+    with jax.named_scope("ring_step"):
+      futs = [
+        stateful.ppermute_start(b.at[s], b.at[d], self.axis_name, shift=k)
+        for b, k in zip(self.bufs, self.shifts, strict=True)
+      ]
+      out = compute(tuple(b[s] for b in self.bufs), *operands)
+      for f, b in zip(futs, self.bufs, strict=True):
+        stateful.ppermute_done(f, b.at[s], b.at[d])
+    self.slot = d
+    return out

@@ -1,0 +1,7 @@
+"""``python -m asyncops.compare [topology]``: value API versus Ref API."""
+
+import sys
+
+from asyncops.compare._table import main
+
+main(*sys.argv[1:2])

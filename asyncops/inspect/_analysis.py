@@ -1,0 +1,508 @@
+"""Finds starts, dones, their windows and the copies XLA inserted.
+
+Values are followed leaf by leaf: a position is ``(instruction, shape
+index)``. Starts are traced forward from their semaphore outputs through
+get-tuple-element, tuple, bitcast, optimization barriers, calls and while
+loops (into the body, around the back edge, out of the loop) until a
+custom call consumes them: that call is a done. Buffers are traced the
+same way, and also through custom-call ``output_to_operand_aliasing``, to
+decide whether a source reaches its done and which copies touch a buffer
+while a transfer is in flight.
+
+Example:
+
+  >>> import jax, jax.numpy as jnp
+  >>> r = analyze(jax.jit(lambda x: x + 1), jnp.zeros(4))
+  >>> r.defensive_copies
+  []
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from ._hlo import Instr, Module, parse_module
+from ._mesh import compile_tpu
+from ._report import Copy, Pair, Report, _space
+
+SEM = 2
+Pos = tuple[str, tuple[int, ...]]
+
+_TRIVIAL = {
+  "parameter",
+  "constant",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "copy",
+  "copy-start",
+  "copy-done",
+  "opt-barrier",
+  "after-all",
+  "partition-id",
+  "replica-id",
+  "iota",
+  "broadcast",
+}
+_PASS = {"bitcast", "opt-barrier", "optimization-barrier"}
+
+
+def _is_kernel_start(i: Instr) -> bool:
+  return i.opcode == "custom-call" and any(
+    lf.memory_space == SEM for lf in i.leaves
+  )
+
+
+def _is_xla_start(i: Instr) -> bool:
+  return i.opcode.endswith("-start")
+
+
+def _label(i: Instr) -> str:
+  parts = [
+    p
+    for p in i.op_name.split("/")
+    if p and not p.startswith("jit(") and p not in ("shard_map",)
+  ]
+  return "/".join(parts) or i.opcode
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hit:
+  user: Instr
+  operand: int
+  index: tuple[int, ...]
+  crossing: tuple[str, ...]
+
+
+class _Graph:
+  """Use lists and callers for forward traces."""
+
+  def __init__(self, module: Module):
+    self.m = module
+    self.users: dict[str, list[tuple[Instr, int]]] = collections.defaultdict(
+      list
+    )
+    self.callers: dict[str, list[Instr]] = collections.defaultdict(list)
+    for c in module.computations.values():
+      for i in c.instrs:
+        for k, o in enumerate(i.operands):
+          self.users[o].append((i, k))
+        if i.opcode in ("while", "call"):
+          for name in i.called:
+            self.callers[name].append(i)
+
+  def param(self, comp: str, number: int) -> Instr | None:
+    c = self.m.computations.get(comp)
+    if c is None:
+      return None
+    for p in c.params:
+      if p.parameter_number == number:
+        return p
+    return None
+
+  def trace(
+    self, starts: list[Pos], through_aliasing: bool, stop=lambda i: False
+  ) -> Iterator[_Hit]:
+    """Yields each non-structural use reached from ``starts``."""
+    seen: set[Pos] = set()
+    queue = collections.deque((s, ()) for s in starts)
+    while queue:
+      (name, idx), crossing = queue.popleft()
+      if (name, idx) in seen:
+        continue
+      seen.add((name, idx))
+      instr = self.m.instr(name)
+      nxt: list[tuple[Pos, tuple[str, ...]]] = []
+      for user, k in self.users.get(name, ()):
+        op = user.opcode
+        if op == "get-tuple-element":
+          if idx and idx[0] == user.tuple_index:
+            nxt.append(((user.name, idx[1:]), crossing))
+        elif op == "tuple":
+          nxt.append(((user.name, (k,) + idx), crossing))
+        elif op in _PASS:
+          nxt.append(((user.name, idx), crossing))
+        elif op == "while" and user.body:
+          p = self.param(user.body, 0)
+          if p is not None:
+            nxt.append(((p.name, idx), crossing + (f"into %{user.name}",)))
+        elif op == "call" and user.called:
+          p = self.param(user.called[0], k)
+          if p is not None:
+            nxt.append(((p.name, idx), crossing + (f"into %{user.name}",)))
+        else:
+          hit = _Hit(user, k, idx, crossing)
+          yield hit
+          if stop(user):
+            continue
+          if through_aliasing and op == "custom-call":
+            for out_idx, opnd, opnd_idx in user.aliasing:
+              if opnd == k and opnd_idx == idx[: len(opnd_idx)]:
+                rest = idx[len(opnd_idx) :]
+                nxt.append(((user.name, out_idx + rest), crossing))
+      if instr.is_root:
+        for caller in self.callers.get(instr.computation, ()):
+          if caller.opcode == "while" and caller.body == instr.computation:
+            p = self.param(caller.body, 0)
+            if p is not None:
+              nxt.append(
+                (
+                  (p.name, idx),
+                  crossing + (f"next iteration of %{caller.name}",),
+                )
+              )
+            nxt.append(
+              ((caller.name, idx), crossing + (f"out of %{caller.name}",))
+            )
+          elif caller.opcode == "call":
+            nxt.append(
+              ((caller.name, idx), crossing + (f"out of %{caller.name}",))
+            )
+      queue.extend(nxt)
+
+
+class _UnionFind:
+  def __init__(self):
+    self.parent: dict[Pos, Pos] = {}
+
+  def find(self, x: Pos) -> Pos:
+    self.parent.setdefault(x, x)
+    while self.parent[x] != x:
+      self.parent[x] = self.parent[self.parent[x]]
+      x = self.parent[x]
+    return x
+
+  def union(self, a: Pos, b: Pos):
+    ra, rb = self.find(a), self.find(b)
+    if ra != rb:
+      self.parent[ra] = rb
+
+
+def _alias_classes(m: Module, g: _Graph) -> _UnionFind:
+  """Union of positions that XLA must give the same buffer."""
+  uf = _UnionFind()
+  for c in m.computations.values():
+    for i in c.instrs:
+      leaves = [lf.index for lf in i.leaves]
+      for idx in leaves:
+        uf.find((i.name, idx))
+      if i.opcode == "get-tuple-element" and i.operands:
+        for idx in leaves:
+          uf.union((i.name, idx), (i.operands[0], (i.tuple_index,) + idx))
+      elif i.opcode == "tuple":
+        for idx in leaves:
+          if idx and idx[0] < len(i.operands):
+            uf.union((i.name, idx), (i.operands[idx[0]], idx[1:]))
+      elif i.opcode in _PASS and i.operands:
+        for idx in leaves:
+          uf.union((i.name, idx), (i.operands[0], idx))
+      elif i.opcode == "custom-call":
+        for out_idx, k, opnd_idx in i.aliasing:
+          if k < len(i.operands):
+            uf.union((i.name, out_idx), (i.operands[k], opnd_idx))
+      elif i.opcode == "while" and i.body and i.operands:
+        body = m.computations.get(i.body)
+        cond = m.computations.get(i.condition or "")
+        for idx in leaves:
+          uf.union((i.name, idx), (i.operands[0], idx))
+          if body is not None:
+            bp = g.param(i.body, 0)
+            if bp is not None:
+              uf.union((i.name, idx), (bp.name, idx))
+            uf.union((i.name, idx), (body.root.name, idx))
+          if cond is not None:
+            cp = g.param(cond.name, 0)
+            if cp is not None:
+              uf.union((i.name, idx), (cp.name, idx))
+  return uf
+
+
+def _has_compute(m: Module, instrs, starts_dones: set[str], depth=0) -> bool:
+  for i in instrs:
+    if i.name in starts_dones or i.opcode in _TRIVIAL:
+      continue
+    if i.opcode.endswith("-start") or i.opcode.endswith("-done"):
+      continue
+    if i.opcode in ("while", "call", "conditional"):
+      if depth < 4 and any(
+        _has_compute(m, m.computations[c].instrs, starts_dones, depth + 1)
+        for c in i.called
+        if c in m.computations
+      ):
+        return True
+      continue
+    if i.opcode in ("fusion", "convolution", "dot", "custom-call"):
+      return True
+    if any(lf.num_elements > 1 for lf in i.leaves):
+      return True
+  return False
+
+
+def _window(m: Module, start: Instr, done: Instr, crossing) -> list[Instr]:
+  comp = m.computations[start.computation]
+  pos = start.position + 1
+  out: list[Instr] = []
+  for step in crossing:
+    kind, _, name = step.rpartition(" %")
+    w = m.instr(name)
+    if kind == "into":
+      out.extend(comp.instrs[pos : w.position])
+      target = w.body if w.opcode == "while" else w.called[0]
+      comp, pos = m.computations[target], 0
+    elif kind == "next iteration of":
+      out.extend(comp.instrs[pos:])
+      comp, pos = m.computations[w.body], 0
+    else:  # out of
+      out.extend(comp.instrs[pos:])
+      comp, pos = m.computations[w.computation], w.position + 1
+  if comp.name == done.computation:
+    out.extend(comp.instrs[pos : done.position])
+  return out
+
+
+def _find_pairs(m: Module, g: _Graph):
+  starts = [
+    i
+    for c in m.computations.values()
+    for i in c.instrs
+    if _is_kernel_start(i) or _is_xla_start(i)
+  ]
+  found = []
+  for s in starts:
+    kernel = _is_kernel_start(s)
+    leaves = [
+      (s.name, lf.index)
+      for lf in s.leaves
+      if (lf.memory_space == SEM) or not kernel
+    ]
+    seen = set()
+    for hit in g.trace(leaves, through_aliasing=False):
+      u = hit.user
+      is_done = (
+        u.opcode == "custom-call" if kernel else u.opcode.endswith("-done")
+      )
+      if not is_done or u.name == s.name:
+        continue
+      key = (u.name, hit.crossing)
+      if key in seen:
+        continue
+      seen.add(key)
+      found.append((s, u, hit.crossing, kernel))
+  return starts, found
+
+
+def _buffers(m: Module, s: Instr):
+  """Source (operand) and destination (non-aliased output) positions."""
+  srcs: list[Pos] = []
+  for o in s.operands:
+    for lf in m.instr(o).leaves:
+      if lf.memory_space != SEM and lf.num_elements > 1:
+        srcs.append((o, lf.index))
+  aliased_outs = {a[0] for a in s.aliasing}
+  dsts = [
+    (s.name, lf.index)
+    for lf in s.leaves
+    if lf.memory_space != SEM
+    and lf.index not in aliased_outs
+    and lf.num_elements > 1
+  ]
+  return srcs, dsts
+
+
+def _reaches(g: _Graph, positions: list[Pos], done: Instr) -> bool:
+  if not positions:
+    return True
+  for hit in g.trace(positions, through_aliasing=True):
+    if hit.user.name == done.name:
+      return True
+  return False
+
+
+def analyze_module(
+  m: Module,
+  hlo_text: str = "",
+  compile_seconds: float = 0.0,
+  memory: dict[str, Any] | None = None,
+) -> Report:
+  """Builds a :class:`Report` from a parsed module."""
+  g = _Graph(m)
+  uf = _alias_classes(m, g)
+  starts, found = _find_pairs(m, g)
+  start_done_names = {s.name for s in starts} | {f[1].name for f in found}
+
+  pairs: list[Pair] = []
+  inflight: dict[str, str] = {}
+  for s, d, crossing, kernel in found:
+    between = _window(m, s, d, crossing)
+    srcs, dsts = _buffers(m, s) if kernel else ([], [])
+    pairs.append(
+      Pair(
+        start=s.name,
+        done=d.name,
+        kind="kernel" if kernel else "xla",
+        kernel=_label(s),
+        done_kernel=_label(d),
+        computation=s.computation,
+        done_computation=d.computation,
+        crossing=tuple(crossing),
+        between=tuple(between),
+        between_cycles=float(sum(i.estimated_cycles or 0 for i in between)),
+        overlapped=_has_compute(m, between, start_done_names),
+        source_live=_reaches(g, srcs, d) if kernel else True,
+        dest_live=_reaches(g, dsts, d) if kernel else True,
+        start_source=s.where,
+        done_source=d.where,
+      )
+    )
+    if not kernel:
+      continue
+    roles: dict[Pos, str] = {}
+    for p in srcs:
+      roles[_resolve(m, p)] = "source"
+    for out_idx, _, _ in s.aliasing:
+      roles[(s.name, out_idx)] = "source"
+    for p in dsts:
+      roles[_resolve(m, p)] = "destination"
+    for i in between:
+      if i.opcode not in ("copy", "copy-start") or not i.operands:
+        continue
+      if all(lf.num_elements <= 1 for lf in i.leaves):
+        continue
+      role = roles.get(_resolve(m, (i.operands[0], ())))
+      if role and i.name not in inflight:
+        inflight[i.name] = (
+          f"{role} of %{s.name} ({_label(s)}) while in flight to "
+          f"%{d.name}" + (f" [{', '.join(crossing)}]" if crossing else "")
+        )
+
+  copies = [
+    _classify(m, uf, i, inflight.get(i.name, ""))
+    for c in m.computations.values()
+    for i in c.instrs
+    if i.opcode in ("copy", "copy-start")
+  ]
+  return Report(
+    hlo_text=hlo_text,
+    compile_seconds=compile_seconds,
+    memory=memory or {},
+    module=m,
+    copies=tuple(copies),
+    pairs=tuple(pairs),
+    starts=tuple(starts),
+    dones=tuple(dict.fromkeys(m.instr(p.done) for p in pairs)),
+    schedule={name: c.instrs for name, c in m.computations.items()},
+  )
+
+
+def _resolve(m: Module, pos: Pos) -> Pos:
+  """Follows get-tuple-element/tuple/bitcast back to the defining value."""
+  name, idx = pos
+  for _ in range(64):
+    i = m.instr(name)
+    if i.opcode == "get-tuple-element" and i.operands:
+      name, idx = i.operands[0], (i.tuple_index,) + idx
+    elif i.opcode == "tuple" and idx and idx[0] < len(i.operands):
+      name, idx = i.operands[idx[0]], idx[1:]
+    elif i.opcode in _PASS and i.operands:
+      name = i.operands[0]
+    else:
+      break
+  return name, idx
+
+
+def _producer_source(m: Module, name: str, depth: int = 0) -> str:
+  i = m.instr(name)
+  if i.source or depth > 8:
+    return i.where
+  if i.opcode in ("get-tuple-element", "bitcast") and i.operands:
+    return _producer_source(m, i.operands[0], depth + 1)
+  return ""
+
+
+def _classify(m: Module, uf: _UnionFind, i: Instr, inflight: str) -> Copy:
+  src = m.instr(i.operands[0]) if i.operands else None
+  out_leaf = i.leaf((0,)) if i.opcode == "copy-start" else i.leaf(())
+  in_space = src.memory_space if src is not None else None
+  out_space = out_leaf.memory_space if out_leaf else None
+  if out_leaf is not None and out_leaf.num_elements <= 1:
+    kind = "scalar"
+  elif in_space != out_space:
+    kind = "memory_space"
+  else:
+    entry = m.entry
+    params = {uf.find((p.name, ())) for p in entry.params}
+    roots = {uf.find((entry.root.name, lf.index)) for lf in entry.root.leaves}
+    from_param = src is not None and uf.find((src.name, ())) in params
+    to_output = uf.find((i.name, ())) in roots
+    kind = "output" if from_param and to_output else "defensive"
+  source = _producer_source(m, i.operands[0]) if i.operands else ""
+  if not source:
+    for user in (u for c in m.computations.values() for u in c.instrs):
+      if i.name in user.operands and user.source:
+        source = f"used by {user.where}"
+        break
+  return Copy(
+    name=i.name,
+    kind=kind,
+    shape=out_leaf.text if out_leaf else i.shape_text,
+    computation=i.computation,
+    operand=i.operands[0] if i.operands else "",
+    spaces=(_space(in_space), _space(out_space)),
+    source=source,
+    estimated_cycles=i.estimated_cycles,
+    inflight=inflight,
+    instr=i,
+  )
+
+
+def _memory(compiled: Any) -> dict[str, Any]:
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - not every backend implements it
+    return {}
+  if stats is None:
+    return {}
+  out = {}
+  for key in dir(stats):
+    if key.endswith("_in_bytes") and not key.startswith("host_"):
+      out[key] = getattr(stats, key)
+  return out
+
+
+def analyze(jitted: Any, *abstract_args: Any) -> Report:
+  """Compiles ``jitted`` and reports copies, start/done pairs and lifetimes.
+
+  Args:
+    jitted: a ``jax.jit`` function (or ``Traced``/``Lowered``), an already
+      compiled object (anything with ``as_text()``), or HLO text.
+    *abstract_args: arguments for ``jitted.trace`` (``ShapeDtypeStruct``
+      with shardings over :func:`tpu_mesh` devices, for TPU HLO).
+
+  Returns:
+    A :class:`Report`.
+
+  Example:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from asyncops.inspect import tpu_mesh
+    >>> mesh = tpu_mesh("v5e:2x4", (8,), ("i",))
+    >>> x = jax.ShapeDtypeStruct((8, 128), jnp.float32,
+    ...                          sharding=NamedSharding(mesh, P("i")))
+    >>> analyze(jax.jit(lambda x: x * 2), x).pairs
+    ()
+  """
+  seconds, memory = 0.0, {}
+  if isinstance(jitted, str):
+    text = jitted
+  elif hasattr(jitted, "as_text") and not hasattr(jitted, "lower"):
+    if hasattr(jitted, "compile") and not hasattr(jitted, "memory_analysis"):
+      jitted, seconds = compile_tpu(jitted)
+    text, memory = jitted.as_text(), _memory(jitted)
+  else:
+    compiled, seconds = compile_tpu(jitted, *abstract_args)
+    text, memory = compiled.as_text(), _memory(compiled)
+  return analyze_module(parse_module(text), text, seconds, memory)

@@ -1,0 +1,285 @@
+"""What the harness reports: copies, start/done pairs and their windows.
+
+Example:
+
+  >>> r = analyze('''HloModule m, is_scheduled=true
+  ... ENTRY %main (p: f32[8]) -> f32[8] {
+  ...   %p = f32[8]{0} parameter(0)
+  ...   ROOT %c = f32[8]{0} copy(%p)
+  ... }''')  # doctest: +SKIP
+  >>> [c.kind for c in r.copies]  # doctest: +SKIP
+  ['output']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._hlo import MEMORY_SPACES, Instr, Module
+
+COPY_KINDS = ("defensive", "memory_space", "output", "scalar")
+
+_WHY = {
+  "defensive": (
+    "copy insertion: XLA saw a buffer aliased by an in-place op while "
+    "another user still needed the old value (costs a full read+write)"
+  ),
+  "memory_space": "a move between memory spaces (e.g. HBM <-> VMEM)",
+  "output": "an entry parameter copied into a non-donated output",
+  "scalar": "a scalar (loop counter or similar); harmless",
+}
+
+
+def _space(n: int | None) -> str:
+  if n is None:
+    return "tuple"
+  return MEMORY_SPACES.get(n, f"S({n})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+  """One copy in the scheduled HLO.
+
+  Attributes:
+    name: instruction name.
+    kind: ``defensive``, ``memory_space``, ``output`` or ``scalar``.
+    shape: the result shape text.
+    computation: the computation holding the copy.
+    operand: the copied instruction.
+    spaces: ``(from, to)`` memory spaces, e.g. ``("HBM", "VMEM")``.
+    source: user code the copied value comes from, e.g. ``f.py:42 in f``.
+    estimated_cycles: the compiler's estimate, when printed.
+    inflight: for in-flight copies, which transfer buffer they touch, e.g.
+      ``"destination of %start (-> %done)"``; ``""`` otherwise.
+    instr: the parsed instruction.
+  """
+
+  name: str
+  kind: str
+  shape: str
+  computation: str
+  operand: str
+  spaces: tuple[str, str]
+  source: str
+  estimated_cycles: float | None
+  inflight: str
+  instr: Instr = dataclasses.field(repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """An asynchronous start matched with its done.
+
+  Attributes:
+    start: start instruction name.
+    done: done instruction name.
+    kind: ``"kernel"`` (a custom call returning semaphores) or ``"xla"``
+      (an XLA ``*-start``/``*-done`` op such as ``copy-start``).
+    kernel: the start's label (named scopes and op name), e.g.
+      ``asyncops.ppermute_start/pallas_call``.
+    done_kernel: the done's label.
+    computation: the start's computation.
+    done_computation: the done's computation.
+    crossing: loop/call boundaries the future crosses from start to done,
+      e.g. ``("next iteration of %while.3",)``; empty when both are in the
+      same straight-line computation.
+    between: the instructions the schedule places between start and done.
+    between_cycles: the sum of their estimated cycles.
+    overlapped: whether real compute (a fusion, convolution, dot, other
+      custom call or non-scalar arithmetic) sits in the window.
+    source_live: whether the start's source buffer reaches the done (via
+      aliasing, tuples and loop carries, without a copy), so XLA cannot
+      free or reuse it while the transfer reads it.
+    dest_live: the same for the destination buffer.
+    start_source: user code of the start.
+    done_source: user code of the done.
+  """
+
+  start: str
+  done: str
+  kind: str
+  kernel: str
+  done_kernel: str
+  computation: str
+  done_computation: str
+  crossing: tuple[str, ...]
+  between: tuple[Instr, ...] = dataclasses.field(repr=False)
+  between_cycles: float
+  overlapped: bool
+  source_live: bool
+  dest_live: bool
+  start_source: str = ""
+  done_source: str = ""
+
+  @property
+  def loop_carried(self) -> bool:
+    return bool(self.crossing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The harness's findings for one compiled program.
+
+  Attributes:
+    hlo_text: the scheduled HLO text.
+    compile_seconds: lowering + compile time (0 for given text).
+    memory: ``compiled.memory_analysis()`` fields (empty for text).
+    module: the parsed module.
+    copies: every copy (``copy`` and ``copy-start``), classified.
+    pairs: every start matched with each done it reaches.
+    starts: start instructions found.
+    dones: done instructions found.
+    schedule: per computation, its instructions in scheduled order.
+  """
+
+  hlo_text: str = dataclasses.field(repr=False)
+  compile_seconds: float
+  memory: dict[str, Any]
+  module: Module = dataclasses.field(repr=False)
+  copies: tuple[Copy, ...]
+  pairs: tuple[Pair, ...]
+  starts: tuple[Instr, ...]
+  dones: tuple[Instr, ...]
+  schedule: dict[str, tuple[Instr, ...]] = dataclasses.field(repr=False)
+
+  @property
+  def defensive_copies(self) -> list[Copy]:
+    return [c for c in self.copies if c.kind == "defensive"]
+
+  @property
+  def inflight_copies(self) -> list[Copy]:
+    return [c for c in self.copies if c.inflight]
+
+  @property
+  def kernel_pairs(self) -> list[Pair]:
+    return [p for p in self.pairs if p.kind == "kernel"]
+
+  def pairs_for(self, op: str | None = None) -> list[Pair]:
+    """Kernel pairs whose start label or op name contains ``op``."""
+    out = []
+    for p in self.kernel_pairs:
+      start = self.module.instr(p.start)
+      if op is None or op in p.kernel or op in start.op_name:
+        out.append(p)
+    return out
+
+  def assert_no_defensive_copies(self) -> None:
+    """Raises AssertionError listing defensive copies, if any."""
+    if self.defensive_copies:
+      raise AssertionError(
+        "defensive copies found:\n"
+        + "\n".join(_copy_line(c) for c in self.defensive_copies)
+      )
+
+  def assert_no_inflight_copies(self) -> None:
+    """Raises AssertionError listing copies of in-flight buffers, if any."""
+    if self.inflight_copies:
+      raise AssertionError(
+        "copies of buffers that a transfer is reading or writing:\n"
+        + "\n".join(_copy_line(c) for c in self.inflight_copies)
+      )
+
+  def assert_overlapped(self, min_pairs: int = 1, op: str | None = None):
+    """Asserts every (matching) kernel pair has compute in its window.
+
+    Args:
+      min_pairs: at least this many kernel pairs must match.
+      op: substring of the start's label/op name (e.g.
+        ``"asyncops.ppermute_start"``); None for all kernel pairs.
+
+    Raises:
+      AssertionError: too few pairs, or a pair with an empty window.
+    """
+    pairs = self.pairs_for(op)
+    if len(pairs) < min_pairs:
+      raise AssertionError(
+        f"expected >= {min_pairs} start/done pairs matching {op!r}, "
+        f"found {len(pairs)}"
+      )
+    bad = [p for p in pairs if not p.overlapped]
+    if bad:
+      raise AssertionError(
+        "no compute between start and done:\n"
+        + "\n".join(_pair_line(p) for p in bad)
+      )
+
+  def summary(self) -> str:
+    """A readable report: copies and why they matter, pairs, memory."""
+    return _summary(self)
+
+  def __str__(self) -> str:
+    return self.summary()
+
+
+def _copy_line(c: Copy) -> str:
+  where = f" from {c.source}" if c.source else ""
+  line = (
+    f"  %{c.name} [{c.kind}] {c.shape} {c.spaces[0]}->{c.spaces[1]} "
+    f"copy of %{c.operand}{where} (in %{c.computation})"
+  )
+  if c.inflight:
+    line += f"\n      IN FLIGHT: {c.inflight}"
+  return line
+
+
+def _pair_line(p: Pair) -> str:
+  where = ", ".join(p.crossing) if p.crossing else "same computation"
+  return f"  %{p.start} ({p.kernel}) -> %{p.done} ({p.done_kernel}) [{where}]"
+
+
+def _summary(r: Report) -> str:
+  out = [f"HLO module {r.module.name}"]
+  if r.compile_seconds:
+    out[0] += f" (compiled in {r.compile_seconds:.2f}s)"
+  counts = {k: 0 for k in COPY_KINDS}
+  for c in r.copies:
+    counts[c.kind] += 1
+  out.append(
+    "Copies: "
+    + ", ".join(f"{n} {k}" for k, n in counts.items())
+    + f"; {len(r.inflight_copies)} of in-flight buffers"
+  )
+  for c in r.copies:
+    if c.kind == "scalar":
+      continue
+    out.append(_copy_line(c))
+    out.append(f"      why: {_WHY[c.kind]}")
+    if c.inflight:
+      out.append(
+        "      DANGER: the DMA is still reading/writing this buffer; the "
+        "copy reads a partial value or the transfer outlives the buffer "
+        "the program uses afterwards -> wrong results"
+      )
+  kp = r.kernel_pairs
+  out.append(
+    f"Start/done pairs: {len(kp)} kernel, {len(r.pairs) - len(kp)} XLA async"
+  )
+  for p in r.pairs:
+    out.append(_pair_line(p))
+    if p.start_source or p.done_source:
+      out.append(f"      start at {p.start_source}; done at {p.done_source}")
+    ops = [
+      i
+      for i in p.between
+      if i.opcode
+      not in ("get-tuple-element", "tuple", "bitcast", "parameter", "constant")
+    ]
+    names = ", ".join(f"%{i.name}:{i.opcode}" for i in ops[:8])
+    if len(ops) > 8:
+      names += f", ... (+{len(ops) - 8})"
+    out.append(
+      f"      window: {len(p.between)} ops, {p.between_cycles:.0f} est. "
+      f"cycles, overlapped={p.overlapped}" + (f": {names}" if names else "")
+    )
+    if p.kind == "kernel":
+      live = "yes" if p.source_live else "NO (XLA may free/reuse it early)"
+      out.append(f"      source buffer live until done: {live}")
+  if r.memory:
+    keys = [k for k in r.memory if r.memory[k]]
+    out.append(
+      "Memory: " + ", ".join(f"{k}={r.memory[k]}" for k in keys)
+      if keys
+      else "Memory: all zero"
+    )
+  return "\n".join(out)

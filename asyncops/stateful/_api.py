@@ -1,0 +1,263 @@
+"""The stateful API: start and done over ``jax.Ref``s.
+
+A start reads the source Ref and writes the destination Ref; the done waits.
+Ordering comes from state effects: any access to those Refs written after
+the start stays after it, any written after the done stays after the done.
+Compute written between a start and its done that touches neither Ref is
+kept between them too (two optimization barriers tie it to the start's
+semaphores), so it overlaps the DMA on TPU.
+
+**Between a start and its done, do not write the source or touch the
+destination**: the trace-time hazard check raises if you do.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from asyncops import _jax_compat as jc
+from asyncops.futures import _emulation, _validate
+from asyncops.futures._future import FutureError, _user_frame
+from asyncops.futures._spec import OpSpec
+from asyncops.kernels import _common, _registry
+from asyncops.stateful import _hazards
+from asyncops.stateful._future import RefFuture
+from asyncops.stateful._layout import Layout, RefView, same_base, view
+from asyncops.stateful._primitives import ref_done_p, ref_start_p
+
+
+def _operands(src: RefView, dst: RefView):
+  zero = jnp.int32(0)
+  slots = (
+    zero if src.slot is None else src.slot,
+    zero if dst.slot is None else dst.slot,
+  )
+  if same_base(src, dst):
+    return (src.base,) + slots, Layout(1, True, True)
+  layout = Layout(2, src.slot is not None, dst.slot is not None)
+  return (src.base, dst.base) + slots, layout
+
+
+def _check_dst(src: RefView, dst: RefView, spec: OpSpec, fn: str):
+  want = tuple(_registry.get(spec.kind).dst_shape(spec))
+  got = dst.aval
+  if tuple(got.shape) != want or got.dtype != src.aval.dtype:
+    raise ValueError(
+      f"{fn}: dst_ref holds {got.dtype}{list(got.shape)} but this transfer "
+      f"writes {src.aval.dtype}{list(want)}. Make it with "
+      f"jax.empty_ref(jax.ShapeDtypeStruct({want}, {src.aval.dtype}))."
+    )
+  if (
+    same_base(src, dst)
+    and src.static_slot is not None
+    and (src.static_slot == dst.static_slot)
+  ):
+    raise ValueError(
+      f"{fn}: src_ref and dst_ref are the same slot {src.static_slot}; a "
+      "DMA needs a separate receive buffer. Use the other slot."
+    )
+  if dst.slot is None and src.slot is None and same_base(src, dst):
+    raise ValueError(
+      f"{fn}: src_ref and dst_ref are the same Ref; a DMA needs a "
+      "separate receive buffer (see asyncops.stateful.double_buffer)."
+    )
+
+
+def _start(src_ref, dst_ref, fn: str, make_spec) -> RefFuture:
+  src = view(src_ref, fn, "src_ref")
+  dst = view(dst_ref, fn, "dst_ref")
+  _validate.array(src.aval, fn, "src_ref")
+  spec = make_spec(src.aval)
+  _registry.get(spec.kind).validate(spec)
+  _check_dst(src, dst, spec, fn)
+  operands, layout = _operands(src, dst)
+  origin = _user_frame()
+  with jax.named_scope(f"asyncops.{spec.kind}_ref_start"):
+    sems = ref_start_p.bind(*operands, spec=spec, layout=layout)
+  fut = RefFuture(sems, spec, layout, origin=origin)
+  frame = jc.current_frame(sems[0]) if sems else None
+  if frame is not None:
+    fut._track = (jc.live_eqns(frame)[-1], src, dst)
+  return fut
+
+
+def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
+  if not isinstance(fut, RefFuture):
+    raise TypeError(
+      f"{fn}: expected the RefFuture returned by a stateful *_start, got "
+      f"{type(fut).__name__}."
+    )
+  if fut.spec.kind != kind:
+    raise FutureError(
+      f"{fn}: this future comes from {fut.spec.kind}_start "
+      f"({fut.spec.short()}); await it with {fut.spec.kind}_done."
+    )
+  here = _user_frame()
+  src = view(src_ref, fn, "src_ref")
+  dst = view(dst_ref, fn, "dst_ref")
+  operands, layout = _operands(src, dst)
+  if fut._track is not None:
+    _, s0, d0 = fut._track
+    if not (
+      same_base(s0, src)
+      and same_base(d0, dst)
+      and _hazards.maybe_same_slot(s0.slot, src.slot)
+      and _hazards.maybe_same_slot(d0.slot, dst.slot)
+    ):
+      raise FutureError(
+        f"asyncops.stateful.{fn}: done without a start: no transfer "
+        f"between these Refs is in flight at {here}. The future was started "
+        f"at {fut._origin} on other Refs; pass the same src_ref and dst_ref "
+        "to the done as to the start."
+      )
+  if layout != fut.layout:
+    raise FutureError(
+      f"asyncops.stateful.{fn}: done without a start: the Refs at {here} "
+      f"are laid out as {layout}, but the future (started at "
+      f"{fut._origin}) is for {fut.layout}. Pass the start's Refs."
+    )
+  fut.consume(fn, here)
+  sems = list(fut.sems)
+  if fut._track is not None:
+    _hazards.check(fut, fn, here)
+    sems = jc.tie_between(fut._track[0], sems)
+  with jax.named_scope(f"asyncops.{fut.spec.kind}_ref_done"):
+    ref_done_p.bind(*operands, *sems, spec=fut.spec, layout=layout)
+
+
+def _collective(kind, aval, axis_name, fn, perm=(), **kw) -> OpSpec:
+  size = _validate.axis(axis_name, fn)
+  names = _validate.mesh_axes(axis_name, fn)
+  return OpSpec(
+    kind=kind,
+    shape=tuple(aval.shape),
+    dtype=jnp.dtype(aval.dtype).name,
+    axis_name=axis_name,
+    mesh_axes=names,
+    axis_size=size,
+    perm=perm,
+    collective_id=_common.collective_id((kind, axis_name, perm, size)),
+    transfer=_emulation.current().transfer,
+    **kw,
+  )
+
+
+def ppermute_start(src_ref, dst_ref, axis_name: str, perm=None, *, shift=None):
+  """Starts a collective permute from ``src_ref`` into ``dst_ref``.
+
+  Device ``s`` sends its ``src_ref`` into device ``d``'s ``dst_ref`` for
+  each pair ``(s, d)`` of ``perm`` (as ``jax.lax.ppermute``); a device
+  nobody sends to keeps its ``dst_ref`` unchanged. ``shift=k`` is the ring
+  ``[(i, (i + k) % n)]``.
+
+  Args:
+    src_ref: a ``jax.Ref`` (or one slot ``ref.at[i]``) to send.
+    dst_ref: a Ref (or slot) of the same shape and dtype to receive into;
+      **not the same buffer as src_ref**.
+    axis_name: the mesh axis (inside ``shard_map``).
+    perm: ``(source, destination)`` pairs along ``axis_name``.
+    shift: ring shift, instead of ``perm``.
+
+  Returns:
+    A :class:`RefFuture` (semaphores only) for :func:`ppermute_done`.
+
+  Raises:
+    TypeError: not Refs; both or neither of ``perm``/``shift``.
+    ValueError: shapes differ; source and destination are one buffer.
+
+  Example:
+    >>> x_ref, y_ref = jax.new_ref(x), jax.empty_ref(jax.typeof(x))
+    >>> fut = ppermute_start(x_ref, y_ref, "i", shift=1)  # doctest: +SKIP
+    >>> z = a @ b  # overlaps the DMA                     # doctest: +SKIP
+    >>> ppermute_done(fut, x_ref, y_ref)                  # doctest: +SKIP
+  """
+  fn = "ppermute_start"
+
+  def spec(aval):
+    pairs = _validate.perm(perm, shift, _validate.axis(axis_name, fn), fn)
+    return _collective("ppermute", aval, axis_name, fn, pairs)
+
+  return _start(src_ref, dst_ref, fn, spec)
+
+
+def ppermute_done(fut: RefFuture, src_ref, dst_ref) -> None:
+  """Waits for :func:`ppermute_start`; ``dst_ref`` then holds the data.
+
+  Args:
+    fut: the future from the start, awaited exactly once.
+    src_ref: the start's source Ref (kept alive until now).
+    dst_ref: the start's destination Ref.
+
+  Raises:
+    FutureError: awaited twice, other Refs than the start's, or a hazard
+      (the source written, or the destination touched, since the start).
+  """
+  _done(fut, src_ref, dst_ref, "ppermute_done", "ppermute")
+
+
+def all_gather_start(src_ref, dst_ref, axis_name: str) -> RefFuture:
+  """Starts an all-gather: ``dst_ref[j]`` receives device ``j``'s source.
+
+  Args:
+    src_ref: this device's shard (a Ref or slot).
+    dst_ref: a Ref of shape ``(axis_size, *src.shape)`` (stacked layout, as
+      ``jax.lax.all_gather(x, axis_name)``).
+    axis_name: the mesh axis.
+
+  Returns:
+    A :class:`RefFuture` for :func:`all_gather_done`.
+  """
+  fn = "all_gather_start"
+  return _start(
+    src_ref,
+    dst_ref,
+    fn,
+    lambda aval: _collective(
+      "all_gather",
+      aval,
+      axis_name,
+      fn,
+      tuple(
+        (i, j)
+        for n in [_validate.axis(axis_name, fn)]
+        for i in range(n)
+        for j in range(n)
+        if i != j
+      ),
+      gather_axis=0,
+      tiled=False,
+    ),
+  )
+
+
+def all_gather_done(fut: RefFuture, src_ref, dst_ref) -> None:
+  """Waits for :func:`all_gather_start`."""
+  _done(fut, src_ref, dst_ref, "all_gather_done", "all_gather")
+
+
+def copy_start(src_ref, dst_ref) -> RefFuture:
+  """Starts a local asynchronous copy from ``src_ref`` into ``dst_ref``.
+
+  Args:
+    src_ref: the Ref (or slot) to copy.
+    dst_ref: a Ref (or slot) of the same shape and dtype.
+
+  Returns:
+    A :class:`RefFuture` for :func:`copy_done`.
+  """
+  fn = "copy_start"
+  return _start(
+    src_ref,
+    dst_ref,
+    fn,
+    lambda aval: OpSpec(
+      kind="copy",
+      shape=tuple(aval.shape),
+      dtype=jnp.dtype(aval.dtype).name,
+      transfer=_emulation.current().transfer,
+    ),
+  )
+
+
+def copy_done(fut: RefFuture, src_ref, dst_ref) -> None:
+  """Waits for :func:`copy_start`."""
+  _done(fut, src_ref, dst_ref, "copy_done", "copy")

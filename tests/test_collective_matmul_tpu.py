@@ -1,0 +1,207 @@
+"""The collective matmuls on compiled TPU HLO (ahead of time, no TPU).
+
+For every variant, direction and topology, at the chapter's shape
+(B, D, F) = (1024, 2048, 8192): no defensive copies, no copy of a buffer a
+transfer is reading or writing, and every ring transfer has the chunk
+matmul of its own step (a ``convolution`` fusion traced from the same
+``chunk<s>`` scope) scheduled between its start and its done.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncops.collective_matmul import (
+  allgather_matmul,
+  matmul_allreduce,
+  matmul_reducescatter,
+  mlp_block,
+)
+from asyncops.inspect import analyze, tpu_mesh
+
+B, D, F = 1024, 2048, 8192
+TOPOLOGIES = {
+  "v5e:2x4": (2, 4),
+  "v4:2x2x1": (2, 4),
+  "v6e:2x4": (2, 4),
+}
+# variant -> (fn, global operand shapes, in_specs, out_specs, matmuls that
+# ring: how many chunk matmuls per direction sit in a window).
+VARIANTS = {
+  "allgather": (
+    allgather_matmul,
+    ((B, D), (D, F)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+  ),
+  "reducescatter": (
+    matmul_reducescatter,
+    ((B, F), (F, D)),
+    (P("x", "y"), P("y", None)),
+    P("x", "y"),
+  ),
+  "allreduce": (
+    matmul_allreduce,
+    ((B, F), (F, D)),
+    (P("x", "y"), P("y", None)),
+    P("x", None),
+  ),
+  "mlp": (
+    mlp_block,
+    ((B, D), (D, F), (F, D)),
+    (P("x", "y"), P(None, "y"), P("y", None)),
+    P("x", "y"),
+  ),
+}
+# Ring stages per variant: mlp has an up and a down ring.
+STAGES = {"allgather": 1, "reducescatter": 1, "allreduce": 1, "mlp": 2}
+MATMUL_OPS = ("fusion", "convolution", "dot")
+_SCOPE = re.compile(r"^(.*/chunk\d+)/ring_step/")
+
+
+def _report(topology, variant, bidirectional, dtype=jnp.bfloat16, api="value"):
+  fn, shapes, in_specs, out_spec = VARIANTS[variant]
+  mesh = tpu_mesh(topology, TOPOLOGIES[topology], ("x", "y"))
+  args = [
+    jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, spec))
+    for s, spec in zip(shapes, in_specs, strict=True)
+  ]
+  f = jax.jit(
+    jax.shard_map(
+      functools.partial(
+        fn, axis_name="y", bidirectional=bidirectional, api=api
+      ),
+      mesh=mesh,
+      in_specs=in_specs,
+      out_specs=out_spec,
+    )
+  )
+  return analyze(f, *args)
+
+
+def chunk_scope(op_name: str) -> str | None:
+  """``.../chunk<s>`` of an instruction traced inside a ring step."""
+  m = _SCOPE.match(op_name)
+  return m.group(1) if m else None
+
+
+def window_matmuls(pair) -> list:
+  """The chunk matmuls of the pair's own step inside its window."""
+  scope = chunk_scope(pair.start_instr.op_name)
+  return [
+    i
+    for i in pair.between
+    if i.opcode in MATMUL_OPS
+    and "dot_general" in i.op_name
+    and chunk_scope(i.op_name) == scope
+  ]
+
+
+class _P:
+  """A pair with its start instruction resolved."""
+
+  def __init__(self, report, pair):
+    self.pair = pair
+    self.start_instr = report.module.instr(pair.start)
+    self.between = pair.between
+
+
+def check_overlap(report, n: int, directions: int, stages: int):
+  """Every transfer hides the chunk matmul(s) of its own step."""
+  report.assert_no_defensive_copies()
+  report.assert_no_inflight_copies()
+  pairs = report.pairs_for("asyncops.ppermute")  # value or ref kernels
+  assert len(pairs) == stages * directions * (n - 1), [p.start for p in pairs]
+  for p in pairs:
+    assert p.source_live and p.dest_live, p
+    assert not p.crossing, p  # unrolled: start and done in one computation
+    mm = window_matmuls(_P(report, p))
+    # A bidirectional step computes one matmul per direction, both
+    # between the two starts and the two dones.
+    assert len(mm) == directions, (
+      f"%{p.start}: expected {directions} chunk matmul(s) of its own step "
+      f"in the window, found {[i.name for i in mm]}"
+    )
+  # And every ring-step matmul sits inside some window.
+  inside = {i.name for p in pairs for i in window_matmuls(_P(report, p))}
+  ring_mm = [
+    i
+    for instrs in report.schedule.values()
+    for i in instrs
+    if i.opcode in MATMUL_OPS
+    and "dot_general" in i.op_name
+    and chunk_scope(i.op_name)
+    and not i.computation.startswith("fused")
+  ]
+  assert ring_mm and {i.name for i in ring_mm} <= inside
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+def test_every_chunk_overlaps(topology, variant, bidirectional):
+  r = _report(topology, variant, bidirectional)
+  n = TOPOLOGIES[topology][1]
+  check_overlap(r, n, 2 if bidirectional else 1, STAGES[variant])
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("variant", ["allgather", "reducescatter"])
+def test_ref_api_overlaps_v5e(variant, bidirectional):
+  r = _report("v5e:2x4", variant, bidirectional, api="ref")
+  check_overlap(r, 4, 2 if bidirectional else 1, 1)
+
+
+def test_float32_chapter_shape_v5e():
+  r = _report("v5e:2x4", "allgather", False, jnp.float32)
+  check_overlap(r, 4, 1, 1)
+
+
+def test_check_catches_a_matmul_outside_the_window():
+  """The checker fails on the chapter's plain ppermute version.
+
+  Without barriers nothing ties XLA's collective-permute to a matmul, and
+  our check must notice that there is no asyncops transfer hiding it.
+  """
+  mesh = tpu_mesh("v5e:2x4", (2, 4), ("x", "y"))
+
+  def naive(a, w):
+    # start, done, then the matmul: an empty window.
+    from asyncops.futures import _api as fut
+
+    k = a.shape[1]
+    acc = jnp.zeros((a.shape[0], w.shape[1]), jnp.float32)
+    cur = a
+    me = jax.lax.axis_index("y")
+    for s in range(3):
+      with jax.named_scope(f"chunk{s}"), jax.named_scope("ring_step"):
+        nxt, f = fut.ppermute_start(cur, "y", shift=-1)
+        nxt = fut.ppermute_done(f)
+        rows = jax.lax.dynamic_slice_in_dim(w, ((me + s) % 4) * k, k)
+        acc = acc + jnp.dot(nxt, rows, preferred_element_type=jnp.float32)
+        cur = nxt
+    return acc.astype(a.dtype)
+
+  args = [
+    jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    for s, spec in zip(
+      ((B, D), (D, F)), (P("x", "y"), P(None, "y")), strict=True
+    )
+  ]
+  f = jax.jit(
+    jax.shard_map(
+      naive,
+      mesh=mesh,
+      in_specs=(P("x", "y"), P(None, "y")),
+      out_specs=P("x", "y"),
+    )
+  )
+  r = analyze(f, *args)
+  r.assert_no_defensive_copies()  # clean, yet nothing overlaps:
+  with pytest.raises(AssertionError, match="chunk matmul"):
+    check_overlap(r, 4, 1, 1)

@@ -1,0 +1,185 @@
+"""Raw Pallas start/done kernels and the seed design's patterns.
+
+Each ``pattern_*`` function takes a topology name and returns
+``(jitted, abstract_args)`` for :func:`asyncops.inspect.analyze`, so it is
+also usable from the command line::
+
+  python -m asyncops.inspect tests.util:pattern_staggered_unroll1
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncops.inspect import tpu_mesh, tpu_topology
+
+MESH_AXES = ("x", "y")
+SHAPE = (1024, 1024)  # per device
+
+
+def ppermute_start(x, axis_name="y", shift=1):
+  """Starts a ring ppermute; returns (aliased x, future)."""
+
+  def kernel(x_ref, aliased_x_ref, o_ref, send_sem, recv_sem):
+    del aliased_x_ref
+    n = jax.lax.axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name)
+    dst = jax.lax.rem(me + shift + n, n)
+    src = jax.lax.rem(me - shift + n, n)
+
+    def dev(i):  # full mesh coordinates (0.10.2 pvary lowering bug)
+      return tuple(
+        i if a == axis_name else jax.lax.axis_index(a) for a in MESH_AXES
+      )
+
+    b = pltpu.get_barrier_semaphore()
+    pl.semaphore_signal(
+      b, device_id=dev(src), device_id_type=pl.DeviceIdType.MESH
+    )
+    pl.semaphore_wait(b, 1)
+    pltpu.make_async_remote_copy(
+      x_ref,
+      o_ref,
+      send_sem,
+      recv_sem,
+      device_id=dev(dst),
+      device_id_type=pl.DeviceIdType.MESH,
+    ).start()
+
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+  x, out, s, r = pl.pallas_call(
+    kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct.like(x),
+      jax.ShapeDtypeStruct.like(x),
+      pltpu.SemaphoreType.DMA(()),
+      pltpu.SemaphoreType.DMA(()),
+    ),
+    in_specs=[any_spec],
+    out_specs=(any_spec, any_spec, sem_spec, sem_spec),
+    input_output_aliases={0: 0},
+    compiler_params=pltpu.CompilerParams(
+      collective_id=0, has_side_effects=True
+    ),
+  )(x)
+  return x, (s, r, x, out)
+
+
+def ppermute_done(fut):
+  """Waits on a future from :func:`ppermute_start`; returns the result."""
+  s, r, x, out = fut
+
+  def kernel(x_ref, o_ref, s, r, aliased_o_ref):
+    del aliased_o_ref
+    pltpu.make_async_copy(x_ref, x_ref, s).wait()
+    pltpu.make_async_copy(o_ref, o_ref, r).wait()
+
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+  return pl.pallas_call(
+    kernel,
+    out_shape=jax.ShapeDtypeStruct.like(out),
+    in_specs=[any_spec, any_spec, sem_spec, sem_spec],
+    out_specs=any_spec,
+    input_output_aliases={1: 0},
+    compiler_params=pltpu.CompilerParams(has_side_effects=True),
+  )(x, out, s, r)
+
+
+def compute(x):
+  """Some real work (a matmul) to overlap with the transfer."""
+  return jnp.tanh(x) @ x
+
+
+def use_pre_start_x(x):
+  """Computes on the pre-start ``x`` (seed: 'Defensive copies')."""
+  _, fut = ppermute_start(x)
+  z = compute(x)
+  return ppermute_done(fut), z
+
+
+def use_aliased_x(x):
+  """Computes on the start's aliased ``x`` (the seed's fix)."""
+  x2, fut = ppermute_start(x)
+  z = compute(x2)
+  return ppermute_done(fut), z
+
+
+def with_barriers(x):
+  """Optimization barriers pin the compute inside the window."""
+  x2, fut = ppermute_start(x)
+  x2, fut = jax.lax.optimization_barrier((x2, fut))
+  z = compute(x2)
+  z, fut = jax.lax.optimization_barrier((z, fut))
+  return ppermute_done(fut), z
+
+
+def barrier_on_pre_start_x(x):
+  """Barriers, but the compute reads the pre-start ``x`` (jax#25399)."""
+  _, fut = ppermute_start(x)
+  x, fut = jax.lax.optimization_barrier((x, fut))
+  z = compute(x)
+  z, fut = jax.lax.optimization_barrier((z, fut))
+  return ppermute_done(fut), z
+
+
+def loop(x, unroll=1):
+  """fori_loop with start and done in the body (seed: 'Loop aliasing')."""
+
+  def body(i, x):
+    _, fut = ppermute_start(x)
+    return ppermute_done(fut)
+
+  return jax.lax.fori_loop(0, 8, body, x, unroll=unroll)
+
+
+def staggered(x, unroll=1):
+  """A future carried across iterations (seed: 'Passing futures...')."""
+  _, fut = ppermute_start(x)
+
+  def body(i, fut):
+    y = ppermute_done(fut)
+    _, fut = ppermute_start(y)
+    return fut
+
+  fut = jax.lax.fori_loop(0, 7, body, fut, unroll=unroll)
+  return ppermute_done(fut)
+
+
+def build(f, topology="v5e:2x4", shape=SHAPE, dtype=jnp.float32):
+  """Jits ``f`` under shard_map on a 2-D AOT TPU mesh of ``topology``."""
+  devices = len(tpu_topology(topology).devices)
+  rows = 2 if devices == 8 else 1
+  mesh = tpu_mesh(topology, (rows, devices // rows), MESH_AXES)
+  spec = P("x", "y")
+  arg = jax.ShapeDtypeStruct(
+    (rows * shape[0], devices // rows * shape[1]),
+    dtype,
+    sharding=NamedSharding(mesh, spec),
+  )
+  jitted = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
+  return jitted, (arg,)
+
+
+def _pattern(f):
+  return lambda topology="v5e:2x4": build(f, topology)
+
+
+PATTERNS = {
+  "pre_start_x": use_pre_start_x,
+  "aliased_x": use_aliased_x,
+  "barriers": with_barriers,
+  "barrier_on_pre_start_x": barrier_on_pre_start_x,
+  "loop_unroll1": functools.partial(loop, unroll=1),
+  "loop_unroll2": functools.partial(loop, unroll=2),
+  "staggered_unroll1": functools.partial(staggered, unroll=1),
+  "staggered_unroll2": functools.partial(staggered, unroll=2),
+}
+for _name, _f in PATTERNS.items():
+  globals()[f"pattern_{_name}"] = _pattern(_f)
