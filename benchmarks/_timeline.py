@@ -71,6 +71,8 @@ _SYNC_COLLECTIVES = {
   "collective-broadcast",
 }
 _SMALL_BYTES = 64 * 1024
+# Custom calls that only re-label buffers.
+_FREE_TARGETS = {"ConcatBitcast", "AllocateBuffer", "Sharding"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,15 +343,16 @@ class _Sim:
           family = family.split("_send")[0]
           t = self._wait(comp, ins, t, family)
         continue
-      if op == "copy-start":
-        nbytes = ins.arrays[0].nbytes if ins.arrays else ins.nbytes
-        dur = nbytes / self.chip.hbm_bytes_per_s
+      base = op[: -len("-start")] if op.endswith("-start") else ""
+      if base and base != "async" and base not in _SYNC_COLLECTIVES:
+        # copy-start, slice-start, ...: a local DMA (HBM <-> VMEM).
+        sizes = [a.nbytes for a in ins.arrays if a.nbytes > 64]
+        dur = min(sizes, default=0) / self.chip.hbm_bytes_per_s
         if "cross_program_prefetch" in ins.attrs and self.prefetch == "free":
           dur = 0.0
-        t = self._launch(ins, "dma", dur, t, "copy", charge=False)
+        t = self._launch(ins, "dma", dur, t, "dma", charge=False)
         continue
-      if op.endswith("-start"):
-        base = op[: -len("-start")]
+      if base:
         if base == "async":
           inner = [
             i.opcode
@@ -363,8 +366,7 @@ class _Sim:
         continue
       if op.endswith("-done"):
         family = op.replace("-done", "-start")
-        if op == "copy-done":
-          family = "copy"
+        if family[: -len("-start")] not in _SYNC_COLLECTIVES | {"async"}:
           names = self._sources(comp, ins)
           end = max((self.pending.pop(n).end for n in names), default=t)
           if end > t:
@@ -382,6 +384,9 @@ class _Sim:
         self.exposed += begin + dur - t
         self.transfers += 1
         t = begin + dur
+        continue
+      target = ins.attr("custom_call_target") or ""
+      if op == "custom-call" and target.strip('"') in _FREE_TARGETS:
         continue
       cost = self._op_cost(comp, ins)
       self._emit("compute", ins.name, "compute", t, cost)
