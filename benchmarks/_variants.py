@@ -106,10 +106,13 @@ def build(name: str, mesh, *, precision=None):
   }
   lib = _library("allgather_matmul")
   if lib is not None:
-    fns["allgather_matmul"] = lambda a, w: lib(a, w, AXIS)
-    fns["allgather_matmul_bidi"] = lambda a, w: lib(
-      a, w, AXIS, bidirectional=True
-    )
+    # The library takes no precision argument; set the default at trace.
+    def _lib(a, w, **kw):
+      with jax.default_matmul_precision(precision or "default"):
+        return lib(a, w, AXIS, **kw)
+
+    fns["allgather_matmul"] = _lib
+    fns["allgather_matmul_bidi"] = functools.partial(_lib, bidirectional=True)
   if name not in fns:
     raise ValueError(
       f"variant {name!r} is not available; choose from {available()}."
