@@ -1,0 +1,63 @@
+"""Prints the evidence in ``design/futures.md``: a future's layout.
+
+The treedef of a ppermute future, the jaxpr of start/done, and the start and
+done custom calls in the TPU ``v5e:2x4`` HLO of the same program::
+
+  python examples/futures_layout.py
+"""
+
+import os
+import re
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+  )
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import asyncops  # noqa: E402
+from asyncops import inspect  # noqa: E402
+
+
+def f(x):
+  x, fut = asyncops.ppermute_start(x, "i", shift=1)
+  print("treedef:", jax.tree.structure(fut))
+  return asyncops.ppermute_done(fut)
+
+
+def program(mesh):
+  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+
+
+def main() -> None:
+  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+  print(jax.make_jaxpr(program(mesh))(x))
+  tpu = inspect.tpu_mesh("v5e:2x4", (8,), ("i",))
+  xs = jax.ShapeDtypeStruct(
+    (64, 128), jnp.float32, sharding=NamedSharding(tpu, P("i"))
+  )
+  text = inspect.analyze(program(tpu), xs).hlo_text
+  for line in text.splitlines():
+    if re.search(r"%asyncops_[\w.]+ = ", line):
+      print(
+        re.sub(
+          r", (metadata|backend_config|frontend_attributes)=.*",
+          "",
+          line.strip(),
+        )
+      )
+
+
+if __name__ == "__main__":
+  main()
