@@ -145,9 +145,10 @@ def ppermute_start(src_ref, dst_ref, axis_name: str, perm=None, *, shift=None):
   """Starts a collective permute from ``src_ref`` into ``dst_ref``.
 
   Device ``s`` sends its ``src_ref`` into device ``d``'s ``dst_ref`` for
-  each pair ``(s, d)`` of ``perm`` (as ``jax.lax.ppermute``); a device
-  nobody sends to keeps its ``dst_ref`` unchanged. ``shift=k`` is the ring
-  ``[(i, (i + k) % n)]``.
+  each pair ``(s, d)`` of ``perm`` (as ``jax.lax.ppermute``). ``shift=k``
+  is the ring ``[(i, (i + k) % n)]``. **With a partial perm, a device
+  nobody sends to keeps its ``dst_ref`` contents unchanged** (no DMA writes
+  it), where the value API and ``jax.lax.ppermute`` give zeros.
 
   Args:
     src_ref: a ``jax.Ref`` (or one slot ``ref.at[i]``) to send.
