@@ -315,9 +315,7 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   # takes over the result's Var and the equation gets the barrier's fresh
   # one; results an equation traced since the start already reads keep
   # theirs.
-  read = {
-    id(getattr(t, "val", None)) for e in after for t in e.in_tracers
-  }
+  read = {id(getattr(t, "val", None)) for e in after for t in e.in_tracers}
   for k, (e, v) in enumerate(leaves):
     if id(v) in read:
       continue

@@ -125,8 +125,10 @@ def test_run_state():
 
   def want(x, w):
     del w
-    return (jax.lax.ppermute(x, "y", [(i, (i + 1) % 4) for i in range(4)]) +
-            jnp.sin(x),)
+    return (
+      jax.lax.ppermute(x, "y", [(i, (i + 1) % 4) for i in range(4)])
+      + jnp.sin(x),
+    )
 
   x, w = _inputs(3)
   (expected,) = _run(want, 1, x, w, "start")
@@ -411,7 +413,5 @@ def test_tpu_matmul_scheduled_inside_window(topology):
   r = _report("matmul", "ref", topology)
   r.assert_overlapped(min_pairs=1, op="asyncops_ppermute_ref_start")
   (pair,) = r.pairs_for("asyncops_ppermute_ref_start")
-  ops = [i.opcode for i in pair.between] + [
-    i.name for i in pair.between if i.opcode == "fusion"
-  ]
-  assert any(re.search(r"convolution|dot", o) for o in ops), ops
+  ops = [f"{i.opcode} {i.op_name}" for i in pair.between]
+  assert any(re.search(r"convolution|dot_general", o) for o in ops), ops

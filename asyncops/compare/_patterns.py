@@ -452,9 +452,7 @@ def _patterns() -> tuple[Pattern, ...]:
   ]
   for n in (7, 8):
     out += [
-      Pattern(
-        f"ring_{n}", ring_value(n), ring_ref(n), ring_lax(n), n_out=1
-      ),
+      Pattern(f"ring_{n}", ring_value(n), ring_ref(n), ring_lax(n), n_out=1),
       Pattern(
         f"staggered_{n}", staggered_value(n), staggered_ref(n), staggered_lax(n)
       ),

@@ -21,7 +21,6 @@ from asyncops.futures._future import FutureError, NeverAwaitedWarning
 from asyncops.futures._spec import OpSpec
 from asyncops.stateful._layout import Layout
 
-
 # token -> where a start whose future is still fresh was traced.
 _pending: dict[int, str] = {}
 _tokens = itertools.count(1)
