@@ -259,7 +259,8 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   Inserts ``optimization_barrier(*inputs, *sems)`` right after the start
   and points the pure equations traced since then at its outputs (so they
   run after the start), then returns ``sems`` passed through a second
-  barrier with those equations' results (so the done runs after them).
+  barrier with those equations' results (so the done runs after them); that
+  barrier takes over the results' Vars, so later code reads its outputs.
   ``sems`` are the start's semaphore tracers. Without this XLA may hoist the
   compute above the start (measured on v5e). Equations stay in the frame,
   so user tracers of their results remain valid.
