@@ -259,7 +259,8 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   Inserts ``optimization_barrier(*inputs, *sems)`` right after the start
   and points the pure equations traced since then at its outputs (so they
   run after the start), then returns ``sems`` passed through a second
-  barrier with those equations' results (so the done runs after them).
+  barrier with those equations' results (so the done runs after them); that
+  barrier takes over the results' Vars, so later code reads its outputs.
   ``sems`` are the start's semaphore tracers. Without this XLA may hoist the
   compute above the start (measured on v5e). Equations stay in the frame,
   so user tracers of their results remain valid.
@@ -302,15 +303,33 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
         new.get(t.val, t) if isinstance(t.val, _core.Var) else t
         for t in e.in_tracers
       ]
-  leaves = [
-    trace.var_to_tracer(v, e.source_info, e)
-    for e in between
-    for v in e.outvars
-    if v not in used
-  ]
+  leaves = [(e, v) for e in between for v in e.outvars if v not in used]
   if not leaves:
     return sems
-  return list(tie_p.bind(*leaves, *sems)[len(leaves) :])
+  tracers = [trace.var_to_tracer(v, e.source_info, e) for e, v in leaves]
+  n = len(frame.tracing_eqns)
+  outs = tie_p.bind(*tracers, *sems)
+  tie = _resolve(frame.tracing_eqns[n])
+  # Later uses of a result must read the barrier's output, or XLA may fuse
+  # (duplicate) the compute into a consumer after the done, re-reading an
+  # in-flight buffer there (measured: a copy of it on v5e). So the barrier
+  # takes over the result's Var and the equation gets the barrier's fresh
+  # one; results an equation traced since the start already reads keep
+  # theirs.
+  read = {id(getattr(t, "val", None)) for e in after for t in e.in_tracers}
+  for k, (e, v) in enumerate(leaves):
+    if id(v) in read:
+      continue
+    fresh = tie.outvars[k]
+    e.outvars = [fresh if o is v else o for o in e.outvars]
+    tie.outvars[k] = v
+    tie.in_tracers[k] = trace.var_to_tracer(fresh, e.source_info, e)
+  return list(outs[len(leaves) :])
+
+
+def _resolve(entry: Any) -> Any:
+  """A frame entry as its ``TracingEqn`` (entries may be weak references)."""
+  return entry if isinstance(entry, _pe.TracingEqn) else entry()
 
 
 # The device kind (e.g. "TPU v4") a TPU rule is lowering for. Kernels that

@@ -1,10 +1,15 @@
-"""The seed design's patterns, written with the value API and the Ref API.
+"""The same patterns written three ways: value API, Ref API, ``jax.lax``.
 
-Each pattern is a pair of per-device functions ``f(x, w) -> y`` for use
-under ``shard_map`` over one axis ``"i"`` of size ``n``; both must compute
-the same numbers. The value side follows the seed design's rules (use the
-returned ``x``, ``optimization_barrier`` around compute, ``unroll=2``); the
-Ref side writes the same thing over ``jax.Ref``s.
+Each pattern is a set of per-device functions ``f(x, w) -> tuple`` for
+``shard_map`` over a ``("x", "y")`` mesh (``x`` sharded over both axes,
+``w`` replicated); all three must compute the same numbers. The value side
+is the best value-API code: :mod:`asyncops.scheduling` helpers (``overlap``,
+``fori_loop``, ``staggered``). The Ref side is :mod:`asyncops.stateful` with
+plain ``jax.lax.fori_loop`` at ``unroll=1`` and a
+:func:`~asyncops.stateful.double_buffer` where a loop forwards what it
+received. The patterns are the seed design's "Revenge of the State" section
+(``revenge_*``) and the scheduling layer's (``tests/test_scheduling.py``),
+plus all-gather and local copy.
 """
 
 import dataclasses
@@ -14,223 +19,462 @@ import jax
 import jax.numpy as jnp
 
 import asyncops
+from asyncops import scheduling as sch
 from asyncops import stateful as st
 
-AX = "i"
+Y, X = "y", "x"
 
 
-def _ob(*xs):
-  return jax.lax.optimization_barrier(xs)
+def work(x):
+  """Compute worth overlapping (elementwise, so it is exact on CPU)."""
+  return jnp.sin(x) * 2.0 + 1.0
 
 
-# 1. One transfer overlapping a matmul ---------------------------------------
+def _start_y(x, shift=1):
+  return asyncops.ppermute_start(x, Y, shift=shift)
 
 
-def overlap_value(x, w):
-  x, fut = asyncops.ppermute_start(x, AX, shift=1)
-  x, w, fut = _ob(x, w, fut)
-  z = x @ w
-  z, fut = _ob(z, fut)
-  return asyncops.ppermute_done(fut) + z
+def _roll(x, axis=Y, k=1):
+  n = jax.lax.axis_size(axis)
+  return jax.lax.ppermute(x, axis, [(j, (j + k) % n) for j in range(n)])
 
 
-def overlap_ref(x, w):
-  x_ref, y_ref = jax.new_ref(x), jax.new_ref(jnp.zeros_like(x))
-  fut = st.ppermute_start(x_ref, y_ref, AX, shift=1)
+def _empty(x):
+  """A Ref for a transfer's result, varying like ``x`` (not empty_ref:
+  under shard_map it loses the varying axes in jax 0.10.2)."""
+  return jax.new_ref(jnp.zeros_like(x))
+
+
+# Revenge of the State ------------------------------------------------------
+
+
+def basic_value(x, w):
+  del w
+  x, fut = _start_y(x)
+  return (asyncops.ppermute_done(fut),)
+
+
+def basic_ref(x, w):
+  del w
+  x_ref, y_ref = jax.new_ref(x), _empty(x)
+  fut = st.ppermute_start(x_ref, y_ref, Y, shift=1)
+  st.ppermute_done(fut, x_ref, y_ref)
+  return (y_ref[...],)
+
+
+def basic_lax(x, w):
+  del w
+  return (_roll(x),)
+
+
+# The seed's ``x_ref[...] += 1`` between start and done writes the source
+# while the DMA reads it (a hazard the check rejects): the race-free Ref
+# program writes the sum to another Ref.
+def op_between_value(x, w):
+  del w
+  x, fut = _start_y(x)
+  z, fut = sch.overlap(fut, lambda x: x + 1.0, x)
+  return asyncops.ppermute_done(fut), z
+
+
+def op_between_ref(x, w):
+  del w
+  x_ref, y_ref, z_ref = jax.new_ref(x), _empty(x), _empty(x)
+  fut = st.ppermute_start(x_ref, y_ref, Y, shift=1)
+  z_ref[...] = x_ref[...] + 1.0
+  st.ppermute_done(fut, x_ref, y_ref)
+  return y_ref[...], z_ref[...]
+
+
+def op_between_lax(x, w):
+  del w
+  return _roll(x), x + 1.0
+
+
+def unrolled_value(n):
+  def f(x, w):
+    del w
+
+    def body(i, x):
+      return asyncops.ppermute_done(_start_y(x)[1])
+
+    return (sch.fori_loop(0, n, body, x),)
+
+  return f
+
+
+def unrolled_ref(n):
+  # The seed's loop: two Refs, x -> y then y -> x, unrolled by hand.
+  def f(x, w):
+    del w
+    x_ref, y_ref = jax.new_ref(x), _empty(x)
+
+    def body(i, c):
+      fut = st.ppermute_start(x_ref, y_ref, Y, shift=1)
+      st.ppermute_done(fut, x_ref, y_ref)
+      fut = st.ppermute_start(y_ref, x_ref, Y, shift=1)
+      st.ppermute_done(fut, y_ref, x_ref)
+      return c
+
+    jax.lax.fori_loop(0, n // 2, body, 0)
+    return (x_ref[...],)
+
+  return f
+
+
+def double_buffered_ref(n):
+  # The seed's scratch buffer with a leading 2: no manual unrolling.
+  def f(x, w):
+    del w
+    buf = st.double_buffer(x)
+
+    def body(i, c):
+      fut = st.ppermute_start(buf.send_slot(i), buf.recv_slot(i), Y, shift=1)
+      st.ppermute_done(fut, buf.send_slot(i), buf.recv_slot(i))
+      return c
+
+    jax.lax.fori_loop(0, n, body, 0)
+    return (buf.read(n),)
+
+  return f
+
+
+def roll_n_lax(n):
+  def f(x, w):
+    del w
+    return (jax.lax.fori_loop(0, n, lambda i, x: _roll(x), x),)
+
+  return f
+
+
+# Scheduling layer ------------------------------------------------------------
+
+
+def between_value(x, w):
+  del w
+  x, fut = _start_y(x)
+  z, fut = sch.overlap(fut, work, x)
+  return asyncops.ppermute_done(fut), z
+
+
+def between_ref(x, w):
+  del w
+  x_ref, y_ref = jax.new_ref(x), _empty(x)
+  fut = st.ppermute_start(x_ref, y_ref, Y, shift=1)
+  z = work(x)
+  st.ppermute_done(fut, x_ref, y_ref)
+  return y_ref[...], z
+
+
+def between_lax(x, w):
+  del w
+  return _roll(x), work(x)
+
+
+def matmul_value(x, w):
+  x, fut = _start_y(x)
+  z, fut = sch.overlap(fut, lambda x, w: x @ w, x, w)
+  return asyncops.ppermute_done(fut), z
+
+
+def matmul_ref(x, w):
+  x_ref, y_ref = jax.new_ref(x), _empty(x)
+  fut = st.ppermute_start(x_ref, y_ref, Y, shift=1)
   z = x @ w
   st.ppermute_done(fut, x_ref, y_ref)
-  return y_ref[...] + z
+  return y_ref[...], z
 
 
-# 2. A ring of start/done pairs (the seed's loop) ----------------------------
+def matmul_lax(x, w):
+  return _roll(x), x @ w
 
 
-def ring_value(x, w, n):
+def two_in_flight_value(x, w):
   del w
-
-  def body(i, x):
-    x, fut = asyncops.ppermute_start(x, AX, shift=1)
-    return asyncops.ppermute_done(fut)
-
-  return jax.lax.fori_loop(0, n, body, x, unroll=2)
+  x1, f1 = _start_y(x)
+  x2, f2 = asyncops.ppermute_start(x * 3.0, X, shift=1)
+  z, (f1, f2) = sch.overlap((f1, f2), lambda a, b: work(a) * b, x1, x2)
+  return asyncops.ppermute_done(f1) + asyncops.ppermute_done(f2), z
 
 
-def ring_ref(x, w, n):
+def two_in_flight_ref(x, w):
   del w
-  buf = jax.new_ref(jnp.stack([x, jnp.zeros_like(x)]))
-
-  def body(i, c):
-    s, r = i % 2, (i + 1) % 2
-    fut = st.ppermute_start(buf.at[s], buf.at[r], AX, shift=1)
-    st.ppermute_done(fut, buf.at[s], buf.at[r])
-    return c
-
-  jax.lax.fori_loop(0, n, body, 0)
-  return buf[n % 2]
+  a_ref, b_ref = jax.new_ref(x), jax.new_ref(x * 3.0)
+  ya_ref, yb_ref = _empty(x), _empty(x)
+  f1 = st.ppermute_start(a_ref, ya_ref, Y, shift=1)
+  f2 = st.ppermute_start(b_ref, yb_ref, X, shift=1)
+  z = work(x) * (x * 3.0)
+  st.ppermute_done(f1, a_ref, ya_ref)
+  st.ppermute_done(f2, b_ref, yb_ref)
+  return ya_ref[...] + yb_ref[...], z
 
 
-# 3. Futures across loop boundaries (staggered) ------------------------------
-
-
-def staggered_value(x, w, n):
+def two_in_flight_lax(x, w):
   del w
-  x, fut = asyncops.ppermute_start(x, AX, shift=1)
-
-  def body(i, fut):
-    x = asyncops.ppermute_done(fut)
-    return asyncops.ppermute_start(x, AX, shift=1)[1]
-
-  fut = jax.lax.fori_loop(0, n - 1, body, fut, unroll=2)
-  return asyncops.ppermute_done(fut)
+  return _roll(x) + _roll(x * 3.0, X), work(x) * (x * 3.0)
 
 
-def staggered_ref(x, w, n):
-  del w
-  buf = jax.new_ref(jnp.stack([x, jnp.zeros_like(x)]))
-  fut = st.ppermute_start(buf.at[0], buf.at[1], AX, shift=1)
+def ring_value(n):
+  def f(x, w):
+    del w
 
-  def body(i, fut):
-    s, r = i % 2, (i + 1) % 2
-    st.ppermute_done(fut, buf.at[s], buf.at[r])
-    return st.ppermute_start(buf.at[r], buf.at[s], AX, shift=1)
+    def body(i, x):
+      x, fut = _start_y(x)
+      z, fut = sch.overlap(fut, work, x)
+      return asyncops.ppermute_done(fut) + z
 
-  fut = jax.lax.fori_loop(0, n - 1, body, fut)
-  s = (n - 1) % 2
-  st.ppermute_done(fut, buf.at[s], buf.at[1 - s])
-  return buf[n % 2]
+    return (sch.fori_loop(0, n, body, x),)
+
+  return f
 
 
-# 4. Accumulate while the ring turns (the seed's "all together") ------------
+def ring_ref(n):
+  def f(x, w):
+    del w
+    buf = st.double_buffer(x)
+
+    def body(i, c):
+      send, recv = buf.send_slot(i), buf.recv_slot(i)
+      fut = st.ppermute_start(send, recv, Y, shift=1)
+      z = work(send[...])
+      st.ppermute_done(fut, send, recv)
+      recv[...] += z
+      return c
+
+    jax.lax.fori_loop(0, n, body, 0)
+    return (buf.read(n),)
+
+  return f
 
 
-def accumulate_value(x, w, n):
-  del w
-  out = jnp.zeros_like(x)
+def ring_lax(n):
+  def f(x, w):
+    del w
+    return (jax.lax.fori_loop(0, n, lambda i, x: _roll(x) + work(x), x),)
 
-  def body(i, carry):
-    out, x = carry
-    x, fut = asyncops.ppermute_start(x, AX, shift=1)
-    x, out, fut = _ob(x, out, fut)
-    out = out + x
-    out, fut = _ob(out, fut)
-    return out, asyncops.ppermute_done(fut)
-
-  out, _ = jax.lax.fori_loop(0, n, body, (out, x), unroll=2)
-  return out
+  return f
 
 
-def accumulate_ref(x, w, n):
-  del w
-  buf = jax.new_ref(jnp.stack([x, jnp.zeros_like(x)]))
-  out = jax.new_ref(jnp.zeros_like(x))
+def staggered_value(n):
+  def f(x, w):
+    del w
+    x, fut = _start_y(x)
+    acc, fut = sch.overlap(fut, work, x)
 
-  def body(i, c):
-    s, r = i % 2, (i + 1) % 2
-    fut = st.ppermute_start(buf.at[s], buf.at[r], AX, shift=1)
-    out[...] += buf[s]
-    st.ppermute_done(fut, buf.at[s], buf.at[r])
-    return c
+    def body(i, carry):
+      fut, acc = carry
+      x, fut = _start_y(asyncops.ppermute_done(fut))
+      acc, fut = sch.overlap(fut, lambda x, a: a + work(x), x, acc)
+      return fut, acc
 
-  jax.lax.fori_loop(0, n, body, 0)
-  return out[...]
+    fut, acc = sch.fori_loop(0, n, body, (fut, acc))
+    return asyncops.ppermute_done(fut), acc
 
-
-# 5. All-gather matmul over a ring -------------------------------------------
-
-
-def _zeros_out(x, w):
-  z = jnp.zeros((x.shape[0], w.shape[1]), x.dtype)
-  return jax.lax.pcast(z, (AX,), to="varying")
+  return f
 
 
-def ag_matmul_value(x, w, n):
-  out = _zeros_out(x, w)
+def staggered_ref(n):
+  # The future is the loop carry: each transfer's done is in the next trip.
+  def f(x, w):
+    del w
+    buf = st.double_buffer(x)
+    acc = jax.new_ref(work(x))
+    fut = st.ppermute_start(buf.send_slot(0), buf.recv_slot(0), Y, shift=1)
 
-  def body(i, carry):
-    out, x = carry
-    x, fut = asyncops.ppermute_start(x, AX, shift=1)
-    x, w2, out, fut = _ob(x, w, out, fut)
-    out = out + jnp.tanh(x @ w2)
-    out, fut = _ob(out, fut)
-    return out, asyncops.ppermute_done(fut)
+    def body(i, fut):
+      st.ppermute_done(fut, buf.send_slot(i), buf.recv_slot(i))
+      j = i + 1
+      fut = st.ppermute_start(buf.send_slot(j), buf.recv_slot(j), Y, shift=1)
+      acc[...] += work(buf.send_slot(j)[...])
+      return fut
 
-  out, _ = jax.lax.fori_loop(0, n, body, (out, x), unroll=2)
-  return out
+    fut = jax.lax.fori_loop(0, n, body, fut)
+    st.ppermute_done(fut, buf.send_slot(n), buf.recv_slot(n))
+    return buf.read(n + 1), acc[...]
 
-
-def ag_matmul_ref(x, w, n):
-  buf = jax.new_ref(jnp.stack([x, jnp.zeros_like(x)]))
-  out = jax.new_ref(_zeros_out(x, w))
-
-  def body(i, c):
-    s, r = i % 2, (i + 1) % 2
-    fut = st.ppermute_start(buf.at[s], buf.at[r], AX, shift=1)
-    out[...] += jnp.tanh(buf[s] @ w)
-    st.ppermute_done(fut, buf.at[s], buf.at[r])
-    return c
-
-  jax.lax.fori_loop(0, n, body, 0)
-  return out[...]
+  return f
 
 
-# 6. Two transfers in flight, both directions --------------------------------
+def staggered_lax(n):
+  def f(x, w):
+    del w
+
+    def body(i, carry):
+      x, acc = carry
+      x = _roll(x)
+      return x, acc + work(x)
+
+    x, acc = jax.lax.fori_loop(0, n, body, (x, work(x)))
+    return _roll(x), acc
+
+  return f
 
 
-def two_way_value(x, w):
-  x, f1 = asyncops.ppermute_start(x, AX, shift=1)
-  x, f2 = asyncops.ppermute_start(x, AX, shift=-1)
-  x, w, f1, f2 = _ob(x, w, f1, f2)
-  z = x @ w
-  z, f1, f2 = _ob(z, f1, f2)
-  return asyncops.ppermute_done(f1) - asyncops.ppermute_done(f2) + z
+def accumulate_value(n):
+  def f(x, w):
+    del w
+    y, out = sch.staggered(
+      n, _start_y, lambda i, x, out: out + x, x, jnp.zeros_like(x)
+    )
+    return out, y
+
+  return f
 
 
-def two_way_ref(x, w):
+def accumulate_ref(n):
+  def f(x, w):
+    del w
+    buf, out = st.double_buffer(x), _empty(x)
+
+    def body(i, c):
+      send, recv = buf.send_slot(i), buf.recv_slot(i)
+      fut = st.ppermute_start(send, recv, Y, shift=1)
+      out[...] += send[...]
+      st.ppermute_done(fut, send, recv)
+      return c
+
+    jax.lax.fori_loop(0, n, body, 0)
+    return out[...], buf.read(n)
+
+  return f
+
+
+def accumulate_lax(n):
+  def f(x, w):
+    del w
+
+    def body(i, carry):
+      out, x = carry
+      return out + x, _roll(x)
+
+    return jax.lax.fori_loop(0, n, body, (jnp.zeros_like(x), x))
+
+  return f
+
+
+# All-gather and local copy ---------------------------------------------------
+
+
+def all_gather_value(x, w):
+  x, fut = asyncops.all_gather_start(x, Y)
+  z, fut = sch.overlap(fut, lambda x, w: x @ w, x, w)
+  return asyncops.all_gather_done(fut), z
+
+
+def all_gather_ref(x, w):
+  n = jax.lax.axis_size(Y)
   x_ref = jax.new_ref(x)
-  a_ref, b_ref = jax.new_ref(jnp.zeros_like(x)), jax.new_ref(jnp.zeros_like(x))
-  f1 = st.ppermute_start(x_ref, a_ref, AX, shift=1)
-  f2 = st.ppermute_start(x_ref, b_ref, AX, shift=-1)
+  g_ref = jax.new_ref(jnp.broadcast_to(jnp.zeros_like(x), (n, *x.shape)))
+  fut = st.all_gather_start(x_ref, g_ref, Y)
   z = x @ w
-  st.ppermute_done(f1, x_ref, a_ref)
-  st.ppermute_done(f2, x_ref, b_ref)
-  return a_ref[...] - b_ref[...] + z
+  st.all_gather_done(fut, x_ref, g_ref)
+  return g_ref[...], z
+
+
+def all_gather_lax(x, w):
+  return jax.lax.all_gather(x, Y), x @ w
+
+
+def copy_value(x, w):
+  del w
+  x, fut = asyncops.copy_start(x)
+  z, fut = sch.overlap(fut, work, x)
+  return asyncops.copy_done(fut), z
+
+
+def copy_ref(x, w):
+  del w
+  x_ref, y_ref = jax.new_ref(x), _empty(x)
+  fut = st.copy_start(x_ref, y_ref)
+  z = work(x)
+  st.copy_done(fut, x_ref, y_ref)
+  return y_ref[...], z
+
+
+def copy_lax(x, w):
+  del w
+  return x, work(x)
 
 
 @dataclasses.dataclass(frozen=True)
 class Pattern:
-  """A pattern written both ways, and its ``jax.lax`` reference."""
+  """One pattern written with both APIs, and its ``jax.lax`` reference.
+
+  Attributes:
+    name: short name.
+    value: value-API function ``f(x, w) -> tuple``.
+    ref: Ref-API function.
+    lax: the ``jax.lax`` reference.
+    op: the start's op name in TPU HLO (``ppermute``, ``all_gather``...).
+    overlapped: how many start/done pairs of the Ref side must have
+      compute in their window on TPU (0: the pattern has no compute).
+    n_out: how many arrays the functions return.
+  """
 
   name: str
   value: Callable
   ref: Callable
-  looped: bool
+  lax: Callable
+  op: str = "ppermute"
+  overlapped: int = 1
+  n_out: int = 2
 
 
-def _roll(x, k):
-  n = jax.lax.axis_size(AX)
-  return jax.lax.ppermute(x, AX, [(j, (j + k) % n) for j in range(n)])
+def _patterns() -> tuple[Pattern, ...]:
+  out = [
+    Pattern("basic", basic_value, basic_ref, basic_lax, overlapped=0, n_out=1),
+    Pattern("op_between", op_between_value, op_between_ref, op_between_lax),
+    Pattern(
+      "unrolled_8",
+      unrolled_value(8),
+      unrolled_ref(8),
+      roll_n_lax(8),
+      overlapped=0,
+      n_out=1,
+    ),
+    Pattern(
+      "double_buffered_7",
+      unrolled_value(7),
+      double_buffered_ref(7),
+      roll_n_lax(7),
+      overlapped=0,
+      n_out=1,
+    ),
+    Pattern("between", between_value, between_ref, between_lax),
+    Pattern("matmul", matmul_value, matmul_ref, matmul_lax),
+    Pattern(
+      "two_in_flight",
+      two_in_flight_value,
+      two_in_flight_ref,
+      two_in_flight_lax,
+      overlapped=2,
+    ),
+  ]
+  for n in (7, 8):
+    out += [
+      Pattern(f"ring_{n}", ring_value(n), ring_ref(n), ring_lax(n), n_out=1),
+      Pattern(
+        f"staggered_{n}", staggered_value(n), staggered_ref(n), staggered_lax(n)
+      ),
+      Pattern(
+        f"accumulate_{n}",
+        accumulate_value(n),
+        accumulate_ref(n),
+        accumulate_lax(n),
+      ),
+    ]
+  out += [
+    Pattern(
+      "all_gather",
+      all_gather_value,
+      all_gather_ref,
+      all_gather_lax,
+      op="all_gather",
+    ),
+    Pattern("copy", copy_value, copy_ref, copy_lax, op="copy"),
+  ]
+  return tuple(out)
 
 
-def reference(name: str, x, w, n):
-  """The pattern's result with ``jax.lax`` collectives only."""
-  if name == "overlap":
-    return _roll(x, 1) + x @ w
-  if name in ("ring", "staggered"):
-    return _roll(x, n % jax.lax.axis_size(AX))
-  if name == "accumulate":
-    return sum(_roll(x, k) for k in range(n))
-  if name == "ag_matmul":
-    return sum(jnp.tanh(_roll(x, k) @ w) for k in range(n))
-  if name == "two_way":
-    return _roll(x, 1) - _roll(x, -1) + x @ w
-  raise KeyError(name)
-
-
-PATTERNS = (
-  Pattern("overlap", overlap_value, overlap_ref, False),
-  Pattern("ring", ring_value, ring_ref, True),
-  Pattern("staggered", staggered_value, staggered_ref, True),
-  Pattern("accumulate", accumulate_value, accumulate_ref, True),
-  Pattern("ag_matmul", ag_matmul_value, ag_matmul_ref, True),
-  Pattern("two_way", two_way_value, two_way_ref, False),
-)
+PATTERNS = _patterns()
+BY_NAME = {p.name: p for p in PATTERNS}

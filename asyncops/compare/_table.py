@@ -1,87 +1,69 @@
 """Value API versus Ref API on the same patterns, from compiled TPU HLO.
 
 For each pattern of :mod:`asyncops.compare._patterns`, compiles both sides
-ahead of time for a TPU topology and prints: copies of whole buffers
-(defensive or in flight: any ``copy`` of a non-scalar array), peak temporary
-memory (``compiled.memory_analysis().temp_size_in_bytes``), whether the
-compute (the matmul or the add) sits between the start and the done in the
-schedule, and the lines of user code of each side.
+ahead of time for a TPU topology (``x``: 1024x1024 f32 per device, in HBM)
+and reports, from :func:`asyncops.inspect.analyze`: defensive copies,
+copies of in-flight buffers, start/done pairs of the pattern's op with
+compute in their window (``overlapped/pairs``), the peak memory
+(``compiled.memory_analysis().peak_memory_in_bytes``: arguments, outputs
+and temporaries; ``temp_size_in_bytes`` reads 0 for every TPU compile-only
+executable, so it says nothing), and the lines of user code of each side.
 """
 
-import functools
 import inspect
-import os
-import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from asyncops.compare._patterns import PATTERNS
+from asyncops.inspect import analyze, tpu_mesh
+
+AXES = ("x", "y")
+SHARD = (1024, 1024)
 
 
-def _compile(topology, fn, looped):
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from jax.experimental import topologies
-
-  devs = topologies.get_topology_desc(topology, platform="tpu").devices
-  n = len(devs)
-  mesh = jax.sharding.Mesh(np.array(devs).reshape(-1), ("i",))
-  f = functools.partial(fn, n=n) if looped else fn
+def _report(topology, p, side):
+  mesh = tpu_mesh(topology, (2, 4), AXES)
+  spec = P(AXES)
   g = jax.jit(
     jax.shard_map(
-      f, mesh=mesh, in_specs=(jax.P("i"), jax.P()), out_specs=jax.P("i")
+      getattr(p, side),
+      mesh=mesh,
+      in_specs=(spec, P()),
+      out_specs=(spec,) * p.n_out,
     )
   )
-  s = jax.NamedSharding
   x = jax.ShapeDtypeStruct(
-    (n * 256, 512), jnp.float32, sharding=s(mesh, jax.P("i"))
+    (8 * SHARD[0], SHARD[1]), jnp.float32, sharding=NamedSharding(mesh, spec)
   )
-  w = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=s(mesh, jax.P()))
-  return g.trace(x, w).lower().compile()
+  w = jax.ShapeDtypeStruct(
+    (SHARD[1],) * 2, jnp.float32, sharding=NamedSharding(mesh, P())
+  )
+  return analyze(g, x, w)
 
 
-def _copies(hlo: str) -> int:
-  return len(re.findall(r"= [a-z0-9]+\[\d[^\]]*\]\S* copy\(", hlo))
-
-
-def _overlapped(hlo: str) -> bool:
-  """Some compute (fusion/convolution/add) sits between a start and done."""
-  for comp in hlo.split("\n\n"):
-    lines = comp.splitlines()
-    starts = [
-      i for i, s in enumerate(lines) if "_start" in s and "custom-call(" in s
-    ]
-    dones = [
-      i for i, s in enumerate(lines) if "_done" in s and "custom-call(" in s
-    ]
-    for a in starts:
-      for b in dones:
-        if b > a and any(
-          re.search(r"(fusion|convolution|add)\(", s) for s in lines[a + 1 : b]
-        ):
-          return True
-  return False
-
-
-def _loc(fn) -> int:
+def lines_of_code(fn) -> int:
+  """Non-blank, non-comment lines of ``fn``'s body."""
   src = inspect.getsource(fn).splitlines()
   return sum(1 for s in src[1:] if s.strip() and not s.strip().startswith("#"))
 
 
 def rows(topology: str = "v5e:2x4"):
+  """One dict per pattern: ``{"pattern", "value": {...}, "ref": {...}}``."""
   out = []
   for p in PATTERNS:
     row = {"pattern": p.name}
     for side in ("value", "ref"):
-      c = _compile(topology, getattr(p, side), p.looped)
-      hlo = c.as_text()
-      mem = c.memory_analysis()
+      r = _report(topology, p, side)
+      pairs = r.pairs_for(f"asyncops_{p.op}_")
       row[side] = dict(
-        copies=_copies(hlo),
-        temp_kib=int(getattr(mem, "temp_size_in_bytes", -1)) // 1024,
-        overlapped=_overlapped(hlo),
-        loc=_loc(getattr(p, side)),
+        defensive=len(r.defensive_copies),
+        inflight=len(r.inflight_copies),
+        overlapped=f"{sum(q.overlapped for q in pairs)}/{len(pairs)}",
+        peak_mib=r.memory.get("peak_memory_in_bytes", -1) / 2**20,
+        loc=lines_of_code(getattr(p, side)),
       )
     out.append(row)
   return out
@@ -89,23 +71,23 @@ def rows(topology: str = "v5e:2x4"):
 
 def main(topology: str = "v5e:2x4") -> None:
   print(
-    f"value API vs Ref API, compiled for {topology} (x: 256x512 f32/device)"
+    f"value API (scheduling helpers) vs Ref API, {topology}, mesh 2x4, "
+    f"x: {SHARD[0]}x{SHARD[1]} f32 per device"
   )
-  head = (
-    f"{'pattern':<11} | {'copies':>9} | {'temp KiB':>13} | "
-    f"{'overlapped':>11} | {'lines':>7}"
-  )
+  cols = ("defensive", "in-flight", "overlapped", "peak MiB", "lines")
+  head = f"{'pattern':<18}|" + "|".join(f"{c:^15}" for c in cols)
   print(head)
-  print(
-    f"{'':<11} | {'val  ref':>9} | {'val    ref':>13} | "
-    f"{'val   ref':>11} | {'val ref':>7}"
-  )
+  print(f"{'':<18}|" + "|".join(f"{'val':>7}{'ref':>7} " for _ in cols))
   print("-" * len(head))
   for r in rows(topology):
     v, f = r["value"], r["ref"]
+    cells = [
+      (v["defensive"], f["defensive"]),
+      (v["inflight"], f["inflight"]),
+      (v["overlapped"], f["overlapped"]),
+      (f"{v['peak_mib']:.1f}", f"{f['peak_mib']:.1f}"),
+      (v["loc"], f["loc"]),
+    ]
     print(
-      f"{r['pattern']:<11} | {v['copies']:>4} {f['copies']:>4} | "
-      f"{v['temp_kib']:>6} {f['temp_kib']:>6} | "
-      f"{str(v['overlapped']):>5} {str(f['overlapped']):>5} | "
-      f"{v['loc']:>3} {f['loc']:>3}"
+      f"{r['pattern']:<18}|" + "|".join(f"{a!s:>7}{b!s:>7} " for a, b in cells)
     )

@@ -6,4 +6,6 @@ from asyncops.stateful._api import copy_done as copy_done
 from asyncops.stateful._api import copy_start as copy_start
 from asyncops.stateful._api import ppermute_done as ppermute_done
 from asyncops.stateful._api import ppermute_start as ppermute_start
+from asyncops.stateful._double_buffer import DoubleBuffer as DoubleBuffer
+from asyncops.stateful._double_buffer import double_buffer as double_buffer
 from asyncops.stateful._future import RefFuture as RefFuture

@@ -19,7 +19,7 @@ from asyncops.futures import _emulation, _validate
 from asyncops.futures._future import FutureError, _user_frame
 from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _registry
-from asyncops.stateful import _hazards
+from asyncops.stateful import _future, _hazards
 from asyncops.stateful._future import RefFuture
 from asyncops.stateful._layout import Layout, RefView, same_base, view
 from asyncops.stateful._primitives import ref_done_p, ref_start_p
@@ -71,9 +71,10 @@ def _start(src_ref, dst_ref, fn: str, make_spec) -> RefFuture:
   _check_dst(src, dst, spec, fn)
   operands, layout = _operands(src, dst)
   origin = _user_frame()
+  token = _future.new_token()
   with jax.named_scope(f"asyncops.{spec.kind}_ref_start"):
-    sems = ref_start_p.bind(*operands, spec=spec, layout=layout)
-  fut = RefFuture(sems, spec, layout, origin=origin)
+    sems = ref_start_p.bind(*operands, spec=spec, layout=layout, token=token)
+  fut = RefFuture(sems, spec, layout, origin=origin, token=token)
   frame = jc.current_frame(sems[0]) if sems else None
   if frame is not None:
     fut._track = (jc.live_eqns(frame)[-1], src, dst)
@@ -144,9 +145,10 @@ def ppermute_start(src_ref, dst_ref, axis_name: str, perm=None, *, shift=None):
   """Starts a collective permute from ``src_ref`` into ``dst_ref``.
 
   Device ``s`` sends its ``src_ref`` into device ``d``'s ``dst_ref`` for
-  each pair ``(s, d)`` of ``perm`` (as ``jax.lax.ppermute``); a device
-  nobody sends to keeps its ``dst_ref`` unchanged. ``shift=k`` is the ring
-  ``[(i, (i + k) % n)]``.
+  each pair ``(s, d)`` of ``perm`` (as ``jax.lax.ppermute``). ``shift=k``
+  is the ring ``[(i, (i + k) % n)]``. **With a partial perm, a device
+  nobody sends to keeps its ``dst_ref`` contents unchanged** (no DMA writes
+  it), where the value API and ``jax.lax.ppermute`` give zeros.
 
   Args:
     src_ref: a ``jax.Ref`` (or one slot ``ref.at[i]``) to send.

@@ -5,8 +5,14 @@ the static :class:`OpSpec` and :class:`Layout` as structure, so it can be a
 loop carry. The buffers are the Refs themselves: the caller passes them again
 to the done. At trace time the future also remembers (not as pytree data)
 where it was started and on which Refs, for the hazard check.
+
+"Start never awaited" is an error, raised when the program is discharged
+(at ``jit`` lowering, or by ``pl.run_state``'s discharge), when tracing is
+over: each start carries a static ``token``; a future still fresh then
+(neither awaited nor passed on as a pytree, e.g. a loop carry) was dropped.
 """
 
+import itertools
 import warnings
 
 import jax
@@ -14,6 +20,27 @@ import jax
 from asyncops.futures._future import FutureError, NeverAwaitedWarning
 from asyncops.futures._spec import OpSpec
 from asyncops.stateful._layout import Layout
+
+# token -> where a start whose future is still fresh was traced.
+_pending: dict[int, str] = {}
+_tokens = itertools.count(1)
+
+
+def new_token() -> int:
+  return next(_tokens)
+
+
+def check_awaited(token: int, spec: OpSpec) -> None:
+  """Raises if the future of the start with ``token`` was never awaited."""
+  origin = _pending.get(token)
+  if origin is not None:
+    raise FutureError(
+      f"asyncops.stateful: start never awaited: the {spec.short()} started "
+      f"at {origin} has no done, so its destination Ref is still being "
+      f"written when the program reads it or ends. Call "
+      f"asyncops.stateful.{spec.kind}_done(fut, src_ref, dst_ref) before "
+      "reading the destination."
+    )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -33,9 +60,12 @@ class RefFuture:
     "_status",
     "_track",
     "_awaited_at",
+    "_token",
   )
 
-  def __init__(self, sems, spec: OpSpec, layout: Layout, *, origin=None):
+  def __init__(
+    self, sems, spec: OpSpec, layout: Layout, *, origin=None, token=None
+  ):
     self.sems = tuple(sems)
     self.spec = spec
     self.layout = layout
@@ -43,10 +73,18 @@ class RefFuture:
     self._status = "fresh"  # fresh | awaited | handed_off
     self._track = None  # (start_eqn, src_view, dst_view) while tracing
     self._awaited_at = "unknown"
+    self._token = token
+    if token is not None:
+      _pending[token] = origin or "unknown"
+
+  def _settle(self, status: str) -> None:
+    self._status = status
+    if self._token is not None:
+      _pending.pop(self._token, None)
 
   def tree_flatten(self):
     if self._status == "fresh":
-      self._status = "handed_off"
+      self._settle("handed_off")
     return (self.sems,), (self.spec, self.layout)
 
   @classmethod
@@ -63,7 +101,7 @@ class RefFuture:
         f"{self._awaited_at}; awaited again at {where}. A start is awaited "
         "exactly once: start a new transfer instead."
       )
-    self._status = "awaited"
+    self._settle("awaited")
     self._awaited_at = where
 
   def __del__(self):

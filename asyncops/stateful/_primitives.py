@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common, _registry
-from asyncops.stateful import _kernels
+from asyncops.stateful import _future, _kernels
 from asyncops.stateful._layout import Layout
 
 
@@ -143,7 +143,8 @@ def _effects(layout: Layout):
 
 
 @ref_start_p.def_effectful_abstract_eval
-def _ref_start_abstract(*args, spec, layout):
+def _ref_start_abstract(*args, spec, layout, token):
+  del token
   dst = args[layout.dst_i].inner_aval
   return [jc.sem_like(dst)] * n_sems(spec), _effects(layout)
 
@@ -158,8 +159,11 @@ def _slots(args, n):
   return jnp.stack([args[n], args[n + 1]]).astype(jnp.int32)
 
 
-def _ref_start_discharge(in_avals, out_avals, *args, spec, layout):
+def _ref_start_discharge(in_avals, out_avals, *args, spec, layout, token):
   del in_avals, out_avals
+  # Tracing is over when JAX discharges state: a fresh future now was
+  # dropped without a done.
+  _future.check_awaited(token, spec)
   n = layout.n_bufs
   dst, *sems = buf_start_p.bind(
     *args[:n], _slots(args, n), spec=spec, layout=layout
