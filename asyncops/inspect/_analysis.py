@@ -90,8 +90,13 @@ class _Graph:
       for i in c.instrs:
         for k, o in enumerate(i.operands):
           self.users[o].append((i, k))
-        if i.opcode in ("while", "call"):
+        if i.opcode == "while" and i.body:
+          self.callers[i.body].append(i)
+        elif i.opcode == "call":
           for name in i.called:
+            self.callers[name].append(i)
+        elif i.opcode == "conditional":
+          for name in dict.fromkeys(i.branches):
             self.callers[name].append(i)
 
   def param(self, comp: str, number: int) -> Instr | None:
@@ -133,6 +138,11 @@ class _Graph:
           p = self.param(user.called[0], k)
           if p is not None:
             nxt.append(((p.name, idx), crossing + (f"into %{user.name}",)))
+        elif op == "conditional" and 1 <= k <= len(user.branches):
+          p = self.param(user.branches[k - 1], 0)
+          if p is not None:
+            step = f"into branch {k - 1} of %{user.name}"
+            nxt.append(((p.name, idx), crossing + (step,)))
         else:
           hit = _Hit(user, k, idx, crossing)
           yield hit
@@ -157,7 +167,7 @@ class _Graph:
             nxt.append(
               ((caller.name, idx), crossing + (f"out of %{caller.name}",))
             )
-          elif caller.opcode == "call":
+          elif caller.opcode in ("call", "conditional"):
             nxt.append(
               ((caller.name, idx), crossing + (f"out of %{caller.name}",))
             )
@@ -217,6 +227,25 @@ def _alias_classes(m: Module, g: _Graph) -> _UnionFind:
             cp = g.param(cond.name, 0)
             if cp is not None:
               uf.union((i.name, idx), (cp.name, idx))
+      elif i.opcode in ("call", "conditional"):
+        # Operands enter the callee's parameters; callee roots and the
+        # caller's result share a buffer (each branch root, for a
+        # conditional).
+        if i.opcode == "call":
+          entries = [
+            (c, k, k) for c in i.called[:1] for k in range(len(i.operands))
+          ]
+        else:
+          entries = [(c, k + 1, 0) for k, c in enumerate(i.branches)]
+        for callee, k, number in entries:
+          comp, p = m.computations.get(callee), g.param(callee, number)
+          if comp is None or k >= len(i.operands):
+            continue
+          if p is not None:
+            for lf in p.leaves:
+              uf.union((p.name, lf.index), (i.operands[k], lf.index))
+          for idx in leaves:
+            uf.union((i.name, idx), (comp.root.name, idx))
   return uf
 
 
@@ -248,9 +277,14 @@ def _window(m: Module, start: Instr, done: Instr, crossing) -> list[Instr]:
   for step in crossing:
     kind, _, name = step.rpartition(" %")
     w = m.instr(name)
-    if kind == "into":
+    if kind.startswith("into"):
       out.extend(comp.instrs[pos : w.position])
-      target = w.body if w.opcode == "while" else w.called[0]
+      if w.opcode == "while":
+        target = w.body
+      elif w.opcode == "conditional":
+        target = w.branches[int(kind.split()[2])]  # "into branch K of"
+      else:
+        target = w.called[0]
       comp, pos = m.computations[target], 0
     elif kind == "next iteration of":
       out.extend(comp.instrs[pos:])
