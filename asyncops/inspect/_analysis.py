@@ -430,7 +430,8 @@ def copy_ops(m: Module, i: Instr) -> list[tuple[tuple[int, ...], int]]:
   root (or root tuple element) reaches a fused parameter through copies,
   bitcasts and whole-result dynamic-update-slices only, so all it does is
   move one operand into a new buffer. Results of <= 1 element are only
-  reported for ``copy``/``copy-start`` (loop counters, as before).
+  reported for ``copy``/``copy-start`` (loop counters, as before). Nothing
+  inside a fused computation is a copy: it owns no buffer.
 
   Args:
     m: the module (for fused computations).
@@ -450,7 +451,9 @@ def copy_ops(m: Module, i: Instr) -> list[tuple[tuple[int, ...], int]]:
     >>> copy_ops(m, m.instr("c"))
     [((), 0)]
   """
-  if not i.operands:
+  if not i.operands or i.computation in _fused(m):
+    # Inside a fusion nothing owns a buffer (e.g. XLA's ``bitcast_fusion``
+    # operand feeders of a convolution fusion): not a copy.
     return []
   if i.opcode == "copy":
     return [((), 0)]
@@ -458,9 +461,7 @@ def copy_ops(m: Module, i: Instr) -> list[tuple[tuple[int, ...], int]]:
     return [((0,), 0)]
   if i.opcode == "dynamic-update-slice":
     return [((), 1)] if _whole_update(m, i) else []
-  if i.opcode != "fusion" or not i.called or i.computation in _fused(m):
-    # A fusion nested in a fusion (e.g. XLA's ``bitcast_fusion`` operand
-    # feeders inside a convolution fusion) owns no buffer: not a copy.
+  if i.opcode != "fusion" or not i.called:
     return []
   fused = m.computations.get(i.called[0])
   if fused is None:
