@@ -2,12 +2,14 @@
 
 Values are followed leaf by leaf: a position is ``(instruction, shape
 index)``. Starts are traced forward from their semaphore outputs through
-get-tuple-element, tuple, bitcast, optimization barriers, calls and while
-loops (into the body, around the back edge, out of the loop) until a
+get-tuple-element, tuple, bitcast, optimization barriers, calls,
+conditionals (operand ``k + 1`` into branch ``k``, branch roots out) and
+while loops (into the body, around the back edge, out of the loop) until a
 custom call consumes them: that call is a done. Buffers are traced the
 same way, and also through custom-call ``output_to_operand_aliasing``, to
-decide whether a source reaches its done and which copies touch a buffer
-while a transfer is in flight.
+decide whether a source reaches its done and which copies (including
+fusions that only move a buffer) touch a buffer while a transfer is in
+flight.
 
 Example:
 
