@@ -171,3 +171,34 @@ def test_command_line_report(capsys):
   assert "IN FLIGHT" in out and "DANGER" in out
   assert "util.py:" in out and "next iteration of %while" in out
   assert "source buffer live until done: NO" in out
+
+
+def test_staggered_cond_copies_inflight_buffers_in_branch(reports):
+  """A future through ``lax.cond`` (traced loop bounds), raw value API.
+
+  XLA copies the buffers of the transfer started inside the taken branch
+  into the conditional's result while that transfer is in flight (it is
+  awaited in the loop after the conditional).
+  """
+  r = reports("staggered_cond")
+  (cond,) = [
+    i
+    for c in r.module.computations.values()
+    for i in c.instrs
+    if i.opcode == "conditional"
+  ]
+  assert len(cond.branches) == 2
+  steps = {s for p in r.kernel_pairs for s in p.crossing}
+  assert any(s.startswith("into branch") for s in steps)
+  assert f"out of %{cond.name}" in steps
+  inflight = {c.name: c for c in r.inflight_copies}
+  assert inflight, "copies in the branch must be reported in flight"
+  assert all(c.computation in cond.branches for c in inflight.values())
+  roles = sorted(c.inflight.split(" ")[0] for c in inflight.values())
+  assert roles == ["destination", "source"]
+  start = inflight[min(inflight)].inflight.split("%")[1].split(" ")[0]
+  assert r.module.instr(start).computation in cond.branches
+  out = [p for p in r.kernel_pairs if p.start == start]
+  assert out and not any(p.source_live for p in out)
+  with pytest.raises(AssertionError, match="in flight"):
+    r.assert_no_inflight_copies()

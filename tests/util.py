@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import asyncops
 from asyncops.inspect import tpu_mesh, tpu_topology
 
 MESH_AXES = ("x", "y")
@@ -152,19 +153,56 @@ def staggered(x, unroll=1):
   return ppermute_done(fut)
 
 
+def staggered_cond(x, n):
+  """A carried future through ``lax.cond`` and a loop with traced bounds.
+
+  What ``asyncops.scheduling.fori_loop`` did for traced bounds before it
+  refused futures in the carry: peel an odd iteration under ``lax.cond``,
+  then run pairs of iterations. XLA copies the branch's in-flight buffers
+  into the conditional's result (issue 3 follow-up).
+  """
+  n = n[0, 0]
+
+  def body(fut):
+    y = asyncops.ppermute_done(fut)
+    return asyncops.ppermute_start(y, "y", shift=1)[1]
+
+  _, fut = asyncops.ppermute_start(x, "y", shift=1)
+  fut = jax.lax.cond(n % 2 == 1, body, lambda f: f, fut)
+  fut = jax.lax.fori_loop(0, n // 2, lambda i, f: body(body(f)), fut)
+  return asyncops.ppermute_done(fut)
+
+
+staggered_cond.takes_count = True
+
+
 def build(f, topology="v5e:2x4", shape=SHAPE, dtype=jnp.float32):
-  """Jits ``f`` under shard_map on a 2-D AOT TPU mesh of ``topology``."""
+  """Jits ``f`` under shard_map on a 2-D AOT TPU mesh of ``topology``.
+
+  ``f(x)``, or ``f(x, n)`` with a traced per-device int32 ``n`` of shape
+  ``(1, 1)`` when ``f.takes_count`` is set.
+  """
   devices = len(tpu_topology(topology).devices)
   rows = 2 if devices == 8 else 1
   mesh = tpu_mesh(topology, (rows, devices // rows), MESH_AXES)
   spec = P("x", "y")
-  arg = jax.ShapeDtypeStruct(
-    (rows * shape[0], devices // rows * shape[1]),
-    dtype,
-    sharding=NamedSharding(mesh, spec),
+  args = (
+    jax.ShapeDtypeStruct(
+      (rows * shape[0], devices // rows * shape[1]),
+      dtype,
+      sharding=NamedSharding(mesh, spec),
+    ),
   )
-  jitted = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))
-  return jitted, (arg,)
+  if getattr(f, "takes_count", False):
+    args += (
+      jax.ShapeDtypeStruct(
+        (rows, devices // rows), jnp.int32, sharding=NamedSharding(mesh, spec)
+      ),
+    )
+  jitted = jax.jit(
+    jax.shard_map(f, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec)
+  )
+  return jitted, args
 
 
 def _pattern(f):
@@ -180,6 +218,7 @@ PATTERNS = {
   "loop_unroll2": functools.partial(loop, unroll=2),
   "staggered_unroll1": functools.partial(staggered, unroll=1),
   "staggered_unroll2": functools.partial(staggered, unroll=2),
+  "staggered_cond": staggered_cond,
 }
 for _name, _f in PATTERNS.items():
   globals()[f"pattern_{_name}"] = _pattern(_f)

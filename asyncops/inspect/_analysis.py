@@ -2,12 +2,14 @@
 
 Values are followed leaf by leaf: a position is ``(instruction, shape
 index)``. Starts are traced forward from their semaphore outputs through
-get-tuple-element, tuple, bitcast, optimization barriers, calls and while
-loops (into the body, around the back edge, out of the loop) until a
+get-tuple-element, tuple, bitcast, optimization barriers, calls,
+conditionals (operand ``k + 1`` into branch ``k``, branch roots out) and
+while loops (into the body, around the back edge, out of the loop) until a
 custom call consumes them: that call is a done. Buffers are traced the
 same way, and also through custom-call ``output_to_operand_aliasing``, to
-decide whether a source reaches its done and which copies touch a buffer
-while a transfer is in flight.
+decide whether a source reaches its done and which copies (including
+fusions that only move a buffer) touch a buffer while a transfer is in
+flight.
 
 Example:
 
@@ -90,8 +92,13 @@ class _Graph:
       for i in c.instrs:
         for k, o in enumerate(i.operands):
           self.users[o].append((i, k))
-        if i.opcode in ("while", "call"):
+        if i.opcode == "while" and i.body:
+          self.callers[i.body].append(i)
+        elif i.opcode == "call":
           for name in i.called:
+            self.callers[name].append(i)
+        elif i.opcode == "conditional":
+          for name in dict.fromkeys(i.branches):
             self.callers[name].append(i)
 
   def param(self, comp: str, number: int) -> Instr | None:
@@ -133,6 +140,11 @@ class _Graph:
           p = self.param(user.called[0], k)
           if p is not None:
             nxt.append(((p.name, idx), crossing + (f"into %{user.name}",)))
+        elif op == "conditional" and 1 <= k <= len(user.branches):
+          p = self.param(user.branches[k - 1], 0)
+          if p is not None:
+            step = f"into branch {k - 1} of %{user.name}"
+            nxt.append(((p.name, idx), crossing + (step,)))
         else:
           hit = _Hit(user, k, idx, crossing)
           yield hit
@@ -157,7 +169,7 @@ class _Graph:
             nxt.append(
               ((caller.name, idx), crossing + (f"out of %{caller.name}",))
             )
-          elif caller.opcode == "call":
+          elif caller.opcode in ("call", "conditional"):
             nxt.append(
               ((caller.name, idx), crossing + (f"out of %{caller.name}",))
             )
@@ -217,6 +229,25 @@ def _alias_classes(m: Module, g: _Graph) -> _UnionFind:
             cp = g.param(cond.name, 0)
             if cp is not None:
               uf.union((i.name, idx), (cp.name, idx))
+      elif i.opcode in ("call", "conditional"):
+        # Operands enter the callee's parameters; callee roots and the
+        # caller's result share a buffer (each branch root, for a
+        # conditional).
+        if i.opcode == "call":
+          entries = [
+            (c, k, k) for c in i.called[:1] for k in range(len(i.operands))
+          ]
+        else:
+          entries = [(c, k + 1, 0) for k, c in enumerate(i.branches)]
+        for callee, k, number in entries:
+          comp, p = m.computations.get(callee), g.param(callee, number)
+          if comp is None or k >= len(i.operands):
+            continue
+          if p is not None:
+            for lf in p.leaves:
+              uf.union((p.name, lf.index), (i.operands[k], lf.index))
+          for idx in leaves:
+            uf.union((i.name, idx), (comp.root.name, idx))
   return uf
 
 
@@ -248,9 +279,14 @@ def _window(m: Module, start: Instr, done: Instr, crossing) -> list[Instr]:
   for step in crossing:
     kind, _, name = step.rpartition(" %")
     w = m.instr(name)
-    if kind == "into":
+    if kind.startswith("into"):
       out.extend(comp.instrs[pos : w.position])
-      target = w.body if w.opcode == "while" else w.called[0]
+      if w.opcode == "while":
+        target = w.body
+      elif w.opcode == "conditional":
+        target = w.branches[int(kind.split()[2])]  # "into branch K of"
+      else:
+        target = w.called[0]
       comp, pos = m.computations[target], 0
     elif kind == "next iteration of":
       out.extend(comp.instrs[pos:])
@@ -359,30 +395,18 @@ def analyze_module(
     )
     if not kernel:
       continue
-    roles: dict[Pos, str] = {}
-    for p in srcs:
-      roles[_resolve(m, p)] = "source"
-    for out_idx, _, _ in s.aliasing:
-      roles[(s.name, out_idx)] = "source"
-    for p in dsts:
-      roles[_resolve(m, p)] = "destination"
-    for i in between:
-      if i.opcode not in ("copy", "copy-start") or not i.operands:
-        continue
-      if all(lf.num_elements <= 1 for lf in i.leaves):
-        continue
-      role = roles.get(_resolve(m, (i.operands[0], ())))
-      if role and i.name not in inflight:
-        inflight[i.name] = (
-          f"{role} of %{s.name} ({_label(s)}) while in flight to "
-          f"%{d.name}" + (f" [{', '.join(crossing)}]" if crossing else "")
-        )
+    for key, why in _inflight(m, g, s, d, srcs, dsts, between).items():
+      inflight.setdefault(
+        key,
+        f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
+        + (f" [{', '.join(crossing)}]" if crossing else ""),
+      )
 
   copies = [
-    _classify(m, uf, i, inflight.get(i.name, ""))
+    _classify(m, uf, i, out_idx, k, inflight.get((i.name, out_idx), ""))
     for c in m.computations.values()
     for i in c.instrs
-    if i.opcode in ("copy", "copy-start")
+    for out_idx, k in copy_ops(m, i)
   ]
   return Report(
     hlo_text=hlo_text,
@@ -395,6 +419,161 @@ def analyze_module(
     dones=tuple(dict.fromkeys(m.instr(p.done) for p in pairs)),
     schedule={name: c.instrs for name, c in m.computations.items()},
   )
+
+
+_MOVES = ("copy", "bitcast")
+
+
+def copy_ops(m: Module, i: Instr) -> list[tuple[tuple[int, ...], int]]:
+  """The whole-buffer copies ``i`` performs, as ``(output index, operand)``.
+
+  A ``copy`` or ``copy-start``; a ``dynamic-update-slice`` whose update
+  covers the whole result (a copy of the update); or a ``fusion`` whose
+  root (or root tuple element) reaches a fused parameter through copies,
+  bitcasts and whole-result dynamic-update-slices only, so all it does is
+  move one operand into a new buffer. Results of <= 1 element are only
+  reported for ``copy``/``copy-start`` (loop counters, as before). Nothing
+  inside a fused computation is a copy: it owns no buffer.
+
+  Args:
+    m: the module (for fused computations).
+    i: any instruction.
+
+  Returns:
+    ``[(output shape index, operand number), ...]``; empty if ``i`` is not a
+    copy.
+
+  Example:
+
+    >>> m = parse_module('''HloModule m
+    ... ENTRY %e (p: f32[8]) -> f32[8] {
+    ...   %p = f32[8]{0} parameter(0)
+    ...   ROOT %c = f32[8]{0} copy(%p)
+    ... }''')
+    >>> copy_ops(m, m.instr("c"))
+    [((), 0)]
+  """
+  if not i.operands or i.computation in _fused(m):
+    # Inside a fusion nothing owns a buffer (e.g. XLA's ``bitcast_fusion``
+    # operand feeders of a convolution fusion): not a copy.
+    return []
+  if i.opcode == "copy":
+    return [((), 0)]
+  if i.opcode == "copy-start":
+    return [((0,), 0)]
+  if i.opcode == "dynamic-update-slice":
+    return [((), 1)] if _whole_update(m, i) else []
+  if i.opcode != "fusion" or not i.called:
+    return []
+  fused = m.computations.get(i.called[0])
+  if fused is None:
+    return []
+  root = fused.root
+  outs = (
+    [((j,), m.instr(o)) for j, o in enumerate(root.operands)]
+    if root.opcode == "tuple"
+    else [((), root)]
+  )
+  found = []
+  for out_idx, node in outs:
+    leaf = i.leaf(out_idx)
+    if leaf is None or leaf.num_elements <= 1:
+      continue
+    for _ in range(16):
+      if node.opcode in _MOVES and node.operands:
+        node = m.instr(node.operands[0])
+      elif node.opcode == "dynamic-update-slice" and _whole_update(m, node):
+        node = m.instr(node.operands[1])
+      else:
+        break
+    if (
+      node.opcode == "parameter"
+      and node.parameter_number is not None
+      and node.parameter_number < len(i.operands)
+      and node.leaves
+      and node.leaves[0].num_elements == leaf.num_elements
+    ):
+      found.append((out_idx, node.parameter_number))
+  return found
+
+
+def _fused(m: Module) -> set[str]:
+  """Names of fused computations (called by a ``fusion``)."""
+  cache = m.__dict__.get("_fused")
+  if cache is None:
+    cache = {
+      c
+      for comp in m.computations.values()
+      for i in comp.instrs
+      if i.opcode == "fusion"
+      for c in i.called
+    }
+    object.__setattr__(m, "_fused", cache)
+  return cache
+
+
+def _whole_update(m: Module, i: Instr) -> bool:
+  if len(i.operands) < 2 or not i.leaves:
+    return False
+  update = m.instr(i.operands[1])
+  return bool(update.leaves) and (
+    update.leaves[0].num_elements == i.leaves[0].num_elements
+  )
+
+
+def _inflight(
+  m: Module,
+  g: _Graph,
+  s: Instr,
+  d: Instr,
+  srcs: list[Pos],
+  dsts: list[Pos],
+  between: list[Instr],
+) -> dict[tuple[str, tuple[int, ...]], str]:
+  """Copies in the window of ``s -> d`` that touch the transfer's buffers.
+
+  A copy is in flight when it reads a value that *is* the source or the
+  destination (traced forward from the start through tuples, loop carries,
+  calls and conditional branches, never through a done's aliasing), or when
+  its result reaches ``d`` in an operand slot that carries the transfer's
+  buffers (so the done would alias a buffer the DMA never touched).
+  """
+  window = {i.name for i in between}
+  seeds = {
+    "source": [_resolve(m, p) for p in srcs]
+    + [(s.name, out_idx) for out_idx, _, _ in s.aliasing],
+    "destination": [_resolve(m, p) for p in dsts],
+  }
+  found: dict[tuple[str, tuple[int, ...]], str] = {}
+  slots: dict[int, str] = {}
+  for role, positions in seeds.items():
+    for hit in g.trace(positions, through_aliasing=False):
+      u = hit.user
+      if u.name == d.name:
+        slots.setdefault(hit.operand, role)
+      if u.name not in window or hit.index != ():
+        continue
+      for out_idx, k in copy_ops(m, u):
+        if k == hit.operand:
+          found.setdefault((u.name, out_idx), f"{role} of")
+  for _, k, _ in d.aliasing:
+    slots.setdefault(k, "destination")
+  for i in between:
+    for out_idx, _ in copy_ops(m, i):
+      if (i.name, out_idx) in found:
+        continue
+      result = [(i.name, out_idx)]
+      if i.opcode == "copy-start":  # the copy's value is the copy-done's
+        result = [
+          (u.name, ()) for u, _ in g.users[i.name] if u.opcode == "copy-done"
+        ]
+      for hit in g.trace(result, through_aliasing=False):
+        if hit.user.name == d.name and hit.operand in slots:
+          found[(i.name, out_idx)] = (
+            f"result used as the {slots[hit.operand]} of"
+          )
+          break
+  return found
 
 
 def _resolve(m: Module, pos: Pos) -> Pos:
@@ -422,10 +601,18 @@ def _producer_source(m: Module, name: str, depth: int = 0) -> str:
   return ""
 
 
-def _classify(m: Module, uf: _UnionFind, i: Instr, inflight: str) -> Copy:
-  src = m.instr(i.operands[0]) if i.operands else None
-  out_leaf = i.leaf((0,)) if i.opcode == "copy-start" else i.leaf(())
-  in_space = src.memory_space if src is not None else None
+def _classify(
+  m: Module,
+  uf: _UnionFind,
+  i: Instr,
+  out_idx: tuple[int, ...],
+  k: int,
+  inflight: str,
+) -> Copy:
+  operand = i.operands[k]
+  src = m.instr(operand)
+  out_leaf = i.leaf(out_idx)
+  in_space = src.memory_space
   out_space = out_leaf.memory_space if out_leaf else None
   if out_leaf is not None and out_leaf.num_elements <= 1:
     kind = "scalar"
@@ -435,10 +622,10 @@ def _classify(m: Module, uf: _UnionFind, i: Instr, inflight: str) -> Copy:
     entry = m.entry
     params = {uf.find((p.name, ())) for p in entry.params}
     roots = {uf.find((entry.root.name, lf.index)) for lf in entry.root.leaves}
-    from_param = src is not None and uf.find((src.name, ())) in params
-    to_output = uf.find((i.name, ())) in roots
+    from_param = uf.find((src.name, ())) in params
+    to_output = uf.find((i.name, out_idx)) in roots
     kind = "output" if from_param and to_output else "defensive"
-  source = _producer_source(m, i.operands[0]) if i.operands else ""
+  source = _producer_source(m, operand)
   if not source:
     for user in (u for c in m.computations.values() for u in c.instrs):
       if i.name in user.operands and user.source:
@@ -449,12 +636,14 @@ def _classify(m: Module, uf: _UnionFind, i: Instr, inflight: str) -> Copy:
     kind=kind,
     shape=out_leaf.text if out_leaf else i.shape_text,
     computation=i.computation,
-    operand=i.operands[0] if i.operands else "",
+    operand=operand,
     spaces=(_space(in_space), _space(out_space)),
     source=source,
     estimated_cycles=i.estimated_cycles,
     inflight=inflight,
     instr=i,
+    opcode=i.opcode,
+    output_index=out_idx if i.opcode != "copy-start" else (),
   )
 
 

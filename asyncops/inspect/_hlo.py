@@ -83,6 +83,9 @@ class Instr:
     tuple_index: ``index=`` of a get-tuple-element.
     called: names of called computations (``body``, ``condition``,
       ``calls``, ``to_apply``, branches).
+    branches: a ``conditional``'s branch computations, in order: operand
+      ``k + 1`` enters branch ``k``'s parameter (``true_computation``
+      first for the predicated form).
     estimated_cycles: the compiler's cost estimate, when printed.
     op_name: ``metadata.op_name``.
     stack: user-code frames, innermost first (from ``stack_frame_id``).
@@ -101,6 +104,7 @@ class Instr:
   aliasing: tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...] = ()
   tuple_index: int | None = None
   called: tuple[str, ...] = ()
+  branches: tuple[str, ...] = ()
   body: str | None = None
   condition: str | None = None
   estimated_cycles: float | None = None
@@ -379,8 +383,15 @@ def _parse_instr(
     )
   ti = re.search(r"\bindex=(\d+)", attrs_s)
   called: list[str] = []
-  for key in ("calls", "to_apply", "body", "condition", "branch_computations"):
+  for key in ("calls", "to_apply", "body", "condition"):
     called.extend(_attr_names(attrs_s, key))
+  branches: tuple[str, ...] = ()
+  if opcode == "conditional":
+    branches = _attr_names(attrs_s, "branch_computations") or (
+      _attr_names(attrs_s, "true_computation")
+      + _attr_names(attrs_s, "false_computation")
+    )
+    called.extend(branches)
   body = _attr_names(attrs_s, "body")
   cond = _attr_names(attrs_s, "condition")
   cyc = _CYCLES.search(attrs_s)
@@ -402,6 +413,7 @@ def _parse_instr(
     if ti and opcode == "get-tuple-element"
     else None,
     called=tuple(called),
+    branches=branches,
     body=body[0] if body and opcode == "while" else None,
     condition=cond[0] if cond and opcode == "while" else None,
     estimated_cycles=float(cyc.group(1)) if cyc else None,

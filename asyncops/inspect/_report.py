@@ -53,6 +53,9 @@ class Copy:
     inflight: for in-flight copies, which transfer buffer they touch, e.g.
       ``"destination of %start (-> %done)"``; ``""`` otherwise.
     instr: the parsed instruction.
+    opcode: ``copy``, ``copy-start``, or the op hiding a whole-buffer copy
+      (``fusion``, ``dynamic-update-slice``).
+    output_index: which output of a multi-output fusion is the copy.
   """
 
   name: str
@@ -65,6 +68,8 @@ class Copy:
   estimated_cycles: float | None
   inflight: str
   instr: Instr = dataclasses.field(repr=False, compare=False)
+  opcode: str = "copy"
+  output_index: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +131,9 @@ class Report:
     compile_seconds: lowering + compile time (0 for given text).
     memory: ``compiled.memory_analysis()`` fields (empty for text).
     module: the parsed module.
-    copies: every copy (``copy`` and ``copy-start``), classified.
+    copies: every whole-buffer copy (``copy``, ``copy-start``, and
+      fusions or dynamic-update-slices that only move one operand),
+      classified.
     pairs: every start matched with each done it reaches.
     starts: start instructions found.
     dones: done instructions found.
@@ -214,9 +221,11 @@ class Report:
 
 def _copy_line(c: Copy) -> str:
   where = f" from {c.source}" if c.source else ""
+  op = "" if c.opcode in ("copy", "copy-start") else f"{c.opcode} "
+  out = "{" + ",".join(map(str, c.output_index)) + "}" if c.output_index else ""
   line = (
-    f"  %{c.name} [{c.kind}] {c.shape} {c.spaces[0]}->{c.spaces[1]} "
-    f"copy of %{c.operand}{where} (in %{c.computation})"
+    f"  %{c.name}{out} [{c.kind}] {c.shape} {c.spaces[0]}->{c.spaces[1]} "
+    f"{op}copy of %{c.operand}{where} (in %{c.computation})"
   )
   if c.inflight:
     line += f"\n      IN FLIGHT: {c.inflight}"
