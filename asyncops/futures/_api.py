@@ -52,7 +52,8 @@ def _wait_all(fut: Future, fn: str, kind: str | None):
   return _finalize(y, spec)
 
 
-def _collective_spec(kind, x, axis_name, fn, perm=(), **kw) -> OpSpec:
+def collective_spec(kind, x, axis_name, fn, perm=(), **kw) -> OpSpec:
+  """The spec of a collective on ``x`` (an array or a Ref's aval)."""
   _validate.array(x, fn)
   size = _validate.axis(axis_name, fn)
   names = _validate.mesh_axes(axis_name, fn)
@@ -106,7 +107,7 @@ def ppermute_start(x, axis_name: str, perm=None, *, shift: int | None = None):
   _validate.array(x, fn)
   size = _validate.axis(axis_name, fn)
   pairs = _validate.perm(perm, shift, size, fn)
-  return _start(x, _collective_spec("ppermute", x, axis_name, fn, pairs))
+  return _start(x, collective_spec("ppermute", x, axis_name, fn, pairs))
 
 
 def ppermute_done(fut: Future):
@@ -154,7 +155,7 @@ def bidirectional_start(x, axis_name: str):
     )
   size = _validate.axis(axis_name, fn)
   pairs = tuple((i, (i + 1) % size) for i in range(size))
-  return _start(x, _collective_spec("bidirectional", x, axis_name, fn, pairs))
+  return _start(x, collective_spec("bidirectional", x, axis_name, fn, pairs))
 
 
 def bidirectional_done(fut: Future):
@@ -194,7 +195,7 @@ def all_gather_start(x, axis_name: str, *, axis: int = 0, tiled: bool = False):
   pairs = tuple((i, j) for i in range(size) for j in range(size) if i != j)
   return _start(
     x,
-    _collective_spec(
+    collective_spec(
       "all_gather",
       x,
       axis_name,

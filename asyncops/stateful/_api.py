@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
+from asyncops.futures import _api as _futures_api
 from asyncops.futures import _emulation, _validate
 from asyncops.futures._future import FutureError, _user_frame
 from asyncops.futures._spec import OpSpec
@@ -126,19 +127,8 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
 
 
 def _collective(kind, aval, axis_name, fn, perm=(), **kw) -> OpSpec:
-  size = _validate.axis(axis_name, fn)
-  names = _validate.mesh_axes(axis_name, fn)
-  return OpSpec(
-    kind=kind,
-    shape=tuple(aval.shape),
-    dtype=jnp.dtype(aval.dtype).name,
-    axis_name=axis_name,
-    mesh_axes=names,
-    axis_size=size,
-    perm=perm,
-    transfer=_emulation.current().transfer,
-    **kw,
-  )
+  # The same spec as the value API's: same kernels, same emulation.
+  return _futures_api.collective_spec(kind, aval, axis_name, fn, perm, **kw)
 
 
 def ppermute_start(src_ref, dst_ref, axis_name: str, perm=None, *, shift=None):
