@@ -6,7 +6,8 @@ step). Instructions execute in text order on a single compute track; each
 costs its ``estimated_cycles`` (XLA's per-op cost model, in
 ``backend_config``) divided by the chip clock. Ops without an estimate cost
 ``(operand + result bytes) / HBM bandwidth`` if they move at least 64 KiB,
-else nothing (scalar bookkeeping); custom calls without an estimate (Mosaic
+else nothing (scalar bookkeeping); so do ops whose estimate XLA marks
+``COST_MODEL_TYPE_INVALID``; custom calls without an estimate (Mosaic
 kernels other than our start/done) are counted in ``unmodelled``.
 
 Transfers. An async transfer (our ``asyncops_*_start`` / ``*_done``
@@ -253,7 +254,7 @@ class _Sim:
 
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
-    if cycles is not None:
+    if cycles is not None and ins.estimate_is_valid:
       return cycles / self.chip.clock_hz
     if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
       self.unmodelled.append(ins.name)
