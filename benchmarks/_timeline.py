@@ -6,8 +6,8 @@ step). Instructions execute in text order on a single compute track; each
 costs its ``estimated_cycles`` (XLA's per-op cost model, in
 ``backend_config``) divided by the chip clock. Ops without an estimate cost
 ``(operand + result bytes) / HBM bandwidth`` if they move at least 64 KiB,
-else nothing (scalar bookkeeping); so do ops whose estimate XLA marks
-``COST_MODEL_TYPE_INVALID``; custom calls without an estimate (Mosaic
+else nothing (scalar bookkeeping); so do ops writing HBM whose estimate
+XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without an estimate (Mosaic
 kernels other than our start/done) are counted in ``unmodelled``.
 
 Transfers. An async transfer (our ``asyncops_*_start`` / ``*_done``
@@ -254,7 +254,8 @@ class _Sim:
 
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
-    if cycles is not None and ins.estimate_is_valid:
+    in_vmem = any(a.memory_space == 1 for a in ins.arrays)
+    if cycles is not None and (ins.estimate_is_valid or in_vmem):
       return cycles / self.chip.clock_hz
     if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
       self.unmodelled.append(ins.name)

@@ -2,10 +2,15 @@
 
 Usage::
 
-  python -m benchmarks.run [--topology v5e:2x4] [--shape 1024,2048,8192]
+  python -m benchmarks.run [--topology v5e:2x4[,v4:2x2x1,...]]
+      [--shape 1024,2048,8192] [--layout ring|line]
       [--configs int32,float32:highest,float32,bfloat16]
-      [--variants unsharded,jit,ppermute,...] [--out out/bench]
+      [--variants unsharded,jit,ppermute,...] [--ref]
+      [--families reducescatter,allreduce,mlp] [--out out/bench]
       [--prefetch free|charged]
+
+The default run (flagship on v5e:2x4, four configs) takes about 1-2 min;
+``--families``, ``--ref`` and more topologies add tables.
 
 Compiles every variant ahead of time for the topology (no TPU needed),
 simulates its scheduled HLO with :mod:`benchmarks._timeline` and prints one
@@ -189,9 +194,25 @@ def table(rows, bound_us) -> str:
   return "\n".join(lines)
 
 
+def _run_table(label, variants, mesh, shape, config, text, chip, a, out):
+  rows = []
+  for v in variants:
+    row, tl = measure(v, mesh, shape, config, chip, a.prefetch)
+    rows.append(row)
+    stem = f"{v.replace(':', '_')}_{text.replace(':', '-')}_{a_topo(a)}"
+    _trace.write(
+      tl, out, stem, f"{v} {text} {a.current}: {row['step_us']:.1f} us"
+    )
+  print(f"## {label} {text}\n\n{table(rows, rows[0]['step_us'])}\n", flush=True)
+
+
+def a_topo(a) -> str:
+  return a.current.replace(":", "_")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--topology", default="v5e:2x4")
+  p.add_argument("--topology", default="v5e:2x4", help="comma list")
   p.add_argument("--shape", default="1024,2048,8192", help="B,D,F (global)")
   p.add_argument(
     "--configs",
@@ -199,34 +220,41 @@ def main(argv=None) -> int:
     help="dtype[:precision] list",
   )
   p.add_argument("--variants", default=",".join(_variants.available()))
+  p.add_argument("--ref", action="store_true", help="add api='ref' rows")
+  p.add_argument(
+    "--families",
+    default="",
+    help="also benchmark: reducescatter,allreduce,mlp (comma list)",
+  )
+  p.add_argument("--layout", default="ring", choices=("ring", "line"))
   p.add_argument("--out", default="out/bench")
   p.add_argument("--prefetch", default="free", choices=("free", "charged"))
   a = p.parse_args(argv)
-  chip = _chips.chip_for(a.topology)
-  mesh = make_mesh(a.topology)
   shape = tuple(int(s) for s in a.shape.split(","))
-  variants = a.variants.split(",")
-  if "unsharded" not in variants:
-    variants = ["unsharded", *variants]
   out = pathlib.Path(a.out)
-  print(f"# {a.topology} mesh {dict(mesh.shape)}, (B, D, F) = {shape}")
-  print(
-    f"chip {chip.name}: clock {chip.clock_hz / 1e9:.2f} GHz, ICI link "
-    f"{chip.ici_link_bytes_per_s / 1e9:.0f} GB/s one-way, HBM "
-    f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s, prefetch {a.prefetch}\n"
-  )
-  for text in a.configs.split(","):
-    config = parse_config(text)
-    rows = []
-    for v in variants:
-      row, tl = measure(v, mesh, shape, config, chip, a.prefetch)
-      rows.append(row)
-      stem = f"{v}_{text.replace(':', '-')}_{a.topology.replace(':', '_')}"
-      _trace.write(
-        tl, out, stem, f"{v} {text} {a.topology}: {row['step_us']:.1f} us"
-      )
-    bound = rows[0]["step_us"]
-    print(f"## {text}\n\n{table(rows, bound)}\n", flush=True)
+  for topology in a.topology.split(","):
+    a.current = topology
+    chip = _chips.chip_for(topology)
+    mesh = make_mesh(topology, a.layout)
+    variants = [v for v in a.variants.split(",") if v]
+    if a.ref:
+      variants += _variants.library_ref()
+    if "unsharded" not in variants:
+      variants = ["unsharded", *variants]
+    rings = [[tuple(d.coords) for d in r] for r in mesh.devices]
+    print(f"# {topology} mesh {dict(mesh.shape)}, (B, D, F) = {shape}")
+    print(f"layout {a.layout}: y rings (chip coords) {rings}")
+    print(
+      f"chip {chip.name}: clock {chip.clock_hz / 1e9:.2f} GHz, ICI link "
+      f"{chip.ici_link_bytes_per_s / 1e9:.0f} GB/s one-way, HBM "
+      f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s, prefetch {a.prefetch}\n"
+    )
+    for text in a.configs.split(","):
+      config = parse_config(text)
+      _run_table("allgather", variants, mesh, shape, config, text, chip, a, out)
+      for fam in filter(None, a.families.split(",")):
+        fv = _variants.family_variants(fam, ref=a.ref)
+        _run_table(fam, fv, mesh, shape, config, text, chip, a, out)
   print("(*) contains custom calls without estimated_cycles (bytes model).")
   print(f"traces and PNGs: {out}/")
   return 0
