@@ -6,33 +6,39 @@ step). Instructions execute in text order on a single compute track; each
 costs its ``estimated_cycles`` (XLA's per-op cost model, in
 ``backend_config``) divided by the chip clock. Ops without an estimate cost
 ``(operand + result bytes) / HBM bandwidth`` if they move at least 64 KiB,
-else nothing (scalar bookkeeping); custom calls without an estimate (Mosaic
+else nothing (scalar bookkeeping); so do ops writing HBM whose estimate
+XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without an estimate (Mosaic
 kernels other than our start/done) are counted in ``unmodelled``.
 
 Transfers. An async transfer (our ``asyncops_*_start`` / ``*_done``
 custom-call pair, or XLA's ``collective-permute-start/done``,
 ``all-gather-start/done``, ...) is issued at its start (costing
-``Chip.issue_s`` on the compute track) and then runs on the ICI track,
-concurrently with compute, for ``max link load / link bandwidth + hops x hop
-latency``. Link load routes every message over the device grid
-(dimension-order, no wraparound): a collective-permute sends its operand
+``Chip.issue_s`` on the compute track) and then runs on the ICI links,
+concurrently with compute. Every message is routed over the device grid
+(dimension order, no wraparound): a collective-permute sends its operand
 along each source-target pair, an all-gather multicasts each shard to its
 group (every directed link carries a shard at most once), reduce-scatter is
-an all-gather of the output shard, all-reduce twice that. The ICI track is a
-FIFO: a transfer starts when both it is issued and the previous one ended.
-A done blocks until ``max(now, transfer end)``. Synchronous collectives are
-exposed in full. Exposed communication = time blocked in dones plus
-synchronous collectives. ``copy-start/done`` (HBM <-> VMEM) run on a DMA
-track at HBM bandwidth; a cross-program prefetch is free by default (XLA
-issues it before the step), or charged from time 0.
+an all-gather of the output shard, all-reduce twice that. **Each directed
+link is a FIFO**: a transfer's bytes on a link start when the link is free,
+and the transfer ends when its last link finishes, plus ``hops x hop
+latency``. Transfers on disjoint links (the two directions of a ring, or
+two rings) therefore run at the same time; transfers sharing a link queue
+on it. A done blocks until ``max(now, transfer end)``. Synchronous
+collectives are exposed in full. Exposed communication = time blocked in
+dones plus synchronous collectives. ``copy-start/done`` and
+``slice-start/done`` (HBM <-> VMEM) run on one DMA track at HBM bandwidth;
+a cross-program prefetch is free by default (XLA issues it before the
+step), or charged from time 0.
 
 While loops run their body ``known_trip_count`` times (from
 ``backend_config``); conditionals run their longest branch.
 
-Limits: one ICI FIFO (concurrent transfers do not share bandwidth, they
-queue); our kernels' peers are not in the HLO, so an asyncops ppermute is
-modelled as a ring shift over ``ring_size`` devices on an open line (load =
-its bytes, ``ring_size - 1`` hops for the wrap-around message).
+Limits: our kernels' peers are not in the HLO. A ppermute kernel is a ring
+shift over ``rings`` (the mesh axis' devices in ring order); the library
+writes the shift into the op name (``ring_shift+1``), default ``-1``. A
+bidirectional kernel sends half its bytes each way. Link sharing is FIFO
+per link, not fair sharing, so two transfers on one link finish one after
+the other (same last end).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class Event:
   kind: str  # compute | wait | transfer | collective | dma | overhead
   start: float
   dur: float
+  lane: int = 0  # concurrent boxes of one track (ICI transfers) stack
 
 
 @dataclasses.dataclass
@@ -177,6 +184,40 @@ def link_load(
   return max(load.values(), default=0.0), hops
 
 
+def link_loads(
+  sends: dict[int, list[int]], nbytes: float, coords: Sequence[Sequence[int]]
+) -> tuple[dict[tuple, float], int]:
+  """Bytes per directed link, and most hops, for a set of sends.
+
+  Like :func:`link_load`, but keeps every link (the simulator queues each
+  link separately, so transfers on disjoint links run concurrently).
+  """
+  load: dict[tuple, float] = {}
+  hops = 0
+  for src, dsts in sends.items():
+    links = set()
+    for dst in dsts:
+      p = list(_path(coords[src], coords[dst]))
+      hops = max(hops, len(p))
+      links.update(p)
+    for link in links:
+      load[link] = load.get(link, 0.0) + nbytes
+  return load, hops
+
+
+def ring_sends(rings: Sequence[Sequence[int]], shift: int) -> dict:
+  """Source -> [destination] for a shift by ``shift`` around each ring."""
+  out: dict[int, list[int]] = {}
+  for ring in rings:
+    n = len(ring)
+    for i, dev in enumerate(ring):
+      out.setdefault(dev, []).append(ring[(i + shift) % n])
+  return out
+
+
+_SHIFT = re.compile(r"ring_shift([+-]\d+)")
+
+
 @dataclasses.dataclass
 class _Transfer:
   key: str
@@ -186,11 +227,14 @@ class _Transfer:
 
 
 class _Sim:
-  def __init__(self, m, chip, coords, ring_size, prefetch):
+  def __init__(self, m, chip, coords, rings, prefetch):
     self.m, self.chip, self.coords = m, chip, coords
-    self.ring_size, self.prefetch = ring_size, prefetch
+    self.rings, self.prefetch = rings, prefetch
+    self.ring_size = max(len(r) for r in rings)
     self.events: list[Event] = []
-    self.free = {"ici": 0.0, "dma": 0.0}
+    self.free = {"dma": 0.0}
+    self.link_free: dict[tuple, float] = {}
+    self.lanes: list[float] = []
     self.pending: dict[str, _Transfer] = {}
     self.exposed = 0.0
     self.compute = 0.0
@@ -210,7 +254,8 @@ class _Sim:
 
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
-    if cycles is not None:
+    in_vmem = any(a.memory_space == 1 for a in ins.arrays)
+    if cycles is not None and (ins.estimate_is_valid or in_vmem):
       return cycles / self.chip.clock_hz
     if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
       self.unmodelled.append(ins.name)
@@ -219,14 +264,15 @@ class _Sim:
       return 0.0
     return moved / self.chip.hbm_bytes_per_s
 
-  def _ici(self, sends, nbytes) -> float:
-    load, hops = link_load(sends, nbytes, self.coords)
-    return load / self.chip.ici_link_bytes_per_s + hops * self.chip.ici_hop_s
+  def _ici(self, sends, nbytes, scale: float = 1.0):
+    """An ICI transfer: ``(bytes per directed link, hop latency)``."""
+    load, hops = link_loads(sends, nbytes * scale, self.coords)
+    return load, hops * self.chip.ici_hop_s
 
   def _n(self) -> int:
     return len(self.coords)
 
-  def _collective_dur(self, op: str, ins: Instr, comp: str) -> float:
+  def _collective_dur(self, op: str, ins: Instr, comp: str):
     n = self._n()
     arrays = ins.arrays
     operand = self._bytes_of(comp, ins.operands[:1]) or ins.nbytes
@@ -244,41 +290,91 @@ class _Sim:
     if op == "reduce-scatter":
       return self._ici(multicast, out)
     if op == "all-reduce":
-      return 2 * self._ici(multicast, operand / gsize)
+      load, lat = self._ici(multicast, operand / gsize, 2.0)
+      return load, 2 * lat
     if op == "all-to-all":
-      return self._ici(multicast, operand / gsize) * (gsize - 1)
+      return self._ici(multicast, operand / gsize, gsize - 1.0)
     return self._ici(multicast, operand)
 
-  def _kernel_dur(self, ins: Instr) -> tuple[str, float]:
+  def _kernel_dur(self, ins: Instr):
+    """``(track, bytes per link or DMA seconds, latency)`` of our kernel.
+
+    Our kernels' peers are not in the HLO. ppermute and bidirectional are
+    ring shifts over ``rings`` (the library writes the shift into the op
+    name as ``ring_shift+1`` / ``ring_shift-1``; default -1). An all-gather
+    multicasts over each ring.
+    """
     kind = ins.name[len("asyncops_") :].split("_start")[0]
     nbytes = ins.arrays[0].nbytes if ins.arrays else 0
-    hop = self.chip.ici_hop_s * max(self.ring_size - 1, 1)
-    bw = self.chip.ici_link_bytes_per_s
     if kind == "copy":
-      return "dma", nbytes / self.chip.hbm_bytes_per_s
+      return "dma", nbytes / self.chip.hbm_bytes_per_s, 0.0
     if kind == "bidirectional":
-      return "ici", nbytes / 2 / bw + hop
+      load, lat = self._ici(ring_sends(self.rings, 1), nbytes / 2)
+      back, lat2 = self._ici(ring_sends(self.rings, -1), nbytes / 2)
+      for k, v in back.items():
+        load[k] = load.get(k, 0.0) + v
+      return "ici", load, max(lat, lat2)
     if kind == "all_gather":
-      return "ici", nbytes * (self.ring_size - 1) / bw + hop
-    return "ici", nbytes / bw + hop
+      multicast = {s: [d for d in r if d != s] for r in self.rings for s in r}
+      return "ici", *self._ici(multicast, nbytes)
+    m = _SHIFT.search(ins.attrs)
+    shift = int(m.group(1)) if m else -1
+    return "ici", *self._ici(ring_sends(self.rings, shift), nbytes)
 
   # walking -----------------------------------------------------------------
 
-  def _emit(self, track, name, kind, start, dur):
+  def _emit(self, track, name, kind, start, dur, lane=0):
     if dur > 0:
-      self.events.append(Event(track, name, kind, start, dur))
+      self.events.append(Event(track, name, kind, start, dur, lane))
 
-  def _launch(self, ins, track, dur, t, family, charge=True) -> float:
+  def _ici_slot(self, t: float, load: dict, latency: float):
+    """Queues a transfer on each directed link it uses; ``(begin, end)``.
+
+    Each link is a FIFO: its share of the bytes starts when the link is
+    free. Transfers on disjoint links (e.g. the two directions of a ring)
+    run concurrently; transfers sharing a link queue on it.
+    """
+    bw = self.chip.ici_link_bytes_per_s
+    begin, end = None, t
+    for link, nbytes in load.items():
+      b = max(t, self.link_free.get(link, 0.0))
+      self.link_free[link] = b + nbytes / bw
+      begin = b if begin is None else min(begin, b)
+      end = max(end, b + nbytes / bw)
+    begin = t if begin is None else begin
+    return begin, end + latency
+
+  def _lane(self, begin: float, end: float) -> int:
+    for i, free in enumerate(self.lanes):
+      if free <= begin + 1e-12:
+        self.lanes[i] = end
+        return i
+    self.lanes.append(end)
+    return len(self.lanes) - 1
+
+  def _launch(self, ins, track, cost, t, family, charge=True) -> float:
+    """Issues a transfer; ``cost`` is seconds (DMA) or ``(load, latency)``."""
     if charge:
       self._emit("compute", ins.name, "overhead", t, self.chip.issue_s)
       t += self.chip.issue_s
-    begin = max(t, self.free[track])
-    self.free[track] = begin + dur
+    if track == "ici":
+      begin, end = self._ici_slot(t, *cost)
+      lane = self._lane(begin, end)
+    else:
+      begin = max(t, self.free[track])
+      end = begin + cost
+      self.free[track] = end
+      lane = 0
     self._emit(
-      track, ins.name, "transfer" if track == "ici" else "dma", begin, dur
+      track,
+      ins.name,
+      "transfer" if track == "ici" else "dma",
+      begin,
+      end - begin,
+      lane,
     )
     key = f"{ins.name}#{next(self.seq)}"
-    self.pending[ins.name] = _Transfer(key, family, begin, begin + dur)
+    self.pending[ins.name] = _Transfer(key, family, begin, end)
     self.transfers += 1
     return t
 
@@ -335,9 +431,10 @@ class _Sim:
         continue
       if ins.name.startswith("asyncops_") and op == "custom-call":
         if "_start" in ins.name:
-          track, dur = self._kernel_dur(ins)
+          track, *cost = self._kernel_dur(ins)
           family = ins.name.split("_start")[0]
-          t = self._launch(ins, track, dur, t, family)
+          cost = cost[0] if track == "dma" else tuple(cost)
+          t = self._launch(ins, track, cost, t, family)
         else:
           family = ins.name.split("_done")[0].split("_recv")[0]
           family = family.split("_send")[0]
@@ -376,14 +473,13 @@ class _Sim:
         t = self._wait(comp, ins, t, family)
         continue
       if op in _SYNC_COLLECTIVES:
-        dur = self._collective_dur(op, ins, comp)
-        begin = max(t, self.free["ici"])
-        self.free["ici"] = begin + dur
-        self._emit("ici", ins.name, "collective", begin, dur)
-        self._emit("compute", ins.name, "wait", t, begin + dur - t)
-        self.exposed += begin + dur - t
+        begin, end = self._ici_slot(t, *self._collective_dur(op, ins, comp))
+        lane = self._lane(begin, end)
+        self._emit("ici", ins.name, "collective", begin, end - begin, lane)
+        self._emit("compute", ins.name, "wait", t, end - t)
+        self.exposed += end - t
         self.transfers += 1
-        t = begin + dur
+        t = end
         continue
       target = ins.attr("custom_call_target") or ""
       if op == "custom-call" and target.strip('"') in _FREE_TARGETS:
@@ -401,6 +497,7 @@ def simulate(
   *,
   coords: Sequence[Sequence[int]] | None = None,
   ring_size: int | None = None,
+  rings: Sequence[Sequence[int]] | None = None,
   prefetch: Literal["free", "charged"] = "free",
 ) -> Timeline:
   """Simulates one device's step of a scheduled TPU HLO module.
@@ -410,8 +507,11 @@ def simulate(
     chip: the generation's figures.
     coords: grid coordinates per partition id (``mesh.devices.flat[i].
       coords``); default: a line of 8.
-    ring_size: devices on the ring our ppermute kernels shift over
+    ring_size: devices on the ring our kernels shift over, when ``rings``
+      is not given: consecutive partition ids form rings of this size
       (default: ``len(coords)``).
+    rings: the partition ids of each ring, in ring order (the mesh axis
+      our kernels run over), e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``.
     prefetch: whether XLA's cross-program prefetch is ``"free"`` (issued
       before the step) or ``"charged"`` from time 0.
 
@@ -425,7 +525,12 @@ def simulate(
   if prefetch not in ("free", "charged"):
     raise ValueError(f"prefetch must be 'free' or 'charged', got {prefetch!r}")
   coords = [tuple(c) for c in (coords or [(i,) for i in range(8)])]
-  sim = _Sim(module, chip, coords, ring_size or len(coords), prefetch)
+  if rings is None:
+    size = ring_size or len(coords)
+    rings = [
+      list(range(i, i + size)) for i in range(0, len(coords) - size + 1, size)
+    ]
+  sim = _Sim(module, chip, coords, [list(r) for r in rings], prefetch)
   sim._index = {}
   step = sim.run(module.entry, 0.0)
   return Timeline(

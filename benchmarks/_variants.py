@@ -11,10 +11,24 @@ jitted function. ``precision`` is passed to every matmul.
 - ``asyncops_manual``: the same loop with ``asyncops.ppermute_start/_done``
   and ``optimization_barrier`` pinning each chunk matmul between them.
 - ``allgather_matmul`` / ``allgather_matmul_bidi``:
-  ``asyncops.collective_matmul.allgather_matmul`` when it exists.
+  ``asyncops.collective_matmul.allgather_matmul`` when it exists;
+  ``allgather_matmul_ref`` / ``allgather_matmul_ref_bidi``: ``api="ref"``.
+
+The rest of the family is named ``<family>:<kind>`` (see
+:data:`FAMILIES`), e.g. ``reducescatter:jit``; kinds are ``unsharded``
+(the bound), ``jit``, ``ppermute`` (a ``lax.ppermute`` ring in the
+chapter's style), ``asyncops``, ``asyncops_bidi``, ``asyncops_ref``. With
+global ``(B, D, F)``:
+
+- ``reducescatter``: Tmp[B_X, F_Y] * W2[F_Y, D] -> Out[B_X, D_Y].
+- ``allreduce``: A[B_X, D_Y] * W[D_Y, F] -> Out[B_X, F].
+- ``mlp``: In[B_X, D_Y], W_in[D, F_Y], W_out[F_Y, D] -> Out[B_X, D_Y], the
+  chapter's Problem 3 (gelu between the two matmuls).
 """
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -81,11 +95,150 @@ def _library(name: str):
 
 
 def available() -> list[str]:
-  """Variant names runnable with this checkout."""
+  """Variant names of the flagship (all-gather) runnable here."""
   out = ["unsharded", "jit", "ppermute", "asyncops_manual"]
   if _library("allgather_matmul") is not None:
     out += ["allgather_matmul", "allgather_matmul_bidi"]
   return out
+
+
+def library_ref() -> list[str]:
+  """The flagship's ``api="ref"`` variants."""
+  return ["allgather_matmul_ref", "allgather_matmul_ref_bidi"]
+
+
+# The chapter-style lax.ppermute rings of the rest of the family -----------
+
+
+def _ppermute_reducescatter(lhs, rhs, *, precision=None):
+  """Partial sums travel to index + 1; block b ends on device b."""
+  n, idx = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+  c = rhs.shape[1] // n
+  mm = _mm(precision)
+  perm = [(j, (j + 1) % n) for j in range(n)]
+
+  def part(s):
+    block = (idx + 2 * n - s - 1) % n
+    return mm(lhs, jax.lax.dynamic_slice_in_dim(rhs, block * c, c, axis=1))
+
+  acc = part(0)
+  for s in range(1, n):
+    acc = jax.lax.ppermute(acc, AXIS, perm) + part(s)
+  return acc
+
+
+def _ppermute_allreduce(lhs, rhs, *, precision=None):
+  block = _ppermute_reducescatter(lhs, rhs, precision=precision)
+  return jax.lax.all_gather(block, AXIS, axis=1, tiled=True, to="invarying")
+
+
+def _ppermute_mlp(x, w_in, w_out, *, precision=None):
+  h = jax.nn.gelu(chapter_ppermute(x, w_in, precision=precision))
+  return _ppermute_reducescatter(h, w_out, precision=precision)
+
+
+def _lib_fn(name: str, precision, **kw):
+  lib = _library(name)
+
+  def f(*args):
+    with jax.default_matmul_precision(precision or "default"):
+      return lib(*args, AXIS, **kw)
+
+  return f
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One collective matmul: shardings, shapes and its implementations.
+
+  Attributes:
+    in_specs: per-argument ``PartitionSpec`` on the ``("x", "y")`` mesh.
+    out_spec: the output's spec.
+    shapes: global ``(B, D, F) ->`` argument shapes.
+    bound_shapes: ``(B, D, F, X, Y) ->`` one device's unsharded shapes.
+    local: the per-device math without communication (the bound; also the
+      ``jit`` baseline on global arrays).
+    ppermute: the chapter-style ``lax.ppermute`` ring.
+    library: the ``asyncops.collective_matmul`` function name.
+  """
+
+  in_specs: tuple
+  out_spec: P
+  shapes: Callable
+  bound_shapes: Callable
+  local: Callable
+  ppermute: Callable
+  library: str
+
+
+def _mlp_local(x, w_in, w_out, *, precision=None):
+  mm = _mm(precision)
+  return mm(jax.nn.gelu(mm(x, w_in)), w_out)
+
+
+FAMILIES: dict[str, Family] = {
+  "reducescatter": Family(
+    (P("x", AXIS), P(AXIS, None)),
+    P("x", AXIS),
+    lambda b, d, f: ((b, f), (f, d)),
+    lambda b, d, f, x, y: ((b // x, f // y), (f // y, d)),
+    lambda a, w, precision=None: _mm(precision)(a, w),
+    _ppermute_reducescatter,
+    "matmul_reducescatter",
+  ),
+  "allreduce": Family(
+    (P("x", AXIS), P(AXIS, None)),
+    P("x", None),
+    lambda b, d, f: ((b, d), (d, f)),
+    lambda b, d, f, x, y: ((b // x, d // y), (d // y, f)),
+    lambda a, w, precision=None: _mm(precision)(a, w),
+    _ppermute_allreduce,
+    "matmul_allreduce",
+  ),
+  "mlp": Family(
+    (P("x", AXIS), P(None, AXIS), P(AXIS, None)),
+    P("x", AXIS),
+    lambda b, d, f: ((b, d), (d, f), (f, d)),
+    lambda b, d, f, x, y: ((b // x, d), (d, f // y), (f // y, d)),
+    _mlp_local,
+    _ppermute_mlp,
+    "mlp_block",
+  ),
+}
+KINDS = ("unsharded", "jit", "ppermute", "asyncops", "asyncops_bidi")
+KINDS_REF = ("asyncops_ref",)
+
+
+def family_variants(family: str, ref: bool = False) -> list[str]:
+  """``<family>:<kind>`` names (the bound first)."""
+  kinds = KINDS + (KINDS_REF if ref else ())
+  return [f"{family}:{k}" for k in kinds]
+
+
+def _build_family(name: str, mesh, precision):
+  family, _, kind = name.partition(":")
+  fam = FAMILIES[family]
+  local = functools.partial(fam.local, precision=precision)
+  if kind == "unsharded":
+    return jax.jit(local)
+  if kind == "jit":
+    return jax.jit(local, out_shardings=NamedSharding(mesh, fam.out_spec))
+  fns = {
+    "ppermute": functools.partial(fam.ppermute, precision=precision),
+    "asyncops": _lib_fn(fam.library, precision),
+    "asyncops_bidi": _lib_fn(fam.library, precision, bidirectional=True),
+    "asyncops_ref": _lib_fn(fam.library, precision, api="ref"),
+  }
+  if kind not in fns:
+    raise ValueError(
+      f"variant {name!r}: unknown kind {kind!r}; choose from "
+      f"{KINDS + KINDS_REF}."
+    )
+  return jax.jit(
+    jax.shard_map(
+      fns[kind], mesh=mesh, in_specs=fam.in_specs, out_specs=fam.out_spec
+    )
+  )
 
 
 def build(name: str, mesh, *, precision=None):
@@ -94,6 +247,8 @@ def build(name: str, mesh, *, precision=None):
   Raises:
     ValueError: unknown variant; lists the available ones.
   """
+  if ":" in name:
+    return _build_family(name, mesh, precision)
   in_specs = (P("x", AXIS), P(None, AXIS))
   out_spec = P("x", AXIS)
   if name == "unsharded":
@@ -113,6 +268,10 @@ def build(name: str, mesh, *, precision=None):
 
     fns["allgather_matmul"] = _lib
     fns["allgather_matmul_bidi"] = functools.partial(_lib, bidirectional=True)
+    fns["allgather_matmul_ref"] = functools.partial(_lib, api="ref")
+    fns["allgather_matmul_ref_bidi"] = functools.partial(
+      _lib, api="ref", bidirectional=True
+    )
   if name not in fns:
     raise ValueError(
       f"variant {name!r} is not available; choose from {available()}."
@@ -126,6 +285,19 @@ def abstract_args(name, mesh, shape, dtype):
   """ShapeDtypeStructs for variant ``name`` at global shape ``(B, D, F)``."""
   b, d, f = shape
   x, y = mesh.shape["x"], mesh.shape[AXIS]
+  if ":" in name:
+    family, _, kind = name.partition(":")
+    fam = FAMILIES[family]
+    if kind == "unsharded":
+      s = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+      return tuple(
+        jax.ShapeDtypeStruct(sh, dtype, sharding=s)
+        for sh in fam.bound_shapes(b, d, f, x, y)
+      )
+    return tuple(
+      jax.ShapeDtypeStruct(sh, dtype, sharding=NamedSharding(mesh, spec))
+      for sh, spec in zip(fam.shapes(b, d, f), fam.in_specs, strict=True)
+    )
   if name == "unsharded":
     dev = mesh.devices.flat[0]
     s = jax.sharding.SingleDeviceSharding(dev)

@@ -2,10 +2,15 @@
 
 Usage::
 
-  python -m benchmarks.run [--topology v5e:2x4] [--shape 1024,2048,8192]
+  python -m benchmarks.run [--topology v5e:2x4[,v4:2x2x1,...]]
+      [--shape 1024,2048,8192] [--layout ring|line]
       [--configs int32,float32:highest,float32,bfloat16]
-      [--variants unsharded,jit,ppermute,...] [--out out/bench]
+      [--variants unsharded,jit,ppermute,...] [--ref]
+      [--families reducescatter,allreduce,mlp] [--out out/bench]
       [--prefetch free|charged]
+
+The default run (flagship on v5e:2x4, four configs) takes about 1-2 min;
+``--families``, ``--ref`` and more topologies add tables.
 
 Compiles every variant ahead of time for the topology (no TPU needed),
 simulates its scheduled HLO with :mod:`benchmarks._timeline` and prints one
@@ -14,10 +19,12 @@ markdown table per shape and config. Traces and PNGs go to ``--out``.
 
 import argparse
 import contextlib
+import math
 import os
 import pathlib
 import sys
 import time
+from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,19 +46,73 @@ def _quiet_fd2():
       os.close(saved)
 
 
-def make_mesh(topology: str):
-  """A ``("x", "y")`` mesh of the topology's devices, y the longer axis."""
+Layout = Literal["ring", "line"]
+
+
+def _cycle(devs):
+  """Four devices of a 2x2 square in cycle order (every hop one link)."""
+  cx = sum(d.coords[0] for d in devs) / 4
+  cy = sum(d.coords[1] for d in devs) / 4
+  return sorted(
+    devs, key=lambda d: math.atan2(d.coords[1] - cy, d.coords[0] - cx)
+  )
+
+
+def _ring_rows(devs):
+  """Two rows of four forming physical rings, or None if impossible."""
+  chips = sorted({tuple(d.coords) for d in devs})
+  if len(devs) != 8:
+    return None
+  if len(chips) == 4:  # 2 cores per chip: x = core, y = the 2x2 chips
+    rows = [[d for d in devs if d.core_on_chip == c] for c in (0, 1)]
+  elif len(chips) == 8:  # 2x4: x = which 2x2 square along the long axis
+    long = max(range(3), key=lambda a: len({c[a] for c in chips}))
+    rows = [[d for d in devs if d.coords[long] // 2 == h] for h in (0, 1)]
+  else:
+    return None
+  if any(len({c for d in r for c in [tuple(d.coords)]}) != 4 for r in rows):
+    return None
+  return [_cycle(r) for r in rows]
+
+
+def make_mesh(topology: str, layout: Layout = "ring"):
+  """A ``("x", "y")`` mesh of the topology's devices.
+
+  Args:
+    topology: e.g. ``"v5e:2x4"``.
+    layout: ``"ring"``: each ``y`` row is a physical cycle (a 2x2 square
+      of chips, every ring hop one ICI link, both directions usable);
+      ``"line"``: ``y`` runs along the longest physical axis (an open line:
+      the ring's wrap-around message crosses ``n - 1`` links).
+
+  Returns:
+    The mesh (``x`` of size 2 when there are more than 2 devices).
+  """
   from jax.experimental import topologies  # noqa: PLC0415
   from jax.sharding import Mesh  # noqa: PLC0415
 
+  if layout not in ("ring", "line"):
+    raise ValueError(f"layout must be 'ring' or 'line', got {layout!r}")
   # Several processes (tests, benchmarks) may compile for TPU at once.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   with _quiet_fd2():
     topo = topologies.get_topology_desc(topology, platform="tpu")
-  devs = sorted(topo.devices, key=lambda d: tuple(reversed(d.coords)))
+  devs = sorted(
+    topo.devices,
+    key=lambda d: (*reversed(d.coords), getattr(d, "core_on_chip", 0)),
+  )
+  rows = _ring_rows(devs) if layout == "ring" else None
+  if rows is not None:
+    return Mesh(np.array(rows), ("x", "y"))
   n = len(devs)
   x = 2 if n % 2 == 0 and n > 2 else 1
   return Mesh(np.array(devs).reshape(n // x, x).T, ("x", "y"))
+
+
+def mesh_rings(mesh) -> list[list[int]]:
+  """Partition ids of each ``y`` ring (partition id = flat mesh index)."""
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  return [list(map(int, r)) for r in ids]
 
 
 def defensive_copies(text: str) -> int:
@@ -102,7 +163,7 @@ def measure(variant, mesh, shape, config, chip, prefetch="free"):
     _hlo.parse(text),
     chip,
     coords=coords,
-    ring_size=mesh.shape["y"],
+    rings=mesh_rings(mesh),
     prefetch=prefetch,
   )
   mem = compiled.memory_analysis()
@@ -133,9 +194,25 @@ def table(rows, bound_us) -> str:
   return "\n".join(lines)
 
 
+def _run_table(label, variants, mesh, shape, config, text, chip, a, out):
+  rows = []
+  for v in variants:
+    row, tl = measure(v, mesh, shape, config, chip, a.prefetch)
+    rows.append(row)
+    stem = f"{v.replace(':', '_')}_{text.replace(':', '-')}_{a_topo(a)}"
+    _trace.write(
+      tl, out, stem, f"{v} {text} {a.current}: {row['step_us']:.1f} us"
+    )
+  print(f"## {label} {text}\n\n{table(rows, rows[0]['step_us'])}\n", flush=True)
+
+
+def a_topo(a) -> str:
+  return a.current.replace(":", "_")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--topology", default="v5e:2x4")
+  p.add_argument("--topology", default="v5e:2x4", help="comma list")
   p.add_argument("--shape", default="1024,2048,8192", help="B,D,F (global)")
   p.add_argument(
     "--configs",
@@ -143,34 +220,41 @@ def main(argv=None) -> int:
     help="dtype[:precision] list",
   )
   p.add_argument("--variants", default=",".join(_variants.available()))
+  p.add_argument("--ref", action="store_true", help="add api='ref' rows")
+  p.add_argument(
+    "--families",
+    default="",
+    help="also benchmark: reducescatter,allreduce,mlp (comma list)",
+  )
+  p.add_argument("--layout", default="ring", choices=("ring", "line"))
   p.add_argument("--out", default="out/bench")
   p.add_argument("--prefetch", default="free", choices=("free", "charged"))
   a = p.parse_args(argv)
-  chip = _chips.chip_for(a.topology)
-  mesh = make_mesh(a.topology)
   shape = tuple(int(s) for s in a.shape.split(","))
-  variants = a.variants.split(",")
-  if "unsharded" not in variants:
-    variants = ["unsharded", *variants]
   out = pathlib.Path(a.out)
-  print(f"# {a.topology} mesh {dict(mesh.shape)}, (B, D, F) = {shape}")
-  print(
-    f"chip {chip.name}: clock {chip.clock_hz / 1e9:.2f} GHz, ICI link "
-    f"{chip.ici_link_bytes_per_s / 1e9:.0f} GB/s one-way, HBM "
-    f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s, prefetch {a.prefetch}\n"
-  )
-  for text in a.configs.split(","):
-    config = parse_config(text)
-    rows = []
-    for v in variants:
-      row, tl = measure(v, mesh, shape, config, chip, a.prefetch)
-      rows.append(row)
-      stem = f"{v}_{text.replace(':', '-')}_{a.topology.replace(':', '_')}"
-      _trace.write(
-        tl, out, stem, f"{v} {text} {a.topology}: {row['step_us']:.1f} us"
-      )
-    bound = rows[0]["step_us"]
-    print(f"## {text}\n\n{table(rows, bound)}\n", flush=True)
+  for topology in a.topology.split(","):
+    a.current = topology
+    chip = _chips.chip_for(topology)
+    mesh = make_mesh(topology, a.layout)
+    variants = [v for v in a.variants.split(",") if v]
+    if a.ref:
+      variants += _variants.library_ref()
+    if "unsharded" not in variants:
+      variants = ["unsharded", *variants]
+    rings = [[tuple(d.coords) for d in r] for r in mesh.devices]
+    print(f"# {topology} mesh {dict(mesh.shape)}, (B, D, F) = {shape}")
+    print(f"layout {a.layout}: y rings (chip coords) {rings}")
+    print(
+      f"chip {chip.name}: clock {chip.clock_hz / 1e9:.2f} GHz, ICI link "
+      f"{chip.ici_link_bytes_per_s / 1e9:.0f} GB/s one-way, HBM "
+      f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s, prefetch {a.prefetch}\n"
+    )
+    for text in a.configs.split(","):
+      config = parse_config(text)
+      _run_table("allgather", variants, mesh, shape, config, text, chip, a, out)
+      for fam in filter(None, a.families.split(",")):
+        fv = _variants.family_variants(fam, ref=a.ref)
+        _run_table(fam, fv, mesh, shape, config, text, chip, a, out)
   print("(*) contains custom calls without estimated_cycles (bytes model).")
   print(f"traces and PNGs: {out}/")
   return 0

@@ -61,6 +61,11 @@ VARIANTS = {
 # Ring stages per variant: mlp has an up and a down ring.
 STAGES = {"allgather": 1, "reducescatter": 1, "allreduce": 1, "mlp": 2}
 MATMUL_OPS = ("fusion", "convolution", "dot")
+# Transfer kernels per bidirectional value-API ring step, summed over the
+# stages: the all-gather ring (and the MLP's up projection) moves both
+# halves with one bidirectional_start kernel; the reduce-scatter ring moves
+# two half accumulators.
+BIDI_KERNELS = {"allgather": 1, "reducescatter": 2, "allreduce": 2, "mlp": 3}
 _SCOPE = re.compile(r"^(.*/chunk\d+)/ring_step/")
 
 
@@ -111,12 +116,22 @@ class _P:
     self.between = pair.between
 
 
-def check_overlap(report, n: int, directions: int, stages: int):
-  """Every transfer hides the chunk matmul(s) of its own step."""
+def check_overlap(
+  report, n: int, directions: int, stages: int, kernels: int | None = None
+):
+  """Every transfer hides the chunk matmul(s) of its own step.
+
+  ``directions`` chunk matmuls per window; ``kernels`` transfer kernels per
+  ring step summed over the stages (default ``stages * directions``: one
+  permute per direction; a bidirectional kernel moves both halves).
+  """
   report.assert_no_defensive_copies()
   report.assert_no_inflight_copies()
-  pairs = report.pairs_for("asyncops.ppermute")  # value or ref kernels
-  assert len(pairs) == stages * directions * (n - 1), [p.start for p in pairs]
+  kernels = stages * directions if kernels is None else kernels
+  pairs = report.pairs_for("asyncops.ppermute") + report.pairs_for(
+    "asyncops.bidirectional"
+  )  # value or ref kernels
+  assert len(pairs) == kernels * (n - 1), [p.start for p in pairs]
   for p in pairs:
     assert p.source_live and p.dest_live, p
     assert not p.crossing, p  # unrolled: start and done in one computation
@@ -147,7 +162,14 @@ def check_overlap(report, n: int, directions: int, stages: int):
 def test_every_chunk_overlaps(topology, variant, bidirectional):
   r = _report(topology, variant, bidirectional)
   n = TOPOLOGIES[topology][1]
-  check_overlap(r, n, 2 if bidirectional else 1, STAGES[variant])
+  kernels = BIDI_KERNELS[variant] if bidirectional else None
+  check_overlap(r, n, 2 if bidirectional else 1, STAGES[variant], kernels)
+  if bidirectional and variant == "allgather":
+    # One bidirectional_start per step (not two ppermutes), and the two
+    # halves never concatenated (they are written in place).
+    assert not r.pairs_for("asyncops.ppermute")
+    kinds = {i.opcode for instrs in r.schedule.values() for i in instrs}
+    assert "concatenate" not in kinds
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])

@@ -207,3 +207,54 @@ def test_real_collective_matmul_overlaps(v5e_mesh):
     max(e.start + e.dur for e in tl.events if e.track == "compute")
   )
   assert np.isfinite(tl.step_s)
+
+
+SQUARE = [(0, 0), (1, 0), (1, 1), (0, 1)]  # a physical 4-cycle
+
+
+def _two_permutes(pairs_a: str, pairs_b: str) -> _hlo.Module:
+  shape = "f32[512,512]"
+  body = "\n".join(
+    [
+      f"  %p = {shape}{{1,0}} parameter(0)",
+      f"  %a = ({shape}, {shape}, u32[], u32[]) collective-permute-start(%p),"
+      f" channel_id=1, source_target_pairs={{{pairs_a}}}",
+      f"  %b = ({shape}, {shape}, u32[], u32[]) collective-permute-start(%p),"
+      f" channel_id=2, source_target_pairs={{{pairs_b}}}",
+      f"  %da = {shape}{{1,0}} collective-permute-done(%a)",
+      f"  ROOT %db = {shape}{{1,0}} collective-permute-done(%b)",
+    ]
+  )
+  return _module(body)
+
+
+_RIGHT = "{0,1},{1,2},{2,3},{3,0}"
+_LEFT = "{0,3},{1,0},{2,1},{3,2}"
+
+
+def test_opposite_directions_of_a_ring_run_concurrently():
+  tl = _timeline.simulate(_two_permutes(_RIGHT, _LEFT), CHIP, coords=SQUARE)
+  a, b = [e for e in tl.events if e.track == "ici"]
+  # Disjoint directed links: b starts as soon as it is issued, not after a.
+  assert b.start < a.start + a.dur
+  assert {a.lane, b.lane} == {0, 1}
+  one = _transfer_s(512 * 512 * 4, hops=1)
+  assert a.dur == pytest.approx(one) and b.dur == pytest.approx(one)
+
+
+def test_same_links_queue():
+  tl = _timeline.simulate(_two_permutes(_RIGHT, _RIGHT), CHIP, coords=SQUARE)
+  a, b = [e for e in tl.events if e.track == "ici"]
+  assert (
+    b.start + b.dur
+    >= a.start + a.dur + 512 * 512 * 4 / (CHIP.ici_link_bytes_per_s) - 1e-9
+  )
+
+
+def test_ring_sends_follow_ring_order():
+  sends = _timeline.ring_sends([[0, 2, 3, 1]], 1)
+  assert sends == {0: [2], 2: [3], 3: [1], 1: [0]}
+  load, hops = _timeline.link_loads(sends, 10.0, SQUARE)
+  # Ring order 0,2,3,1 on the square: 0->2 and 3->1 cross a diagonal
+  # (2 hops each), 2->3 and 1->0 one hop: 6 link crossings of 10 bytes.
+  assert hops == 2 and sum(load.values()) == 60.0

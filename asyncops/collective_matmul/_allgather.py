@@ -13,7 +13,12 @@ nothing is gathered in full.
 
 Bidirectional: the rows of ``lhs`` are split in two halves; the top half
 travels to ``i + 1`` and the bottom half to ``i - 1``, so each link carries
-half the bytes per step in each direction (the chapter's Problem 4).
+half the bytes per step in each direction (the chapter's Problem 4). With
+the value API one ``bidirectional_start`` kernel moves the whole ``[m, k]``
+buffer (no slicing), and each step is one batched matmul
+``[2, m/2, k] x [2, k, f]`` (the two halves meet different ``rhs`` rows)
+into one ``[2, m/2, f]`` accumulator, which is ``[m, f]`` by a free reshape:
+no concatenation. The Ref API moves two half buffers.
 
 Limits. One mesh axis. Floating-point chunks accumulate in float32 (as a
 ``jnp.dot`` does internally) and round once to the input dtype; the result
@@ -66,22 +71,61 @@ def _unidirectional(lhs, rhs, axis_name: str, n: int, api: str):
 
 
 def _bidirectional(lhs, rhs, axis_name: str, n: int, api: str):
+  if api == "value":
+    return _bidirectional_one_kernel(lhs, rhs, axis_name, n)
+  return _bidirectional_halves(lhs, rhs, axis_name, n, api)
+
+
+def _chunks(me, s: int, n: int):
+  """Chunks held at step ``s``: top half ``me - s``, bottom ``me + s``."""
+  return jax.lax.rem(me + n - s, n), jax.lax.rem(me + s, n)
+
+
+def _batched_chunk_matmul(x, rhs, acc, chunks, k: int):
+  """``acc[j] += x half j @ rhs rows of chunks[j]``, for ``j`` in 0, 1.
+
+  Two matmuls, each updating its half of ``acc`` in place (no stacked
+  copy of the ``rhs`` rows, no concatenation).
+  """
+  h = x.shape[0] // 2
+  for j, c in enumerate(chunks):
+    y = jnp.dot(
+      x[j * h : (j + 1) * h], _rows(rhs, c, k), preferred_element_type=acc.dtype
+    )
+    acc = acc.at[j].add(y)
+  return acc
+
+
+def _bidirectional_one_kernel(lhs, rhs, axis_name: str, n: int):
+  m, k = lhs.shape
+  me = jax.lax.axis_index(axis_name)
+  acc = jnp.zeros((2, m // 2, rhs.shape[1]), accumulator_dtype(lhs.dtype))
+  ring = _ring.Ring((lhs,), ("both",), axis_name, "value")
+  for s in range(n - 1):
+
+    def compute(sent, rhs, acc, s=s):
+      return _batched_chunk_matmul(sent[0], rhs, acc, _chunks(me, s, n), k)
+
+    with jax.named_scope(f"chunk{s}"):
+      acc = ring.step(compute, rhs, acc)
+  with jax.named_scope(f"chunk{n - 1}"):
+    (cur,) = ring.values()
+    acc = _batched_chunk_matmul(cur, rhs, acc, _chunks(me, n - 1, n), k)
+  return acc.reshape(m, rhs.shape[1]).astype(lhs.dtype)
+
+
+def _bidirectional_halves(lhs, rhs, axis_name: str, n: int, api: str):
   k, h = lhs.shape[1], lhs.shape[0] // 2
   me = jax.lax.axis_index(axis_name)
   acc_dtype = accumulator_dtype(lhs.dtype)
-  # The top half travels to index + 1, so at step s it holds chunk me - s;
-  # the bottom half travels to index - 1 and holds chunk me + s.
   ring = _ring.Ring((lhs[:h], lhs[h:]), (1, -1), axis_name, api)
   acc = (
     jnp.zeros((h, rhs.shape[1]), acc_dtype),
     jnp.zeros((lhs.shape[0] - h, rhs.shape[1]), acc_dtype),
   )
 
-  def chunks(s):
-    return jax.lax.rem(me + n - s, n), jax.lax.rem(me + s, n)
-
   def both(sent, rhs, acc, s):
-    ct, cb = chunks(s)
+    ct, cb = _chunks(me, s, n)
     return (
       chunk_matmul(sent[0], _rows(rhs, ct, k), acc[0]),
       chunk_matmul(sent[1], _rows(rhs, cb, k), acc[1]),

@@ -23,24 +23,36 @@ slot ``s`` for the compute (reading a source is allowed while it is in
 flight) and flips the slot after the done. :class:`Ring` hides which API
 runs.
 
-Bidirectional steps move two buffers (the two halves of the rows), one to
-``index + 1`` and one to ``index - 1``, as two concurrent permutes, so both
-directions of every ICI link carry data.
+Bidirectional steps (value API) move one buffer with one
+``bidirectional_start`` kernel (shift ``"both"``): its first half of rows
+goes to ``index + 1`` and its second half to ``index - 1``, so both
+directions of every ring link carry data and no half is ever sliced out or
+concatenated. The Ref API has no bidirectional kernel; there a bidirectional
+ring moves two half buffers as two permutes (shifts ``+1`` and ``-1``).
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
 from asyncops.futures import _api as futures
 
-Shift = int
+Shift = int | Literal["both"]
 
 
 def start(x, axis_name: str, shift: Shift):
-  """Starts moving ``x`` one hop: ``index -> index + shift``."""
-  return futures.ppermute_start(x, axis_name, shift=shift)
+  """Starts moving ``x`` one hop: ``index -> index + shift``.
+
+  ``shift="both"``: one bidirectional kernel, the first half of ``x``'s
+  rows to ``index + 1``, the second half to ``index - 1``. A numeric shift
+  is written into the op name (``ring_shift+1``) so tools that read the
+  compiled HLO (``benchmarks/``) can route the transfer.
+  """
+  if shift == "both":
+    return futures.bidirectional_start(x, axis_name)
+  with jax.named_scope(f"ring_shift{shift:+d}"):
+    return futures.ppermute_start(x, axis_name, shift=shift)
 
 
 def step(
@@ -54,7 +66,7 @@ def step(
 
   Args:
     sends: the buffers to move, one per direction.
-    shifts: the ring shift of each buffer (``+1`` or ``-1``).
+    shifts: the ring shift of each buffer (``+1``, ``-1`` or ``"both"``).
     axis_name: the ring's mesh axis.
     compute: the chunk work, ``compute(sent, *operands)`` where ``sent``
       are the start kernels' aliased outputs (**read these, never the
@@ -79,7 +91,7 @@ def step(
     futs, sent, operands = jax.lax.optimization_barrier((futs, sent, operands))
     out = compute(sent, *operands)
     out, futs = jax.lax.optimization_barrier((out, futs))
-    received = tuple(futures.ppermute_done(f) for f in futs)
+    received = tuple(futures.done(f) for f in futs)
   return received, out
 
 
