@@ -143,6 +143,24 @@ def defensive_copies(text: str) -> int:
   return n
 
 
+def peak_temp_bytes(mem) -> int:
+  """Peak bytes live beyond the program's own arguments, outputs and code.
+
+  A compile-only TPU executable reports ``temp_size_in_bytes`` as 0, but its
+  ``peak_memory_in_bytes`` counts everything live at the peak, so the
+  temporaries are what is left after the arguments, outputs (aliased ones
+  counted once) and generated code.
+  """
+  peak = getattr(mem, "peak_memory_in_bytes", 0)
+  fixed = (
+    getattr(mem, "argument_size_in_bytes", 0)
+    + getattr(mem, "output_size_in_bytes", 0)
+    - getattr(mem, "alias_size_in_bytes", 0)
+    + getattr(mem, "generated_code_size_in_bytes", 0)
+  )
+  return max(peak - fixed, getattr(mem, "temp_size_in_bytes", 0), 0)
+
+
 def parse_config(text: str):
   dtype, _, precision = text.partition(":")
   return jnp.dtype(dtype), (precision or None)
@@ -172,7 +190,7 @@ def measure(variant, mesh, shape, config, chip, prefetch="free"):
     "step_us": tl.step_s * 1e6,
     "exposed_us": tl.exposed_comm_s * 1e6,
     "copies": defensive_copies(text),
-    "temp_mib": getattr(mem, "temp_size_in_bytes", 0) / 2**20,
+    "temp_mib": peak_temp_bytes(mem) / 2**20,
     "compile_s": compile_s,
     "unmodelled": len(tl.unmodelled),
   }, tl

@@ -258,3 +258,21 @@ def test_ring_sends_follow_ring_order():
   # Ring order 0,2,3,1 on the square: 0->2 and 3->1 cross a diagonal
   # (2 hops each), 2->3 and 1->0 one hop: 6 link crossings of 10 bytes.
   assert hops == 2 and sum(load.values()) == 60.0
+
+
+def test_peak_temp_is_peak_minus_arguments_outputs_and_code():
+  import types
+
+  from benchmarks.run import peak_temp_bytes
+
+  mem = types.SimpleNamespace(
+    peak_memory_in_bytes=100,
+    argument_size_in_bytes=30,
+    output_size_in_bytes=20,
+    alias_size_in_bytes=5,
+    generated_code_size_in_bytes=10,
+    temp_size_in_bytes=0,
+  )
+  assert peak_temp_bytes(mem) == 100 - (30 + 20 - 5 + 10)
+  mem.temp_size_in_bytes = 60  # a backend that reports temporaries itself
+  assert peak_temp_bytes(mem) == 60
