@@ -7,8 +7,10 @@ costs its ``estimated_cycles`` (XLA's per-op cost model, in
 ``backend_config``) divided by the chip clock. Ops without an estimate cost
 ``(operand + result bytes) / HBM bandwidth`` if they move at least 64 KiB,
 else nothing (scalar bookkeeping); so do ops writing HBM, or under 64 KiB,
-whose estimate XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without an estimate (Mosaic
-kernels other than our start/done) are counted in ``unmodelled``.
+whose estimate XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without
+an estimate (Mosaic kernels other than our start/done) are counted in
+``unmodelled``. A stateful kernel (``*_ref_start``) moves one message, not
+its whole destination Ref (see ``_ref_message``).
 
 Transfers. An async transfer (our ``asyncops_*_start`` / ``*_done``
 custom-call pair, or XLA's ``collective-permute-start/done``,
