@@ -6,9 +6,11 @@ step). Instructions execute in text order on a single compute track; each
 costs its ``estimated_cycles`` (XLA's per-op cost model, in
 ``backend_config``) divided by the chip clock. Ops without an estimate cost
 ``(operand + result bytes) / HBM bandwidth`` if they move at least 64 KiB,
-else nothing (scalar bookkeeping); so do ops writing HBM whose estimate
-XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without an estimate (Mosaic
-kernels other than our start/done) are counted in ``unmodelled``.
+else nothing (scalar bookkeeping); so do ops writing HBM, or under 64 KiB,
+whose estimate XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without
+an estimate (Mosaic kernels other than our start/done) are counted in
+``unmodelled``. A stateful kernel (``*_ref_start``) moves one message, not
+its whole destination Ref (see ``_ref_message``).
 
 Transfers. An async transfer (our ``asyncops_*_start`` / ``*_done``
 custom-call pair, or XLA's ``collective-permute-start/done``,
@@ -255,7 +257,11 @@ class _Sim:
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
     in_vmem = any(a.memory_space == 1 for a in ins.arrays)
-    if cycles is not None and (ins.estimate_is_valid or in_vmem):
+    # An INVALID estimate on a few-byte op is a fixed 1824 cycles on v5e
+    # (s32[2] iota or broadcast: a stateful kernel's slot indices); such
+    # ops are scalar bookkeeping, free like every small op.
+    small = ins.nbytes < _SMALL_BYTES and not ins.estimate_is_valid
+    if cycles is not None and (ins.estimate_is_valid or in_vmem) and not small:
       return cycles / self.chip.clock_hz
     if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
       self.unmodelled.append(ins.name)
@@ -306,6 +312,8 @@ class _Sim:
     """
     kind = ins.name[len("asyncops_") :].split("_start")[0]
     nbytes = ins.arrays[0].nbytes if ins.arrays else 0
+    if kind.endswith("_ref"):  # asyncops.stateful: output = the whole dst Ref
+      kind, nbytes = kind[: -len("_ref")], self._ref_message(ins, nbytes)
     if kind == "copy":
       return "dma", nbytes / self.chip.hbm_bytes_per_s, 0.0
     if kind == "bidirectional":
@@ -320,6 +328,22 @@ class _Sim:
     m = _SHIFT.search(ins.attrs)
     shift = int(m.group(1)) if m else -1
     return "ici", *self._ici(ring_sends(self.rings, shift), nbytes)
+
+  def _ref_message(self, ins: Instr, dst_bytes: int) -> float:
+    """Bytes one stateful (``*_ref_start``) kernel moves.
+
+    Its operands are the Ref buffers (one when source and destination are
+    two slots of one Ref, else source then destination) and the slot
+    indices; its output is the whole destination buffer. One buffer: the
+    message is one slot (``dst_bytes / leading dim``). Two buffers: the
+    smaller of the two (a slot of one and the whole other); two slots of
+    equal-shape Refs are counted whole (not distinguishable here).
+    """
+    bufs = ins.operands[:-1]
+    if len(bufs) == 1 and ins.arrays and ins.arrays[0].dims:
+      return dst_bytes / ins.arrays[0].dims[0]
+    src = self._bytes_of(self._comp, bufs[:1]) or dst_bytes
+    return min(src, dst_bytes)
 
   # walking -----------------------------------------------------------------
 
@@ -411,6 +435,7 @@ class _Sim:
 
   def run(self, comp: str, t: float) -> float:
     for ins in self.m.computations[comp]:
+      self._comp = comp
       op = ins.opcode
       if op in _FREE:
         continue

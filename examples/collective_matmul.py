@@ -163,7 +163,9 @@ def run_hlo(topology, b, d, f):
         if bidi and name != "asyncops":
           continue
         r = analyze(fn, *args)
-        pairs = r.pairs_for("asyncops.ppermute")
+        pairs = r.pairs_for("asyncops.ppermute") + r.pairs_for(
+          "asyncops.bidirectional"
+        )
         cycles = sum(
           i.estimated_cycles or 0
           for c, instrs in r.schedule.items()

@@ -276,3 +276,93 @@ def test_peak_temp_is_peak_minus_arguments_outputs_and_code():
   assert peak_temp_bytes(mem) == 100 - (30 + 20 - 5 + 10)
   mem.temp_size_in_bytes = 60  # a backend that reports temporaries itself
   assert peak_temp_bytes(mem) == 60
+
+
+def _ref_kernel(operands: str, out: str, scope: str) -> _hlo.Module:
+  """A stateful (``*_ref_start``/``_done``) ppermute pair on ``operands``."""
+  shapes = {"a": "bf16[2,512,512]", "h": "bf16[512,512]", "g": "bf16[512,512]"}
+  names = [n.strip("%") for n in operands.split(", ")]
+  start, done = "asyncops_ppermute_ref_start", "asyncops_ppermute_ref_done"
+  meta = f'metadata={{op_name="jit(f)/{scope}/asyncops.ppermute_ref_start"}}'
+  call = 'custom_call_target="tpu_custom_call"'
+  lines = [f"  %{n} = {shapes[n]} parameter({i})" for i, n in enumerate(names)]
+  lines += [
+    "  %slots = s32[2]{0} constant({0, 1})",
+    f"  %{start}.0 = ({out}, s32[], s32[]) custom-call({operands}, %slots),"
+    f" {call}, {meta}",
+    f"  %{start}.1 = {out} get-tuple-element(%{start}.0), index=0",
+    f"  ROOT %{done}.0 = {out} custom-call(%{start}.1, %slots), {call}",
+  ]
+  return _module("\n".join(lines))
+
+
+@pytest.mark.parametrize(
+  "operands, out",
+  [
+    ("%a", "bf16[2,512,512]"),  # two slots of one Ref: one slot moves
+    ("%h, %g", "bf16[512,512]"),  # two whole Refs
+  ],
+)
+def test_stateful_kernel_moves_one_message(operands, out):
+  """A ``*_ref_start``'s output is its whole destination Ref; the model
+  charges one message (512x512 bf16), not the double buffer."""
+  m = _ref_kernel(operands, out, "ring_step/ring_shift+1")
+  tl = _timeline.simulate(m, CHIP, coords=SQUARE, rings=[[0, 1, 2, 3]])
+  (e,) = [e for e in tl.events if e.track == "ici"]
+  assert e.dur == pytest.approx(_transfer_s(512 * 512 * 2, hops=1))
+
+
+def test_stateful_kernel_follows_its_ring_shift_label():
+  """Two stateful permutes labelled +1 and -1 use disjoint links."""
+  up = _ref_kernel("%h, %g", "bf16[512,512]", "ring_shift+1")
+  down = _ref_kernel("%h, %g", "bf16[512,512]", "ring_shift-1")
+  loads = []
+  for m in (up, down):
+    sim = _timeline._Sim(m, CHIP, SQUARE, [[0, 1, 2, 3]], "free")
+    sim._index = {}
+    sim._comp = m.entry
+    ins = next(i for i in m.computations[m.entry] if "_start.0" in i.name)
+    loads.append(set(sim._kernel_dur(ins)[1]))
+  assert loads[0] and loads[1] and not loads[0] & loads[1]
+
+
+def test_small_invalid_estimate_is_free():
+  """XLA's INVALID estimate for a 2-element iota (1824 cycles on v5e) is
+  bookkeeping, not 1.2 us of compute."""
+  cfg = (
+    'backend_config={"window_config":{"estimated_cycles":"1824",'
+    '"cost_model_type":"COST_MODEL_TYPE_INVALID"}}'
+  )
+  body = (
+    "  %p = f32[512,512]{1,0} parameter(0)\n"
+    f"  %i = s32[2]{{0:T(128)S(1)}} iota(), iota_dimension=0, {cfg}\n"
+    "  ROOT %t = (f32[512,512], s32[2]) tuple(%p, %i)"
+  )
+  tl = _timeline.simulate(_module(body), CHIP)
+  assert tl.step_s == 0.0
+
+
+def test_ref_ring_models_like_the_value_ring(v5e_mesh):
+  """api="ref" moves the same bytes per step as the value API: equal
+  modelled transfer durations, every one on the ring's own links."""
+  from benchmarks import _variants
+  from benchmarks.run import mesh_rings
+
+  coords = [d.coords for d in v5e_mesh.devices.flat]
+  durs = {}
+  for v in ("allgather_matmul", "allgather_matmul_ref"):
+    args = _variants.abstract_args(v, v5e_mesh, (256, 512, 2048), jnp.bfloat16)
+    text = _variants.build(v, v5e_mesh).trace(*args).lower().compile()
+    tl = _timeline.simulate(
+      _hlo.parse(text.as_text()),
+      CHIP,
+      coords=coords,
+      rings=mesh_rings(v5e_mesh),
+    )
+    durs[v] = sorted(
+      round(e.dur, 9)
+      for e in tl.events
+      if e.track == "ici" and e.name.startswith("asyncops_")
+    )
+  assert len(durs["allgather_matmul"]) == 3
+  assert durs["allgather_matmul_ref"] == durs["allgather_matmul"]

@@ -115,28 +115,25 @@ def _bidirectional_one_kernel(lhs, rhs, axis_name: str, n: int):
 
 
 def _bidirectional_halves(lhs, rhs, axis_name: str, n: int, api: str):
-  k, h = lhs.shape[1], lhs.shape[0] // 2
+  """Two half buffers as two permutes (the Ref API has no bidirectional
+  kernel); the accumulator is ``[2, m/2, f]`` as in the one-kernel form."""
+  (m, k), h = lhs.shape, lhs.shape[0] // 2
   me = jax.lax.axis_index(axis_name)
-  acc_dtype = accumulator_dtype(lhs.dtype)
   ring = _ring.Ring((lhs[:h], lhs[h:]), (1, -1), axis_name, api)
-  acc = (
-    jnp.zeros((h, rhs.shape[1]), acc_dtype),
-    jnp.zeros((lhs.shape[0] - h, rhs.shape[1]), acc_dtype),
-  )
+  acc = jnp.zeros((2, h, rhs.shape[1]), accumulator_dtype(lhs.dtype))
 
   def both(sent, rhs, acc, s):
-    ct, cb = _chunks(me, s, n)
-    return (
-      chunk_matmul(sent[0], _rows(rhs, ct, k), acc[0]),
-      chunk_matmul(sent[1], _rows(rhs, cb, k), acc[1]),
-    )
+    for j, c in enumerate(_chunks(me, s, n)):
+      y = jnp.dot(sent[j], _rows(rhs, c, k), preferred_element_type=acc.dtype)
+      acc = acc.at[j].add(y)
+    return acc
 
   for s in range(n - 1):
     with jax.named_scope(f"chunk{s}"):
       acc = ring.step(functools.partial(both, s=s), rhs, acc)
   with jax.named_scope(f"chunk{n - 1}"):
     acc = both(ring.values(), rhs, acc, n - 1)
-  return jnp.concatenate(acc, axis=0).astype(lhs.dtype)
+  return acc.reshape(m, rhs.shape[1]).astype(lhs.dtype)
 
 
 def allgather_matmul(

@@ -15,7 +15,12 @@ partial sums move (``[m, c]`` per step), never ``lhs`` or ``rhs``.
 
 Bidirectional: the rows are split in two halves whose accumulators travel
 in opposite directions (top half to ``i + 1``, bottom half to ``i - 1``),
-halving the bytes per link per step (the chapter's Problem 4).
+halving the bytes per link per step (the chapter's Problem 4). With the
+value API one ``[m, c]`` accumulator moves with one ``bidirectional_start``
+kernel per step (its first half of rows to ``i + 1``, the second to
+``i - 1``) and each half's partial sum is added to its half in place: no
+slicing of the accumulator and no concatenation. The Ref API moves two half
+accumulators as two permutes and concatenates them at the end.
 
 Limits. One mesh axis; ``rhs.shape[1]`` must be divisible by ``n``. The
 travelling partial sums have the input dtype, as in XLA's reduce-scatter,
@@ -65,30 +70,73 @@ def _unidirectional(lhs, rhs, axis_name: str, n: int, api: str):
   return ring.values()[0]
 
 
+def _blocks(me, s: int, n: int):
+  """Blocks worked on at step ``s``: top half ``me - s - 1``, bottom
+  ``me + s + 1`` (the top accumulator travels to ``index + 1``, the bottom
+  one to ``index - 1``; both end on the device that owns their block)."""
+  return jax.lax.rem(me + 2 * n - s - 1, n), jax.lax.rem(me + s + 1, n)
+
+
+def _half_partials(lhs, rhs, blocks, c: int):
+  """``(top @ cols(blocks[0]), bottom @ cols(blocks[1]))``."""
+  h = lhs.shape[0] // 2
+  halves = (lhs[:h], lhs[h:])
+  return tuple(
+    _partial(x, _cols(rhs, b, c), lhs.dtype)
+    for x, b in zip(halves, blocks, strict=True)
+  )
+
+
+def _add_halves(acc, ys):
+  """``acc + [ys[0]; ys[1]]``: one elementwise fusion that reads the two
+  halves where they are (the row concatenation is fused into the add)."""
+  y = jnp.concatenate(ys, axis=0)
+  return y if acc is None else _add(acc, y)
+
+
 def _bidirectional(lhs, rhs, axis_name: str, n: int, api: str):
-  c, h = rhs.shape[1] // n, lhs.shape[0] // 2
+  if api == "value":
+    return _bidirectional_one_kernel(lhs, rhs, axis_name, n)
+  return _bidirectional_halves(lhs, rhs, axis_name, n, api)
+
+
+def _bidirectional_one_kernel(lhs, rhs, axis_name: str, n: int):
+  """One ``[m, c]`` accumulator moved by one bidirectional kernel per step;
+  each half's partial sum is added to its half in place."""
+  c = rhs.shape[1] // n
+  me = jax.lax.axis_index(axis_name)
+  with jax.named_scope("chunk0"):
+    acc = _add_halves(None, _half_partials(lhs, rhs, _blocks(me, 0, n), c))
+  ring = _ring.Ring((acc,), ("both",), axis_name, "value")
+  for s in range(1, n):
+
+    def compute(sent, lhs, rhs, s=s):
+      del sent
+      return _half_partials(lhs, rhs, _blocks(me, s, n), c)
+
+    with jax.named_scope(f"chunk{s}"):
+      ys = ring.step(compute, lhs, rhs)
+      (acc,) = ring.values()
+      ring.set((_add_halves(acc, ys),))
+  return ring.values()[0]
+
+
+def _bidirectional_halves(lhs, rhs, axis_name: str, n: int, api: str):
+  """Two half accumulators as two permutes (the Ref API has no
+  bidirectional kernel), concatenated at the end."""
+  c = rhs.shape[1] // n
   me = jax.lax.axis_index(axis_name)
 
-  # The top accumulator travels to index + 1, the bottom one to index - 1;
-  # both end on the device that owns their block.
-  def blocks(s):
-    return jax.lax.rem(me + 2 * n - s - 1, n), jax.lax.rem(me + s + 1, n)
-
-  def both(sent, top, bot, rhs, s):
+  def both(sent, lhs, rhs, s):
     del sent
-    bt, bb = blocks(s)
-    return (
-      _partial(top, _cols(rhs, bt, c), top.dtype),
-      _partial(bot, _cols(rhs, bb, c), bot.dtype),
-    )
+    return _half_partials(lhs, rhs, _blocks(me, s, n), c)
 
-  top, bot = lhs[:h], lhs[h:]
   with jax.named_scope("chunk0"):
-    acc = both((), top, bot, rhs, 0)
+    acc = both((), lhs, rhs, 0)
   ring = _ring.Ring(acc, (1, -1), axis_name, api)
   for s in range(1, n):
     with jax.named_scope(f"chunk{s}"):
-      y = ring.step(functools.partial(both, s=s), top, bot, rhs)
+      y = ring.step(functools.partial(both, s=s), lhs, rhs)
       acc = ring.values()
       ring.set((_add(acc[0], y[0]), _add(acc[1], y[1])))
   return jnp.concatenate(ring.values(), axis=0)

@@ -113,9 +113,11 @@ class Ring:
   def __init__(self, sends, shifts, axis_name: str, api: str):
     self.shifts, self.axis_name, self.api = tuple(shifts), axis_name, api
     if api == "ref":
+      # Two Refs per buffer, alternating as source and destination (the
+      # loop is unrolled, so which is which is static): no stacked [2, ...]
+      # copy of the initial value and no slot arithmetic.
       self.bufs = tuple(
-        jax.new_ref(jax.numpy.stack([x, jax.numpy.zeros_like(x)]))
-        for x in sends
+        (jax.new_ref(x), jax.new_ref(jax.numpy.zeros_like(x))) for x in sends
       )
       self.slot = 0
     else:
@@ -124,14 +126,14 @@ class Ring:
   def values(self) -> tuple[Any, ...]:
     """The buffers held now (what the last step received)."""
     if self.api == "ref":
-      return tuple(b[self.slot] for b in self.bufs)
+      return tuple(b[self.slot][...] for b in self.bufs)
     return self.current
 
   def set(self, values) -> None:
     """Replaces the buffers to send next (e.g. an updated partial sum)."""
     if self.api == "ref":
       for b, v in zip(self.bufs, values, strict=True):
-        b[self.slot] = v
+        b[self.slot][...] = v
     else:
       self.current = tuple(values)
 
@@ -146,12 +148,14 @@ class Ring:
 
     s, d = self.slot, 1 - self.slot
     with jax.named_scope("ring_step"):
-      futs = [
-        stateful.ppermute_start(b.at[s], b.at[d], self.axis_name, shift=k)
-        for b, k in zip(self.bufs, self.shifts, strict=True)
-      ]
-      out = compute(tuple(b[s] for b in self.bufs), *operands)
+      futs = []
+      for b, k in zip(self.bufs, self.shifts, strict=True):
+        with jax.named_scope(f"ring_shift{k:+d}"):
+          futs.append(
+            stateful.ppermute_start(b[s], b[d], self.axis_name, shift=k)
+          )
+      out = compute(tuple(b[s][...] for b in self.bufs), *operands)
       for f, b in zip(futs, self.bufs, strict=True):
-        stateful.ppermute_done(f, b.at[s], b.at[d])
+        stateful.ppermute_done(f, b[s], b[d])
     self.slot = d
     return out
