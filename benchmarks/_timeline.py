@@ -53,8 +53,9 @@ from typing import Literal
 
 import numpy as np
 
+from asyncops.inspect import Instr
 from benchmarks._chips import Chip
-from benchmarks._hlo import Instr, Module
+from benchmarks._hlo import Module
 
 Track = Literal["compute", "ici", "dma"]
 _FREE = {

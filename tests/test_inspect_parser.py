@@ -3,7 +3,7 @@
 
 import pytest
 
-from asyncops.inspect import analyze, parse_module
+from asyncops.inspect import Instr, analyze, parse_module
 
 STAGGERED = """HloModule m, is_scheduled=true
 
@@ -384,3 +384,120 @@ def test_copy_result_aliased_by_the_done_is_inflight():
   (c,) = r.inflight_copies
   assert c.name == "copy.25" and c.operand == "bx"
   assert c.inflight.startswith("result used as the destination of %s1")
+
+
+# Sizes, attributes and backend config ----------------------------------------
+
+
+def _one(line: str) -> Instr:
+  """The instruction named ``i`` of a one-computation module."""
+  return parse_module(
+    "HloModule m\nENTRY %e (p: f32[8]) -> f32[8] {\n"
+    "  %p = f32[8]{0} parameter(0)\n"
+    f"  ROOT %i = {line}\n}}\n"
+  ).instr("i")
+
+
+@pytest.mark.parametrize(
+  "shape,expect",
+  [
+    ("f32[8,128]{1,0}", [(4096, 0)]),
+    ("bf16[3,5]{1,0:T(8,128)(2,1)S(1)}", [(30, 1)]),
+    ("pred[10]{0}", [(10, 0)]),
+    ("s4[7]{0}", [(3, 0)]),  # sub-byte types are packed
+    ("c128[2]{0}", [(32, 0)]),
+    ("f8e4m3fn[16]{0}", [(16, 0)]),
+    ("s32[]{:S(2)}", [(4, 2)]),
+    (
+      "(f32[4]{0:S(1)}, (u8[3]{0}, token[]), s32[]{:S(2)})",
+      [(16, 1), (3, 0), (4, 2)],
+    ),
+  ],
+)
+def test_array_leaves_and_bytes(shape, expect):
+  i = _one(f'{shape} custom-call(%p), custom_call_target="x"')
+  assert [(a.nbytes, a.memory_space) for a in i.arrays] == expect
+  assert i.nbytes == sum(n for n, _ in expect)
+  tokens = [lf for lf in i.leaves if lf.dtype == "token"]
+  assert all(not lf.is_array and lf.nbytes == 0 for lf in tokens)
+  assert len(i.leaves) == len(expect) + len(tokens)
+
+
+@pytest.mark.parametrize(
+  "key,expect",
+  [
+    ("replica_groups", "{{0,2},{1,3}}"),
+    ("source_target_pairs", "{{0,1},{1,0}}"),
+    ("channel_id", "7"),
+    ("custom_call_target", '"tpu_custom_call"'),
+    ("dimensions", "{0}"),
+    ("to_apply", "%add"),
+    ("batch_group_count", None),
+    ("id", None),  # only a word boundary starts a key: not channel_id
+  ],
+)
+def test_attr_returns_raw_balanced_text(key, expect):
+  i = _one(
+    "f32[8]{0} custom-call(%p), channel_id=7, "
+    "replica_groups={{0,2},{1,3}}, source_target_pairs={{0,1},{1,0}}, "
+    'custom_call_target="tpu_custom_call", dimensions={0}, to_apply=%add'
+  )
+  assert i.attr(key) == expect
+
+
+def test_backend_config_estimates_and_collective_id():
+  body = "A" * 1000  # the Mosaic kernel body: opaque, dropped from attrs
+  i = _one(
+    "(f32[8]{0}, s32[]{:S(2)}) custom-call(%p), "
+    'custom_call_target="tpu_custom_call", frontend_attributes={k={\n'
+    '"mesh_axes":"[\\"x\\"]"\n}}, backend_config={"custom_call_config":'
+    f'{{"body":"{body}","has_communication":true,"collective_id":"3"}},'
+    '"window_config":{"estimated_cycles":"272",'
+    '"cost_model_type":"COST_MODEL_TYPE_INVALID"}}'
+  )
+  assert body not in i.attrs
+  assert i.backend_config["custom_call_config"]["has_communication"] is True
+  assert i.backend_config["window_config"]["estimated_cycles"] == "272"
+  assert i.collective_id == 3
+  assert i.estimated_cycles == 272.0
+  assert not i.estimate_is_valid
+
+
+@pytest.mark.parametrize(
+  "config,parsed",
+  [
+    ("", {}),
+    (
+      ', backend_config={"custom_call_config":{"has_communication":false}}',
+      {"custom_call_config": {"has_communication": False}},
+    ),
+    (
+      ', backend_config={"window_config":{"estimated_cycles":"9"}}',
+      {"window_config": {"estimated_cycles": "9"}},
+    ),
+    (", backend_config=not-json", {}),
+  ],
+)
+def test_no_collective_id_without_one(config, parsed):
+  i = _one(f'f32[8]{{0}} custom-call(%p), custom_call_target="x"{config}')
+  assert i.backend_config == parsed
+  assert i.collective_id is None
+  assert i.estimate_is_valid
+
+
+def test_multi_line_backend_config_parses():
+  i = _one(
+    'f32[8]{0} fusion(%p), kind=kLoop, calls=%f, backend_config={"a":"x\n'
+    'y","known_trip_count":{"n":"3"}}'
+  )
+  assert i.backend_config["known_trip_count"] == {"n": "3"}
+  assert i.called == ("f",)
+
+
+def test_instructions_by_name_span_computations():
+  m = parse_module(STAGGERED)
+  by_name = m.instructions
+  assert list(by_name)[:2] == ["p", "x"]  # computations in text order
+  assert by_name["start"] is m.instr("start")
+  assert by_name["wx"].computation == "main"
+  assert len(by_name) == sum(len(c.instrs) for c in m.computations.values())

@@ -9,7 +9,6 @@ different peer patterns must use different barrier ids (the barrier race of
 jax-ml/jax PR #27963).
 """
 
-import dataclasses
 import functools
 import os
 import re
@@ -23,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops.inspect import Instr, Module, parse_module
 
 # Several test processes may compile for TPU at once on one host; libtpu
 # otherwise refuses to load twice (it takes a lock meant for real chips).
@@ -32,113 +32,26 @@ TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4")
 SEM = "s32[]{:S(2)}"
 
 
-# HLO text helper -------------------------------------------------------------
+# HLO helpers (parsing is asyncops.inspect's) ---------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Instr:
-  """One instruction of compiled HLO text."""
-
-  name: str
-  shape: str
-  opcode: str
-  operands: tuple[str, ...]
-  text: str  # the whole instruction, continuation lines joined
-
-  def attr(self, key: str) -> str | None:
-    """The value of ``key=...`` (balanced braces), or None."""
-    i = self.text.find(f" {key}=")
-    if i < 0:
-      return None
-    j = i + len(key) + 2
-    if self.text[j] != "{":
-      return self.text[j:].split(",", 1)[0]
-    return self.text[j : _closing(self.text, j, "{", "}") + 1]
-
-  @property
-  def collective_id(self) -> int | None:
-    m = re.search(
-      r'"custom_call_config":\{.*?"collective_id":"(\d+)"', self.text, re.S
-    )
-    return int(m.group(1)) if m else None
-
-  @property
-  def aliases(self) -> list[str]:
-    """``output_to_operand_aliasing`` entries, e.g. ``['{}: (1, {})']``."""
-    value = self.attr("output_to_operand_aliasing")
-    if value is None:
-      return []
-    return re.findall(r"\{[\d,]*\}: \(\d+, \{[\d,]*\}\)", value)
-
-
-def _closing(text: str, i: int, open_: str, close: str) -> int:
-  """Index of the bracket closing the one at ``text[i]``."""
-  depth = 0
-  for k in range(i, len(text)):
-    depth += (text[k] == open_) - (text[k] == close)
-    if depth == 0:
-      return k
-  raise ValueError(f"unbalanced {open_}{close} in {text[:80]!r}")
-
-
-_HEAD = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (.*)$")
-
-
-def _parse(line: str, text: str) -> Instr:
-  name, body = _HEAD.match(line).groups()
-  if body.startswith("("):  # tuple shape: parentheses nest, as in S(2)
-    end = _closing(body, 0, "(", ")")
-    shape, rest = body[: end + 1], body[end + 2 :]
-  else:
-    shape, rest = body.split(" ", 1)
-  opcode, rest = rest.split("(", 1)
-  operands = tuple(re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0]))
-  return Instr(name, shape, opcode, operands, text)
-
-
-def hlo_instructions(hlo: str) -> dict[str, Instr]:
-  """Instructions of compiled HLO text by name (all computations)."""
-  out, lines = {}, []
-
-  def flush():
-    if lines:
-      instr = _parse(lines[0], "\n".join(lines))
-      out[instr.name] = instr
-      lines.clear()
-
-  for line in hlo.splitlines():
-    if _HEAD.match(line):
-      flush()
-      lines.append(line)
-    elif (
-      lines
-      and line.strip() not in ("", "}")
-      and not line.startswith(("ENTRY", "%", "HloModule"))
-    ):
-      lines.append(line)  # e.g. kernel_metadata spanning lines
-    else:
-      flush()
-  flush()
-  return out
-
-
-def kernels(instrs: dict[str, Instr], kind: str, phase: str) -> list[Instr]:
+def kernels(m: Module, kind: str, phase: str) -> list[Instr]:
   """Our custom calls ``asyncops_<kind>_<phase>``, in name order."""
   pattern = re.compile(rf"asyncops_{kind}_{phase}(\.\d+)?$")
   return sorted(
-    (i for i in instrs.values() if pattern.match(i.name)),
+    (i for i in m.instructions.values() if pattern.match(i.name)),
     key=lambda i: i.name,
   )
 
 
-def sem_outputs(instrs: dict[str, Instr], start: Instr) -> set[str]:
+def sem_outputs(m: Module, start: Instr) -> set[str]:
   """Names of the ``get-tuple-element``s taking semaphores out of a start."""
   return {
     i.name
-    for i in instrs.values()
+    for i in m.instructions.values()
     if i.opcode == "get-tuple-element"
     and i.operands == (start.name,)
-    and i.shape == SEM
+    and i.shape_text == SEM
   }
 
 
@@ -161,18 +74,18 @@ def compile_hlo(f, mesh, shape=(16, 512), dtype=jnp.float32) -> str:
 
 def check_pair(hlo: str, kind: str, n_sems: int) -> tuple[Instr, Instr]:
   """Asserts the start/done structure of the one ``kind`` op in ``hlo``."""
-  instrs = hlo_instructions(hlo)
-  (start,) = kernels(instrs, kind, "start")
-  (done,) = kernels(instrs, kind, "done")
+  m = parse_module(hlo)
+  (start,) = kernels(m, kind, "start")
+  (done,) = kernels(m, kind, "done")
   for k in (start, done):
-    assert k.opcode == "custom-call", k.text[:200]
+    assert k.opcode == "custom-call", k.attrs[:200]
     assert k.attr("custom_call_target") == '"tpu_custom_call"'
-  assert start.aliases == ["{0}: (0, {})"]  # the source passes through
-  assert done.aliases == ["{}: (1, {})"]  # the destination, and only it
-  sems = sem_outputs(instrs, start)
+  assert start.aliasing == (((0,), 0, ()),)  # the source passes through
+  assert done.aliasing == (((), 1, ()),)  # the destination, and only it
+  sems = sem_outputs(m, start)
   assert len(sems) == n_sems
   assert sems <= set(done.operands)
-  assert start.shape.count(SEM) == n_sems
+  assert start.shape_text.count(SEM) == n_sems
   assert done.collective_id is None  # done kernels never synchronise
   return start, done
 
@@ -228,7 +141,7 @@ def test_start_done_structure(op, topology):
   start, _ = check_pair(compile_hlo(f, tpu_mesh(topology)), kind, n_sems)
   assert (start.collective_id is not None) == synchronises
   if synchronises:
-    assert '"has_communication":true' in start.text
+    assert '"has_communication":true' in start.attrs
 
 
 @pytest.mark.parametrize("topology", ("v5e:2x4", "v6e:2x4"))
@@ -309,12 +222,12 @@ def test_send_done_recv_done_split(topology, kind, start_fn, n_send, n_recv):
     y = asyncops.recv_done(fut)
     return y.reshape(-1, *src.shape[1:])[: src.shape[0]] + src
 
-  instrs = hlo_instructions(compile_hlo(f, tpu_mesh(topology)))
-  (start,) = kernels(instrs, kind, "start")
-  (send,) = kernels(instrs, kind, "send_done")
-  (recv,) = kernels(instrs, kind, "recv_done")
-  assert not kernels(instrs, kind, "done")
-  sems = sem_outputs(instrs, start)
+  m = parse_module(compile_hlo(f, tpu_mesh(topology)))
+  (start,) = kernels(m, kind, "start")
+  (send,) = kernels(m, kind, "send_done")
+  (recv,) = kernels(m, kind, "recv_done")
+  assert not kernels(m, kind, "done")
+  sems = sem_outputs(m, start)
   assert len(sems) == n_send + n_recv
   send_sems = sems & set(send.operands)
   recv_sems = sems & set(recv.operands)
@@ -322,8 +235,8 @@ def test_send_done_recv_done_split(topology, kind, start_fn, n_send, n_recv):
   assert not send_sems & recv_sems
   # send_done reads the source without aliasing it (an alias let XLA copy
   # an in-flight source); recv_done aliases the destination (operand 0).
-  assert send.aliases == []
-  assert recv.aliases == ["{}: (0, {})"]
+  assert send.aliasing == ()
+  assert recv.aliasing == (((), 0, ()),)
   for k in (send, recv):
     assert k.attr("custom_call_target") == '"tpu_custom_call"'
 
@@ -346,10 +259,10 @@ def test_inflight_ops_of_different_patterns_have_distinct_collective_ids():
     gathered = asyncops.done(d)
     return sum(outs) + gathered[0] + x
 
-  instrs = hlo_instructions(compile_hlo(f, tpu_mesh("v5e:2x4")))
+  m = parse_module(compile_hlo(f, tpu_mesh("v5e:2x4")))
   ids = {}
   for kind in ("ppermute", "bidirectional", "all_gather", "copy"):
-    for k in kernels(instrs, kind, "start"):
+    for k in kernels(m, kind, "start"):
       ids[k.name] = k.collective_id
   assert len(ids) == 7
   assert list(ids.values()).count(None) == 1  # the copy
@@ -378,15 +291,15 @@ def test_every_done_kernel_has_exactly_one_alias(topology):
     yc = asyncops.copy_done(c)
     return ya + yb[0] + yc + src
 
-  instrs = hlo_instructions(compile_hlo(f, tpu_mesh(topology)))
-  ours = [i for i in instrs.values() if i.name.startswith("asyncops_")]
+  m = parse_module(compile_hlo(f, tpu_mesh(topology)))
+  ours = [i for i in m.instructions.values() if i.name.startswith("asyncops_")]
   waits = [
     i for i in ours if re.search(r"_(send_|recv_)?done(\.\d+)?$", i.name)
   ]
   assert len(waits) == 4
   for k in ours:
     expected = 0 if "_send_done" in k.name else 1
-    assert len(k.aliases) == expected, (k.name, k.aliases)
+    assert len(k.aliasing) == expected, (k.name, k.aliasing)
 
 
 def _perm_program(perms):
@@ -414,8 +327,8 @@ def test_collective_ids_are_per_program_not_per_process():
   for k in range(2, 8):  # a k-cycle with fixed points is never a ring
     for shift in range(1, 4):
       perms = [[(i, (i + shift) % 8) for i in range(8)], _one_cycle(k)]
-      instrs = hlo_instructions(compile_hlo(_perm_program(perms), mesh))
-      ids = [s.collective_id for s in kernels(instrs, "ppermute", "start")]
+      m = parse_module(compile_hlo(_perm_program(perms), mesh))
+      ids = [s.collective_id for s in kernels(m, "ppermute", "start")]
       assert len(set(ids)) == 2  # distinct patterns, distinct ids
       assert set(ids) <= {0, 1}  # and numbered from 0 in every program
       seen.add(tuple(map(tuple, perms[1])))

@@ -192,16 +192,15 @@ def _compile(
     (8 * 16, 256), jnp.dtype(dtype), sharding=mesh_sharding(mesh)
   )
   f = _tpu_program(mesh, axis, perm, shift, split, read_x)
-  text = hlo.compile_text(f, arg)
-  return hlo.parse(text)
+  return hlo.compile_hlo(f, arg)
 
 
 def _check_start(instrs):
   (start,) = hlo.ours(instrs, "_start")
   assert hlo.is_mosaic(start), start.attrs[:200]
-  assert ("0", 0) in start.aliasing()  # x aliases through the start
+  assert ((0,), 0, ()) in start.aliasing  # x aliases through the start
   sems = hlo.sem_indices(start)
-  assert len(sems) == 2, start.shape
+  assert len(sems) == 2, start.shape_text
   return start, sems
 
 
@@ -216,7 +215,7 @@ def test_tpu_compile_structure(topology, mesh_shape, names, axis, perm, shift):
   assert hlo.is_mosaic(done), done.attrs[:200]
   # The done's output aliases its operand 1, the destination buffer the
   # start returned at tuple index 1.
-  assert done.aliasing() == [("", 1)]
+  assert done.aliasing == (((), 1, ()),)
   assert hlo.source(instrs, done.operands[1]) == (start.name, 1)
   # The source (index 0) is kept alive up to the done.
   assert hlo.source(instrs, done.operands[0]) == (start.name, 0)
@@ -231,8 +230,8 @@ def test_tpu_compile_dtypes(topology, dtype):
   instrs = _compile(topology, (8,), ("i",), "i", None, 1, dtype, False)
   start, _ = _check_start(instrs)
   (done,) = hlo.ours(instrs, "_done")
-  assert start.shape.startswith(f"({_hlo_dtype(dtype)}[16,256]")
-  assert done.shape.startswith(f"{_hlo_dtype(dtype)}[16,256]")
+  assert start.shape_text.startswith(f"({_hlo_dtype(dtype)}[16,256]")
+  assert done.shape_text.startswith(f"{_hlo_dtype(dtype)}[16,256]")
 
 
 def _hlo_dtype(dtype):
@@ -257,8 +256,8 @@ def _check_split(topology, read_x):
   assert hlo.is_mosaic(send) and hlo.is_mosaic(recv)
   # The send wait reads the source without aliasing it (an alias made XLA
   # copy the source when it was also read before the wait).
-  assert send.aliasing() == []
-  assert recv.aliasing() == [("", 0)]  # produces the destination
+  assert send.aliasing == ()
+  assert recv.aliasing == (((), 0, ()),)  # produces the destination
   assert hlo.source(instrs, send.operands[0]) == (start.name, 0)
   assert [hlo.source(instrs, o) for o in send.operands[1:]] == [
     (start.name, send_sem)

@@ -20,9 +20,27 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import re
+from typing import Any
 
 MEMORY_SPACES = {0: "HBM", 1: "VMEM", 2: "SEM", 3: "SMEM", 5: "HOST"}
+
+# Bits per element of XLA's array element types; other leaves (``token``,
+# ``opaque``) hold no array data.
+_BITS = {
+  "pred": 8,
+  **dict.fromkeys(("s2", "u2"), 2),
+  **dict.fromkeys(("s4", "u4", "f4e2m1fn"), 4),
+  **dict.fromkeys(("s8", "u8", "f8e5m2", "f8e4m3", "f8e4m3fn"), 8),
+  **dict.fromkeys(("f8e4m3b11fnuz", "f8e5m2fnuz", "f8e4m3fnuz"), 8),
+  **dict.fromkeys(("f8e3m4", "f8e8m0fnu"), 8),
+  **dict.fromkeys(("s16", "u16", "f16", "bf16"), 16),
+  **dict.fromkeys(("s32", "u32", "f32"), 32),
+  **dict.fromkeys(("s64", "u64", "f64", "c64"), 64),
+  "c128": 128,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +67,16 @@ class Leaf:
     for d in self.dims:
       n *= d
     return n
+
+  @property
+  def is_array(self) -> bool:
+    """Whether the leaf holds array data (not a ``token`` or ``opaque``)."""
+    return self.dtype in _BITS
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the array data (sub-byte types packed; 0 for non-arrays)."""
+    return self.num_elements * _BITS.get(self.dtype, 0) // 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +117,11 @@ class Instr:
     estimated_cycles: the compiler's cost estimate, when printed.
     op_name: ``metadata.op_name``.
     stack: user-code frames, innermost first (from ``stack_frame_id``).
+    parameter_number: a ``parameter``'s number.
+
+  :meth:`attr` gives one attribute's raw text and :attr:`backend_config`
+  the parsed backend config. **A Mosaic kernel's** ``"body"`` **is blanked
+  in** ``attrs`` (it is long and opaque).
   """
 
   name: str
@@ -139,6 +172,66 @@ class Instr:
         return lf
     return None
 
+  @property
+  def arrays(self) -> tuple[Leaf, ...]:
+    """The leaves that hold array data (no ``token`` / ``opaque``)."""
+    return tuple(lf for lf in self.leaves if lf.is_array)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the result: the sum over its array leaves."""
+    return sum(lf.nbytes for lf in self.leaves)
+
+  def attr(self, key: str) -> str | None:
+    """The raw text of attribute ``key=...`` (brackets balanced), or None.
+
+    Example:
+
+      >>> i = parse_module(
+      ...   "ENTRY %e (p: f32[8]) -> f32[8] {\\n"
+      ...   "  ROOT %a = f32[8]{0} all-gather(%p), replica_groups={{0,1}}\\n"
+      ...   "}"
+      ... ).instr("a")
+      >>> i.attr("replica_groups"), i.attr("channel_id")
+      ('{{0,1}}', None)
+    """
+    m = re.search(rf"\b{re.escape(key)}=", self.attrs)
+    if not m:
+      return None
+    at = m.end()
+    if at < len(self.attrs) and self.attrs[at] in _OPEN:
+      return self.attrs[at : _balanced_end(self.attrs, at)]
+    return re.match(r"[^,\s]*", self.attrs[at:]).group(0)
+
+  @functools.cached_property
+  def backend_config(self) -> dict[str, Any]:
+    """The parsed ``backend_config`` JSON ({} if absent or not JSON)."""
+    text = self.attr("backend_config")
+    if not text:
+      return {}
+    try:
+      # Continuation lines keep their newlines: allow them inside strings.
+      config = json.loads(text, strict=False)
+    except ValueError:
+      return {}
+    return config if isinstance(config, dict) else {}
+
+  @property
+  def estimate_is_valid(self) -> bool:
+    """False when XLA marks its cost estimate ``COST_MODEL_TYPE_INVALID``.
+
+    Seen on v5e for standalone converts and broadcasts: e.g. a 4 MiB f32 ->
+    bf16 convert carries 35944 cycles (24 us, 3x its HBM traffic).
+    """
+    return '"cost_model_type":"COST_MODEL_TYPE_INVALID"' not in self.attrs
+
+  @property
+  def collective_id(self) -> int | None:
+    """A Mosaic kernel's barrier ``collective_id`` (None when it has none)."""
+    config = self.backend_config.get("custom_call_config")
+    cid = config.get("collective_id") if isinstance(config, dict) else None
+    return None if cid is None else int(cid)
+
   def __str__(self) -> str:
     return f"%{self.name} = {self.opcode}"
 
@@ -178,6 +271,11 @@ class Module:
 
   def instr(self, name: str) -> Instr:
     return self._by_name()[name]
+
+  @property
+  def instructions(self) -> dict[str, Instr]:
+    """Every instruction by name (computations and schedules in order)."""
+    return dict(self._by_name())
 
   def _by_name(self) -> dict[str, Instr]:
     cache = self.__dict__.get("_cache")
