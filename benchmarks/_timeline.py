@@ -174,16 +174,7 @@ def link_load(
   Returns:
     ``(max link bytes, max hops)``.
   """
-  load: dict[tuple, float] = {}
-  hops = 0
-  for src, dsts in sends.items():
-    links = set()
-    for dst in dsts:
-      p = list(_path(coords[src], coords[dst]))
-      hops = max(hops, len(p))
-      links.update(p)
-    for link in links:
-      load[link] = load.get(link, 0.0) + nbytes
+  load, hops = link_loads(sends, nbytes, coords)
   return max(load.values(), default=0.0), hops
 
 

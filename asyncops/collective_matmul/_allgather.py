@@ -182,11 +182,7 @@ def allgather_matmul(
     ...   return allgather_matmul(a, w, "y")  # doctest: +SKIP
   """
   fn = "allgather_matmul"
-  _validate.api(api, fn)
-  _validate.operand(lhs, fn, "lhs")
-  _validate.operand(rhs, fn, "rhs")
-  _validate.same_dtype(lhs, rhs, fn)
-  n = _validate.axis(axis_name, fn)
+  n = _validate.matmul_operands(lhs, rhs, axis_name, api, fn)
   _validate.contracting(lhs, rhs, fn, n * lhs.shape[1])
   if bidirectional:
     _validate.even_rows(lhs, fn, "lhs")

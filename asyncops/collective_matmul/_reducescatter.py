@@ -188,11 +188,7 @@ def matmul_reducescatter(
     ...   return matmul_reducescatter(h, w2, "y")  # doctest: +SKIP
   """
   fn = "matmul_reducescatter"
-  _validate.api(api, fn)
-  _validate.operand(lhs, fn, "lhs")
-  _validate.operand(rhs, fn, "rhs")
-  _validate.same_dtype(lhs, rhs, fn)
-  n = _validate.axis(axis_name, fn)
+  n = _validate.matmul_operands(lhs, rhs, axis_name, api, fn)
   _validate.contracting(lhs, rhs, fn, lhs.shape[1])
   if rhs.shape[1] % n:
     raise ValueError(

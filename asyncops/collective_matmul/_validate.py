@@ -69,6 +69,19 @@ def axis(axis_name, fn: str) -> int:
     ) from None
 
 
+def matmul_operands(lhs, rhs, axis_name, api_value, fn: str) -> int:
+  """The checks every two-operand collective matmul starts with.
+
+  Returns:
+    The size of ``axis_name``.
+  """
+  api(api_value, fn)
+  operand(lhs, fn, "lhs")
+  operand(rhs, fn, "rhs")
+  same_dtype(lhs, rhs, fn)
+  return axis(axis_name, fn)
+
+
 def contracting(lhs, rhs, fn: str, k_lhs: int, names=("lhs", "rhs")) -> None:
   """Checks ``rhs.shape[0] == k_lhs`` (the contracting sizes agree)."""
   if rhs.shape[0] != k_lhs:
