@@ -35,6 +35,20 @@ __all__ = [
   "tpu_generation",
 ]
 
+# Source attribution. JAX records, for every equation, the innermost frame
+# that is not its own code ("user frame"); that frame becomes the HLO
+# metadata (source_file/source_line) and what error messages point at.
+# Registering this package's directory (public API:
+# ``jax.extend.source_info_util.register_exclusion``) makes JAX skip our
+# frames too, so the compiled HLO names the user's line that called
+# ``ppermute_start``, not ``asyncops/futures/_api.py``.
+import os as _os  # noqa: E402
+
+from jax.extend import source_info_util as _public_source_info  # noqa: E402
+
+PACKAGE_DIR = _os.path.dirname(_os.path.abspath(__file__)) + _os.sep
+_public_source_info.register_exclusion(PACKAGE_DIR)
+
 # The aval a Pallas TPU DMA semaphore has inside a jaxpr.
 DMA_SEM_AVAL = _pltpu.SemaphoreType.DMA.get_array_aval()
 REGULAR_SEM_AVAL = _pltpu.SemaphoreType.REGULAR.get_array_aval()
