@@ -24,6 +24,12 @@ global ``(B, D, F)``:
 - ``allreduce``: A[B_X, D_Y] * W[D_Y, F] -> Out[B_X, F].
 - ``mlp``: In[B_X, D_Y], W_in[D, F_Y], W_out[F_Y, D] -> Out[B_X, D_Y], the
   chapter's Problem 3 (gelu between the two matmuls).
+- ``mlp_gated``: the same with a gate, ``silu(In W_gate) * (In W_in)``
+  (SwiGLU; the gate and up projections share one gather).
+- ``mlp_sp_gated``: the gated MLP in sequence-parallel layout,
+  In[B_XY, D] -> Out[B_XY, D] (the tokens are gathered over Y, scattered
+  back after the down projection; X is data parallel). At (B, D, F) =
+  (4096, 8192, 28672) this is a Llama-3-70B MLP shard (:data:`LLAMA`).
 """
 
 import dataclasses
@@ -137,12 +143,61 @@ def _ppermute_mlp(x, w_in, w_out, *, precision=None):
   return _ppermute_reducescatter(h, w_out, precision=precision)
 
 
-def _lib_fn(name: str, precision, **kw):
+def _ppermute_row_gather(x, ws, *, precision=None):
+  """Row all-gather matmuls as a ``lax.ppermute`` ring (chapter style)."""
+  n, idx = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+  m, mm = x.shape[0], _mm(precision)
+  perm = [(j, (j - 1) % n) for j in range(n)]
+  outs = [jnp.zeros((n * m, w.shape[1]), x.dtype) for w in ws]
+  for i in range(n):
+    row = (idx + i) % n * m
+    outs = [
+      jax.lax.dynamic_update_slice_in_dim(o, mm(x, w), row, 0)
+      for o, w in zip(outs, ws, strict=True)
+    ]
+    if i < n - 1:
+      x = jax.lax.ppermute(x, AXIS, perm)
+  return outs
+
+
+def _ppermute_row_scatter(h, w, *, precision=None):
+  """Row reduce-scatter matmul: partial sums of row blocks to index + 1."""
+  n, idx = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+  m, mm = h.shape[0] // n, _mm(precision)
+  perm = [(j, (j + 1) % n) for j in range(n)]
+
+  def part(s):
+    block = (idx + 2 * n - s - 1) % n
+    return mm(jax.lax.dynamic_slice_in_dim(h, block * m, m), w)
+
+  acc = part(0)
+  for s in range(1, n):
+    acc = jax.lax.ppermute(acc, AXIS, perm) + part(s)
+  return acc
+
+
+def _ppermute_mlp_sp_gated(x, w_in, w_out, w_gate, *, precision=None):
+  g, u = _ppermute_row_gather(x, (w_gate, w_in), precision=precision)
+  return _ppermute_row_scatter(jax.nn.silu(g) * u, w_out, precision=precision)
+
+
+def _ppermute_mlp_gated(x, w_in, w_out, w_gate, *, precision=None):
+  g = chapter_ppermute(x, w_gate, precision=precision)
+  u = chapter_ppermute(x, w_in, precision=precision)
+  h = jax.nn.silu(g) * u
+  return _ppermute_reducescatter(h, w_out, precision=precision)
+
+
+def _lib_fn(name: str, precision, lib_kw=(), kw_args=(), **kw):
   lib = _library(name)
+  kw = {**dict(lib_kw), **kw}
 
   def f(*args):
+    # The last len(kw_args) arguments are passed by keyword (e.g. w_gate).
+    pos = args[: len(args) - len(kw_args)]
+    named = dict(zip(kw_args, args[len(pos) :], strict=True))
     with jax.default_matmul_precision(precision or "default"):
-      return lib(*args, AXIS, **kw)
+      return lib(*pos, AXIS, **named, **kw)
 
   return f
 
@@ -160,6 +215,8 @@ class Family:
       ``jit`` baseline on global arrays).
     ppermute: the chapter-style ``lax.ppermute`` ring.
     library: the ``asyncops.collective_matmul`` function name.
+    lib_kw: keyword options of the library call.
+    kw_args: names of the trailing arguments passed by keyword.
   """
 
   in_specs: tuple
@@ -169,6 +226,8 @@ class Family:
   local: Callable
   ppermute: Callable
   library: str
+  lib_kw: tuple = ()
+  kw_args: tuple = ()
 
 
 def _mlp_local(x, w_in, w_out, *, precision=None):
@@ -205,6 +264,44 @@ FAMILIES: dict[str, Family] = {
     "mlp_block",
   ),
 }
+
+
+def _mlp_gated_local(x, w_in, w_out, w_gate, *, precision=None):
+  mm = _mm(precision)
+  return mm(jax.nn.silu(mm(x, w_gate)) * mm(x, w_in), w_out)
+
+
+_GATED = dict(
+  shapes=lambda b, d, f: ((b, d), (d, f), (f, d), (d, f)),
+  local=_mlp_gated_local,
+  library="mlp_block",
+  kw_args=("w_gate",),
+)
+_WEIGHT_SPECS = (P(None, AXIS), P(AXIS, None), P(None, AXIS))
+FAMILIES["mlp_gated"] = Family(
+  in_specs=(P("x", AXIS), *_WEIGHT_SPECS),
+  out_spec=P("x", AXIS),
+  bound_shapes=lambda b, d, f, x, y: (
+    (b // x, d),
+    (d, f // y),
+    (f // y, d),
+    (d, f // y),
+  ),
+  ppermute=_ppermute_mlp_gated,
+  lib_kw=(("activation", jax.nn.silu),),
+  **_GATED,
+)
+FAMILIES["mlp_sp_gated"] = Family(
+  in_specs=(P(("x", AXIS), None), *_WEIGHT_SPECS),
+  out_spec=P(("x", AXIS), None),
+  # Per device: its data-parallel group's B / X tokens, gathered.
+  bound_shapes=FAMILIES["mlp_gated"].bound_shapes,
+  ppermute=_ppermute_mlp_sp_gated,
+  lib_kw=(("activation", jax.nn.silu), ("sequence_parallel", True)),
+  **_GATED,
+)
+# A Llama-3-70B MLP shard: (B, D, F) with B tokens per step.
+LLAMA = (4096, 8192, 28672)
 KINDS = ("unsharded", "jit", "ppermute", "asyncops", "asyncops_bidi")
 KINDS_REF = ("asyncops_ref",)
 
@@ -225,9 +322,13 @@ def _build_family(name: str, mesh, precision):
     return jax.jit(local, out_shardings=NamedSharding(mesh, fam.out_spec))
   fns = {
     "ppermute": functools.partial(fam.ppermute, precision=precision),
-    "asyncops": _lib_fn(fam.library, precision),
-    "asyncops_bidi": _lib_fn(fam.library, precision, bidirectional=True),
-    "asyncops_ref": _lib_fn(fam.library, precision, api="ref"),
+    "asyncops": _lib_fn(fam.library, precision, fam.lib_kw, fam.kw_args),
+    "asyncops_bidi": _lib_fn(
+      fam.library, precision, fam.lib_kw, fam.kw_args, bidirectional=True
+    ),
+    "asyncops_ref": _lib_fn(
+      fam.library, precision, fam.lib_kw, fam.kw_args, api="ref"
+    ),
   }
   if kind not in fns:
     raise ValueError(

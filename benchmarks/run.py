@@ -7,10 +7,12 @@ Usage::
       [--configs int32,float32:highest,float32,bfloat16]
       [--variants unsharded,jit,ppermute,...] [--ref]
       [--families reducescatter,allreduce,mlp] [--out out/bench]
-      [--prefetch free|charged]
+      [--prefetch free|charged] [--no-llama]
 
-The default run (flagship on v5e:2x4, four configs) takes about 1-2 min;
-``--families``, ``--ref`` and more topologies add tables.
+The default run (flagship on v5e:2x4, four configs, then the Llama-3-70B
+MLP shard in bfloat16) takes a few minutes; ``--families``
+(``mlp_gated``, ``mlp_sp_gated`` too), ``--ref`` and more topologies add
+tables.
 
 Compiles every variant ahead of time for the topology (no TPU needed),
 simulates its scheduled HLO with :mod:`benchmarks._timeline` and prints one
@@ -247,6 +249,13 @@ def main(argv=None) -> int:
   p.add_argument("--layout", default="ring", choices=("ring", "line"))
   p.add_argument("--out", default="out/bench")
   p.add_argument("--prefetch", default="free", choices=("free", "charged"))
+  p.add_argument(
+    "--llama",
+    action=argparse.BooleanOptionalAction,
+    default=True,
+    help="add the Llama-3-70B MLP shard table (gated, sequence parallel, "
+    f"bfloat16, (B, D, F) = {_variants.LLAMA})",
+  )
   a = p.parse_args(argv)
   shape = tuple(int(s) for s in a.shape.split(","))
   out = pathlib.Path(a.out)
@@ -271,11 +280,20 @@ def main(argv=None) -> int:
       config = parse_config(text)
       _run_table("allgather", variants, mesh, shape, config, text, chip, a, out)
       for fam in filter(None, a.families.split(",")):
-        if fam == "mlp" and not jnp.issubdtype(config[0], jnp.floating):
+        if fam.startswith("mlp") and not jnp.issubdtype(
+          config[0], jnp.floating
+        ):
           print(f"## mlp {text}: skipped (gelu needs a floating dtype)\n")
           continue
         fv = _variants.family_variants(fam, ref=a.ref)
         _run_table(fam, fv, mesh, shape, config, text, chip, a, out)
+    if a.llama:
+      fv = _variants.family_variants("mlp_sp_gated", ref=a.ref)
+      label = f"llama3-70b mlp (B, D, F) = {_variants.LLAMA}:"
+      config = parse_config("bfloat16")
+      _run_table(
+        label, fv, mesh, _variants.LLAMA, config, "bfloat16", chip, a, out
+      )
   print("(*) contains custom calls without estimated_cycles (bytes model).")
   print(f"traces and PNGs: {out}/")
   return 0

@@ -1,7 +1,13 @@
-"""The chapter's Problem 3 MLP block: jit vs chapter ppermute vs asyncops.
+"""MLP blocks with hidden collectives: jit vs chapter ppermute vs asyncops.
 
-``In[B_X, D_Y] * W_in[D, F_Y] -> gelu -> * W_out[F_Y, D] -> Out[B_X, D_Y]``
-on 8 CPU devices (2x4 mesh)::
+1. The chapter's Problem 3, model-sharded activations:
+   ``In[B_X, D_Y] * W_in[D, F_Y] -> gelu -> * W_out[F_Y, D] -> Out[B_X, D_Y]``.
+2. A Llama-style gated MLP (SwiGLU) in sequence-parallel layout:
+   ``In[S_XY, D] -> silu(In W_gate) * (In W_up) -> * W_down -> Out[S_XY, D]``
+   (the tokens are gathered over ``y`` once for both projections and
+   scattered back after the down projection).
+
+On 8 CPU devices (2x4 mesh)::
 
   python examples/mlp_block.py
 """
@@ -74,5 +80,52 @@ def main():
     assert err < 1e-4, name
 
 
+SP_SPECS = (P(("x", "y")), P(None, "y"), P("y", None), P(None, "y"))
+
+
+def jit_llama_mlp(x, w_up, w_down, w_gate):
+  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def main_llama():
+  s, d, f = 128, 64, 256
+  mesh = jax.make_mesh(
+    (2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  keys = jax.random.split(jax.random.key(1), 4)
+  shapes = ((s, d), (d, f), (f, d), (d, f))
+  args = [
+    jax.device_put(
+      jax.random.normal(k, sh, jnp.float32) / np.sqrt(sh[0]),
+      NamedSharding(mesh, spec),
+    )
+    for k, sh, spec in zip(keys, shapes, SP_SPECS, strict=True)
+  ]
+  out = NamedSharding(mesh, SP_SPECS[0])
+  want = jax.jit(jit_llama_mlp, out_shardings=out)(*args)
+  for bidirectional in (False, True):
+
+    def ours(x, w_up, w_down, w_gate, bidirectional=bidirectional):
+      return mlp_block(
+        x,
+        w_up,
+        w_down,
+        "y",
+        w_gate=w_gate,
+        activation=jax.nn.silu,
+        sequence_parallel=True,
+        bidirectional=bidirectional,
+      )
+
+    f = jax.jit(
+      jax.shard_map(ours, mesh=mesh, in_specs=SP_SPECS, out_specs=SP_SPECS[0])
+    )
+    err = float(jnp.max(jnp.abs(f(*args) - want)))
+    name = "gated SP" + ("/bidi" if bidirectional else "")
+    print(f"{name:14s} max |err| vs jit = {err:.2e}")
+    assert err < 1e-4, name
+
+
 if __name__ == "__main__":
   main()
+  main_llama()

@@ -195,40 +195,49 @@ def test_allgather_hypothesis(
   )
 
 
-def test_ref_api_equals_value_api_bit_for_bit():
-  """Same chunks in the same order: the Ref rings give identical bits."""
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_ref_api_equals_value_api(bidirectional):
+  """The Ref rings multiply the same chunks in the same order: identical
+  bits one way; two ways the value ring multiplies both halves of a step
+  in one matmul (the weight is read once), the Ref ring one per half
+  buffer, so only the matmul's own blocking may differ."""
   mesh = _mesh("2x4")
   x = _data((2, 16, 8), "float32", 0)
   w = _data((8, 6), "float32", 1)
   w2 = _data((8, 4), "float32", 2)
   specs = (_spec(3, 1), P(), P())
-  for bidirectional in (False, True):
 
-    def run(api, bidirectional=bidirectional):
-      def body(x, w, w2):
-        (a, b), g = allgather_matmul(
-          x,
-          (w, w2),
-          "y",
-          gather_dim=1,
-          return_gathered=True,
-          api=api,
-          bidirectional=bidirectional,
-        )
-        h = jnp.concatenate([a, b], axis=-1)
-        wo = jnp.ones((10, 8), h.dtype)
-        return (
-          a,
-          b,
-          g,
-          matmul_reducescatter(
-            h, wo, "y", scatter_dim=1, api=api, bidirectional=bidirectional
-          ),
-        )
+  def run(api):
+    def body(x, w, w2):
+      (a, b), g = allgather_matmul(
+        x,
+        (w, w2),
+        "y",
+        gather_dim=1,
+        return_gathered=True,
+        api=api,
+        bidirectional=bidirectional,
+      )
+      h = jnp.concatenate([a, b], axis=-1)
+      wo = jnp.ones((10, 8), h.dtype)
+      return (
+        a,
+        b,
+        g,
+        matmul_reducescatter(
+          h, wo, "y", scatter_dim=1, api=api, bidirectional=bidirectional
+        ),
+      )
 
-      return _run(mesh, body, [x, w, w2], specs)
+    return _run(mesh, body, [x, w, w2], specs)
 
-    jax.tree.map(np.testing.assert_array_equal, run("ref"), run("value"))
+  got, want = run("ref"), run("value")
+  if bidirectional:
+    check = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+  else:
+    check = np.testing.assert_array_equal
+  jax.tree.map(check, got, want)
+  np.testing.assert_array_equal(got[2], want[2])  # the gathered lhs
 
 
 # reduce-scatter --------------------------------------------------------------
