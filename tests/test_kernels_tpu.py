@@ -29,7 +29,13 @@ from asyncops.inspect import Instr, Module, parse_module
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4")
-SEM = "s32[]{:S(2)}"
+SEM = ("s32", (), 2)  # a DMA semaphore: s32[] in memory space S(2)
+
+
+def is_sem(leaf) -> bool:
+  """Whether a shape leaf is a semaphore (the tiling printed varies by
+  libtpu version: ``s32[]{:S(2)}`` or ``s32[]{:T(128)S(2)}``)."""
+  return (leaf.dtype, leaf.dims, leaf.memory_space) == SEM
 
 
 # HLO helpers (parsing is asyncops.inspect's) ---------------------------------
@@ -51,7 +57,8 @@ def sem_outputs(m: Module, start: Instr) -> set[str]:
     for i in m.instructions.values()
     if i.opcode == "get-tuple-element"
     and i.operands == (start.name,)
-    and i.shape_text == SEM
+    and len(i.leaves) == 1
+    and is_sem(i.leaves[0])
   }
 
 
@@ -85,7 +92,7 @@ def check_pair(hlo: str, kind: str, n_sems: int) -> tuple[Instr, Instr]:
   sems = sem_outputs(m, start)
   assert len(sems) == n_sems
   assert sems <= set(done.operands)
-  assert start.shape_text.count(SEM) == n_sems
+  assert sum(map(is_sem, start.leaves)) == n_sems
   assert done.collective_id is None  # done kernels never synchronise
   return start, done
 

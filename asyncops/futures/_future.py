@@ -19,13 +19,13 @@ being handed to a transformation, e.g. as a loop carry) warns when it is
 garbage collected.
 """
 
-import traceback
 import warnings
 import weakref
 from typing import Any, Literal
 
 import jax
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 
 State = Literal["inflight", "sent"]
@@ -61,13 +61,8 @@ class NeverAwaitedWarning(RuntimeWarning):
 
 
 def _user_frame() -> str:
-  """``file:line in fn`` of the first frame outside asyncops and JAX."""
-  for frame in reversed(traceback.extract_stack()):
-    f = frame.filename
-    if "/asyncops/" in f or "/jax/" in f or "/contextlib" in f:
-      continue
-    return f"{f}:{frame.lineno} in {frame.name}"
-  return "<unknown>"
+  """``file:line in fn`` of the user code calling asyncops (not our frames)."""
+  return jc.user_source_frame()
 
 
 @jax.tree_util.register_pytree_node_class
