@@ -107,6 +107,24 @@ def parse_ints(text: str, n: int, *, flag: str) -> tuple[int, ...]:
   return out
 
 
+@contextlib.contextmanager
+def human_output(as_json: bool) -> Iterator[None]:
+  """Under ``--json``, sends the human-readable prints to stderr, so
+  stdout carries only the JSON document."""
+  if not as_json:
+    yield
+    return
+  with contextlib.redirect_stdout(sys.stderr):
+    yield
+
+
+def print_json(data: Any) -> None:
+  """Prints ``data`` as one JSON document on stdout."""
+  import json
+
+  print(json.dumps(data, indent=1, default=str))
+
+
 def _progress_enabled(stream: Any) -> bool:
   forced = os.environ.get("ASYNCOPS_PROGRESS", "")
   if forced in ("0", "1"):
