@@ -74,13 +74,17 @@ class Future:
 
   Example:
     >>> import asyncops, jax, jax.numpy as jnp
-    >>> mesh = jax.make_mesh((8,), ("i",))
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
     >>> @jax.jit
     ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
     ... def f(x):
     ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
-    ...   z = x * 2  # overlaps the transfer on TPU
+    ...   # pinned between start and done: overlaps the transfer on TPU
+    ...   z, fut = asyncops.scheduling.overlap(fut, lambda x: x * 2, x)
     ...   return asyncops.ppermute_done(fut) + z
+    >>> f(jnp.arange(8.0))
+    Array([ 7.,  2.,  5.,  8., 11., 14., 17., 20.], dtype=float32)
   """
 
   __slots__ = (
