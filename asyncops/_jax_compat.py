@@ -33,6 +33,7 @@ __all__ = [
   "manual_axes_kwargs",
   "jaxprs_in_params",
   "is_drop_var",
+  "all_gather_invariant",
   "ANY",
   "SEMAPHORE",
   "DeviceIdType",
@@ -135,6 +136,21 @@ def jaxprs_in_params(params: Any) -> Iterator[Any]:
   if fn is None:  # jax 0.9: not yet in jax.extend
     fn = _core.jaxprs_in_params
   return fn(params)
+
+
+def all_gather_invariant(x: Any, axis_name: Any, *, axis: int, tiled: bool):
+  """``jax.lax.all_gather(..., to="invarying")``: the result is the same on
+  every device of the axis (so ``out_specs`` may leave the axis out).
+
+  jax 0.9 spells it ``all_gather_invariant``, not public there.
+  """
+  if JAX_VERSION >= (0, 10):
+    return jax.lax.all_gather(
+      x, axis_name, axis=axis, tiled=tiled, to="invarying"
+    )
+  from jax._src.lax import parallel as _parallel  # jax 0.9 only
+
+  return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
 
 
 def is_drop_var(v: Any) -> bool:

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncops import _cli
+from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as cm
 
 AXIS = "y"
@@ -86,7 +87,7 @@ def chapter_reducescatter(lhs, rhs):
 
 def chapter_allreduce(lhs, rhs):
   block = chapter_reducescatter(lhs, rhs)
-  return jax.lax.all_gather(block, AXIS, axis=1, tiled=True, to="invarying")
+  return jc.all_gather_invariant(block, AXIS, axis=1, tiled=True)
 
 
 CHAPTER = {
