@@ -40,11 +40,22 @@ class UsageError(Exception):
   """A user mistake: the message names the argument and the fix."""
 
 
+def describe(doc: str) -> str:
+  """A module docstring for ``--help``: without its ``Usage::`` block
+  (argparse prints the usage) and without RST double backquotes."""
+  paras = [
+    p.strip("\n")
+    for p in doc.split("\n\n")
+    if p.strip() and not p.strip().startswith(("Usage::", "python "))
+  ]
+  return "\n\n".join(paras).replace("``", "")
+
+
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
   """An ``ArgumentParser`` with the shared ``--json`` flag."""
   p = argparse.ArgumentParser(
     prog=prog,
-    description=description,
+    description=describe(description),
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument(

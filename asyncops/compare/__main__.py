@@ -20,7 +20,7 @@ PROG = "python -m asyncops.compare"
 
 def main(argv=None) -> int:
   """Runs the command line; returns the exit status."""
-  p = _cli.parser(PROG, __doc__.split("\n\n", 1)[1].split("\n\n")[0])
+  p = _cli.parser(PROG, __doc__)
   p.add_argument(
     "--topology",
     default="v5e:2x4",

@@ -113,7 +113,7 @@ def _program(fn, spec: str, topology: str):
 
 def main(argv=None) -> int:
   """Runs the command line; returns the exit status."""
-  p = _cli.parser(PROG, "The harness's report for one program.")
+  p = _cli.parser(PROG, __doc__)
   p.add_argument(
     "target", help="MODULE:FUNCTION returning (jitted, abstract_args)"
   )
