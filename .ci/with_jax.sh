@@ -2,7 +2,8 @@
 # Usage: .ci/with_jax.sh JAX_VERSION VENV PYTEST_ARGS...
 #
 # A fresh virtualenv with jax==JAX_VERSION installed first, as a user has
-# it; then asyncops from this checkout (with the tpu and test extras). Fails
+# it; then asyncops from this checkout (with the tpu, test, bench and docs
+# extras: the suite draws the timeline and builds the API reference). Fails
 # if installing asyncops changed jax, then runs pytest there.
 set -euo pipefail
 version=$1 venv=$2
@@ -11,7 +12,7 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade pip
 "$venv/bin/pip" install --quiet "jax==$version"
-"$venv/bin/pip" install --quiet ".[tpu,test]"
+"$venv/bin/pip" install --quiet ".[tpu,test,bench,docs]"
 got=$("$venv/bin/python" -c "import jax; print(jax.__version__)")
 if [ "$got" != "$version" ]; then
   echo "installing asyncops changed jax $version into $got" >&2
