@@ -9,7 +9,10 @@ the TPU rule re-types those operands as semaphores before tracing the Pallas
 kernel. Lowering rules and the rule context are not public API, so every use
 of ``jax._src`` is here; a JAX upgrade should be one edit of this file.
 
-Pinned to jax 0.10.2.
+Supported: jax 0.9.0 to 0.10.x (``pyproject.toml``); CI runs the suite on
+the oldest and the newest. The differences between them, and the renames
+jax 0.11 makes, are in the "Versions" section below: every other module
+uses the names defined there.
 """
 
 import contextlib
@@ -25,6 +28,20 @@ from jax.experimental.pallas import tpu as _pltpu
 from jax.extend.core import Primitive
 
 __all__ = [
+  "JAX_VERSION",
+  "shape_like",
+  "manual_axes_kwargs",
+  "jaxprs_in_params",
+  "is_drop_var",
+  "all_gather_invariant",
+  "ANY",
+  "SEMAPHORE",
+  "DeviceIdType",
+  "semaphore_signal",
+  "semaphore_wait",
+  "get_barrier_semaphore",
+  "tpu_compiler_params",
+  "user_source_frame",
   "Primitive",
   "register_lowering",
   "register_effect",
@@ -34,6 +51,120 @@ __all__ = [
   "user_frame",
   "tpu_generation",
 ]
+
+# Versions -------------------------------------------------------------------
+#
+# What differs between the supported jax versions, and what jax 0.11
+# renames, each in one place. Facts from jax's CHANGELOG.md and
+# docs/pallas/CHANGELOG.md:
+# - 0.10.0 replaced ``ShapedArray.vma`` / ``ShapeDtypeStruct(vma=)`` with
+#   ``manual_axis_type`` (``.manual_axis_type.varying``).
+# - 0.10.0 moved ``semaphore_signal/_wait/_read``, ``DeviceIdType`` and
+#   ``semaphore`` from ``pallas.tpu`` to ``pallas`` (both exist in 0.9.x
+#   and 0.10.x; 0.11.0 removes the ``pallas.tpu`` ones) and removed
+#   ``pltpu.ANY`` (use ``pl.ANY``, present since before 0.9.0).
+# - 0.10.2 added ``jax.ShapeDtypeStruct.like``.
+# - 0.11.0 adds ``jax_pallas_auto_assign_collective_ids`` ("no" by
+#   default: our explicit ids stand) and makes ``pl.kernel`` alias only
+#   written Refs (we alias explicitly with ``pallas_call``'s
+#   ``input_output_aliases``, unaffected).
+# - jax.extend.core gained ``jaxprs_in_params`` in 0.10.0; state effects
+#   name their operand ``input`` (0.10) or ``input_index`` (0.9).
+
+from jax.experimental import pallas as _pl  # noqa: E402
+
+
+def _version(text: str) -> tuple[int, ...]:
+  return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+JAX_VERSION = _version(jax.__version__)
+
+# Pallas names: the ``pl.*`` spellings exist in every supported version.
+ANY = _pl.ANY
+SEMAPHORE = _pltpu.SEMAPHORE
+DeviceIdType = _pl.DeviceIdType
+semaphore_signal = _pl.semaphore_signal
+semaphore_wait = _pl.semaphore_wait
+get_barrier_semaphore = _pltpu.get_barrier_semaphore
+
+
+def tpu_compiler_params(
+  *, collective_id: int | None = None, has_side_effects: bool = True
+) -> Any:
+  """Mosaic compiler parameters of our kernels.
+
+  ``collective_id`` picks the barrier semaphore (None: the kernel uses
+  none). Our ids are assigned per lowered module (``module_scope``).
+  """
+  if collective_id is None:
+    return _pltpu.CompilerParams(has_side_effects=has_side_effects)
+  return _pltpu.CompilerParams(
+    collective_id=collective_id, has_side_effects=has_side_effects
+  )
+
+
+def manual_axes_kwargs(aval: Any) -> dict[str, Any]:
+  """``ShapeDtypeStruct`` keywords carrying ``aval``'s varying manual axes."""
+  if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
+    return {"manual_axis_type": aval.manual_axis_type}
+  return {"vma": getattr(aval, "vma", frozenset())}  # jax 0.9
+
+
+def shape_like(x: Any, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
+  """``jax.ShapeDtypeStruct.like(x)``, optionally with another shape/dtype.
+
+  Keeps the manual axes ``x`` varies over (a Pallas output inside
+  ``shard_map`` must vary like its input).
+  """
+  if shape is None and dtype is None and hasattr(jax.ShapeDtypeStruct, "like"):
+    return jax.ShapeDtypeStruct.like(x)  # jax >= 0.10.2
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(
+    aval.shape if shape is None else tuple(shape),
+    aval.dtype if dtype is None else dtype,
+    weak_type=getattr(aval, "weak_type", False) and shape is dtype is None,
+    **manual_axes_kwargs(aval),
+  )
+
+
+def jaxprs_in_params(params: Any) -> Iterator[Any]:
+  """The jaxprs an equation's params hold (sub-computations)."""
+  from jax.extend import core as _jex
+
+  fn = getattr(_jex, "jaxprs_in_params", None)
+  if fn is None:  # jax 0.9: not yet in jax.extend
+    fn = _core.jaxprs_in_params
+  return fn(params)
+
+
+def all_gather_invariant(x: Any, axis_name: Any, *, axis: int, tiled: bool):
+  """``jax.lax.all_gather(..., to="invarying")``: the result is the same on
+  every device of the axis (so ``out_specs`` may leave the axis out).
+
+  jax 0.9 spells it ``all_gather_invariant``, not public there.
+  """
+  if JAX_VERSION >= (0, 10):
+    return jax.lax.all_gather(
+      x, axis_name, axis=axis, tiled=tiled, to="invarying"
+    )
+  from jax._src.lax import parallel as _parallel  # jax 0.9 only
+
+  return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+
+
+def is_drop_var(v: Any) -> bool:
+  """Whether a jaxpr output variable is ``_`` (a result nobody reads)."""
+  from jax.extend import core as _jex
+
+  cls = getattr(_jex, "DropVar", None) or _core.DropVar  # 0.9: not public
+  return isinstance(v, cls)
+
+
+def _effect_input(eff: Any) -> Any:
+  """The operand (index or Var) a state effect is about."""
+  return eff.input if hasattr(eff, "input") else eff.input_index
+
 
 # Source attribution. JAX records, for every equation, the innermost frame
 # that is not its own code ("user frame"); that frame becomes the HLO
@@ -138,24 +269,41 @@ def register_effect(effect_type: type) -> None:
   _effects.remat_allowed_effects.add_type(effect_type)
 
 
-def user_frame(eqn: Any, skip: Sequence[str] = ("/asyncops/",)) -> str:
-  """``file:line (function)`` of the user code that created ``eqn``.
+_SUMMARY = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)? \((?P<fn>.*)\)$")
 
-  A jaxpr equation's ``source_info`` is not public API; its traceback lists
-  frames innermost first. We return the first frame outside JAX, asyncops
-  (``skip``) and ``contextlib``.
+
+def _frame_of(source_info: Any) -> tuple[str, int, str] | None:
+  """``(file, line, function)`` of the user frame of a ``SourceInfo``.
+
+  Public API only: ``source_info_util.summarize`` names the innermost
+  frame that is neither JAX's, the standard library's nor asyncops' (the
+  package directory is registered as an exclusion above), as
+  ``file:line[:column] (function)``.
   """
-  tb = getattr(getattr(eqn, "source_info", None), "traceback", None)
-  if tb is None:
-    return "<unknown>"
-  for fr in tb.frames:
-    f = fr.file_name
-    if "/jax/" in f or "/jaxlib/" in f or "contextlib" in f:
-      continue
-    if any(s in f for s in skip):
-      continue
-    return f"{f}:{fr.line_num} ({fr.function_name})"
-  return "<unknown>"
+  if source_info is None or getattr(source_info, "traceback", None) is None:
+    return None
+  text = _public_source_info.summarize(source_info)
+  match = _SUMMARY.match(text.strip())
+  if match is None:
+    return None
+  # A qualified name (``test.<locals>.body``): the function's own name.
+  return match["file"], int(match["line"]), match["fn"].rsplit(".", 1)[-1]
+
+
+def user_source_frame() -> str:
+  """``file:line in function`` of the user code calling into asyncops now.
+
+  Used at trace time (a start records where it was called, so errors about
+  its future name the user's line, not the library's).
+  """
+  frame = _frame_of(_public_source_info.current())
+  return "<unknown>" if frame is None else "{}:{} in {}".format(*frame)
+
+
+def user_frame(eqn: Any) -> str:
+  """``file:line (function)`` of the user code that created ``eqn``."""
+  frame = _frame_of(getattr(eqn, "source_info", None))
+  return "<unknown>" if frame is None else "{}:{} ({})".format(*frame)
 
 
 # Stateful API (asyncops.stateful) --------------------------------------------
@@ -241,7 +389,7 @@ def ref_effect_inputs(eqn: Any) -> tuple[set[int], set[int]]:
   for eff in eqn.effects:
     if not isinstance(eff, _state.RefEffect):
       continue
-    where = eff.input
+    where = _effect_input(eff)
     if not isinstance(where, int):  # resolved to the Ref's Var
       where = next((i for i, v in enumerate(vals) if v is where), None)
       if where is None:

@@ -12,12 +12,13 @@ from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops.futures import check_futures
+from asyncops.testing import cpu_mesh
 
 N = 8
 
 
 def _mesh():
-  return jax.make_mesh((N,), ("i",))
+  return cpu_mesh((N,), ("i",))
 
 
 def _trace(body, dtype=jnp.float32, shape=(N * 2, 4)):

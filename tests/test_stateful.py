@@ -27,6 +27,7 @@ from asyncops import stateful as st
 from asyncops.compare._patterns import BY_NAME, PATTERNS
 from asyncops.futures._future import FutureError, NeverAwaitedWarning
 from asyncops.inspect import analyze, tpu_mesh
+from asyncops.testing import assert_copy_free, assert_overlapped, cpu_mesh
 
 AXES = ("x", "y")
 SPEC = P(AXES)
@@ -44,7 +45,7 @@ def _quiet_gc_warnings():
 
 
 def _cpu_mesh():
-  return jax.make_mesh((2, 4), AXES)
+  return cpu_mesh((2, 4), AXES)
 
 
 def _run(fn, n_out, x, w, transfer):
@@ -396,14 +397,12 @@ def _report(name, side, topology):
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("p", PATTERNS, ids=lambda p: p.name)
 def test_tpu_ref_clean_and_overlapped(p, topology):
-  r = _report(p.name, "ref", topology)
-  r.assert_no_defensive_copies()
-  r.assert_no_inflight_copies()
+  r = assert_copy_free(_report(p.name, "ref", topology))
   op = f"asyncops_{p.op}_ref_start"
   assert r.pairs_for(op), "the Ref kernels were removed"
   assert all(pair.source_live for pair in r.pairs_for(op))
   if p.overlapped:
-    r.assert_overlapped(min_pairs=p.overlapped, op=op)
+    assert_overlapped(r, min_pairs=p.overlapped, op=op)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -80,7 +80,7 @@ class _Flow:
     self.uses[v] += 1
 
   def define(self, v, sem: _Sem) -> None:
-    if isinstance(v, jex.DropVar):
+    if jc.is_drop_var(v):
       _fail(f"{_where(sem)} is dropped: its semaphores are never awaited.")
     self.sems[v] = sem
     self.uses[v] = 0
@@ -129,7 +129,7 @@ class _Flow:
       self.wait(eqn, in_sems)
       return
     name = p.name
-    has_sub = any(True for _ in jex.jaxprs_in_params(eqn.params))
+    has_sub = any(True for _ in jc.jaxprs_in_params(eqn.params))
     if not any(in_sems) and not has_sub:
       return
     if name in _FORWARDING:

@@ -156,10 +156,19 @@ def ppermute_start(src_ref, dst_ref, axis_name: str, perm=None, *, shift=None):
     ValueError: shapes differ; source and destination are one buffer.
 
   Example:
-    >>> x_ref, y_ref = jax.new_ref(x), jax.empty_ref(jax.typeof(x))
-    >>> fut = ppermute_start(x_ref, y_ref, "i", shift=1)  # doctest: +SKIP
-    >>> z = a @ b  # overlaps the DMA                     # doctest: +SKIP
-    >>> ppermute_done(fut, x_ref, y_ref)                  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from asyncops import stateful
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    ... def shift(x):
+    ...   x_ref, y_ref = jax.new_ref(x), jax.new_ref(jnp.zeros_like(x))
+    ...   fut = stateful.ppermute_start(x_ref, y_ref, "i", shift=1)
+    ...   stateful.ppermute_done(fut, x_ref, y_ref)
+    ...   return y_ref[...]
+    >>> shift(jnp.arange(8.0))
+    Array([7., 0., 1., 2., 3., 4., 5., 6.], dtype=float32)
   """
   fn = "ppermute_start"
 

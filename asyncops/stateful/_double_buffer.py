@@ -22,15 +22,23 @@ class DoubleBuffer:
   """Two slots of one Ref that alternate as send and receive buffers.
 
   Example:
-    >>> buf = asyncops.stateful.double_buffer(x)        # doctest: +SKIP
-    >>> def body(i, c):                                 # doctest: +SKIP
-    ...   fut = ppermute_start(buf.send_slot(i), buf.recv_slot(i), "i",
-    ...                        shift=1)
-    ...   out[...] += buf.send_slot(i)[...]
-    ...   ppermute_done(fut, buf.send_slot(i), buf.recv_slot(i))
-    ...   return c
-    >>> jax.lax.fori_loop(0, n, body, 0)                # doctest: +SKIP
-    >>> y = buf.read(n)  # what the last transfer received
+    >>> import jax, jax.numpy as jnp
+    >>> from asyncops import stateful
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    ... def ring(x):
+    ...   buf = stateful.double_buffer(x)
+    ...   def body(i, c):
+    ...     send, recv = buf.send_slot(i), buf.recv_slot(i)
+    ...     fut = stateful.ppermute_start(send, recv, "i", shift=1)
+    ...     stateful.ppermute_done(fut, send, recv)
+    ...     return c
+    ...   jax.lax.fori_loop(0, 3, body, 0)
+    ...   return buf.read(3)  # what the last transfer received
+    >>> ring(jnp.arange(8.0))
+    Array([5., 6., 7., 0., 1., 2., 3., 4.], dtype=float32)
   """
 
   __slots__ = ("ref", "_slots")
