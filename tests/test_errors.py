@@ -167,17 +167,17 @@ def test_recv_done_before_send_done():
     _trace(body)
 
 
-def test_never_awaited_warns_for_dropped_future():
+@pytest.mark.filterwarnings("ignore::asyncops.NeverAwaitedWarning")
+def test_never_awaited_raises_at_trace_time():
   def body(x):
     x, fut = asyncops.ppermute_start(x, "i", shift=1)
     return x
 
-  with pytest.warns(
-    asyncops.NeverAwaitedWarning,
-    match=r"test_errors.py:\d+ in body was never awaited",
+  with pytest.raises(
+    asyncops.FutureError,
+    match=r"started at .*test_errors.py:\d+ .*never awaited",
   ):
     _trace(body)
-    gc.collect()
 
 
 @pytest.mark.parametrize("loop", ["fori", "while", "jit"])

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import jax
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 
 State = Literal["inflight", "sent"]
@@ -135,6 +136,8 @@ class Future:
   def tree_unflatten(cls, aux, children):
     spec, state = aux
     sems, src, dst = children
+    if sems:  # a future enters a trace: check that trace when it ends
+      jc.mark_frame(sems[0])
     fut = cls(sems, src, dst, spec, state)
     # Futures made by transformations (loop bodies, jit) are tracked from
     # here on but never warn: their origin owns the obligation to await.
