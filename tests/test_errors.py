@@ -297,7 +297,7 @@ def test_check_accepts_good_program():
   _check(body)
 
 
-# Argument types: each refused with the argument named --------------------------
+# Argument types: each refused with the argument named ------------------------
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,9 @@ _WHY = {
     "copy insertion: XLA saw a buffer aliased by an in-place op while "
     "another user still needed the old value (costs a full read+write)"
   ),
-  "memory_space": "a move between memory spaces (e.g. HBM <-> VMEM)",
+  "memory_space": (
+    "a move between memory spaces (e.g. HBM <-> VMEM, or CMEM on v4)"
+  ),
   "output": "an entry parameter copied into a non-donated output",
   "scalar": "a scalar (loop counter or similar); harmless",
 }
