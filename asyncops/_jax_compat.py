@@ -166,6 +166,37 @@ def _effect_input(eff: Any) -> Any:
   return eff.input if hasattr(eff, "input") else eff.input_index
 
 
+# Settings that change what a function traces to. ``asyncops.emulation``
+# picks where the non-TPU emulation moves data; the choice is baked into the
+# traced program. A plain context variable is invisible to ``jax.jit``'s
+# caches, so a function traced under one mode silently ran that program
+# under the other. A JAX config state with ``include_in_jit_key`` (the C++
+# dispatch cache) and ``include_in_trace_context`` (the Python tracing
+# cache) makes a mode change retrace; both are needed (measured: either
+# alone leaves one cache stale). Config states are internal in 0.10.2.
+from jax._src import config as _config  # noqa: E402
+
+
+def traced_setting(name: str, values: Sequence[str], default: str, help: str):
+  """A thread-local string setting that ``jax.jit`` traces for.
+
+  Returns a JAX config state: ``state.value`` reads it, ``with
+  state(value):`` sets it for a block; a jitted function retraces when it
+  changes. The environment variable ``name.upper()`` sets the default.
+  """
+  existing = _config.config_states.get(name)
+  if existing is not None:  # module re-imported
+    return existing
+  return _config.enum_state(
+    name,
+    list(values),
+    default,
+    help=help,
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+  )
+
+
 # Source attribution. JAX records, for every equation, the innermost frame
 # that is not its own code ("user frame"); that frame becomes the HLO
 # metadata (source_file/source_line) and what error messages point at.
@@ -383,9 +414,12 @@ def eqn_where(eqn: Any) -> str:
 
 
 def ref_effect_inputs(eqn: Any) -> tuple[set[int], set[int]]:
-  """Operand positions ``eqn`` reads and writes as Refs."""
+  """Operand positions ``eqn`` reads and writes (or accumulates) as Refs.
+
+  Works on equations being traced and on finished ones.
+  """
   reads, writes = set(), set()
-  vals = eqn_vals(eqn)
+  vals = eqn_invals(eqn)
   for eff in eqn.effects:
     if not isinstance(eff, _state.RefEffect):
       continue
@@ -487,6 +521,86 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
     tie.outvars[k] = v
     tie.in_tracers[k] = trace.var_to_tracer(fresh, e.source_info, e)
   return list(outs[len(leaves) :])
+
+
+# Checks on every finished trace ---------------------------------------------
+#
+# Why: a future's life cycle (awaited exactly once on every path) and the
+# Ref API's hazards (no access to a buffer a DMA is using) can only be
+# decided on the whole traced program: a cond branch that drops a future, a
+# loop body that touches a slot in flight across the back edge. JAX has no
+# public hook for "a jaxpr was traced", so we wrap the internal
+# ``JaxprStackFrame.to_jaxpr``, which every ``jit``, ``make_jaxpr``,
+# ``shard_map``, ``cond`` and loop trace ends with. Only frames where
+# asyncops traced something (``mark_frame``) are checked, and a checked
+# frame marks its parent, which sees the sub-jaxpr in context.
+
+_marked: dict[int, bool] = {}
+_jaxpr_checks: list[Callable[[Any, Sequence[Any]], None]] = []
+
+
+def mark_frame(x: Any) -> None:
+  """Marks the jaxpr ``x`` (a tracer) is traced into for the checks."""
+  frame = current_frame(x)
+  if frame is not None:
+    _marked[id(frame)] = True
+
+
+def on_jaxpr_traced(check: Callable[[Any, Sequence[Any]], None]) -> None:
+  """Runs ``check(jaxpr, consts)`` on every marked jaxpr when traced.
+
+  ``check`` may raise; the error ends the trace (e.g. ``jax.jit``'s).
+  """
+  _install_finish_hook()
+  if check not in _jaxpr_checks:
+    _jaxpr_checks.append(check)
+
+
+def _install_finish_hook() -> None:
+  frame_cls = _pe.JaxprStackFrame
+  original = frame_cls.to_jaxpr
+  if getattr(original, "_asyncops_hook", False):
+    return
+
+  def to_jaxpr(self, trace, *args, **kwargs):
+    jaxpr, consts = original(self, trace, *args, **kwargs)
+    if _marked.pop(id(self), False):
+      parent = getattr(trace, "parent_trace", None)
+      if isinstance(parent, _pe.DynamicJaxprTrace):
+        _marked[id(parent.frame)] = True
+      for check in list(_jaxpr_checks):
+        check(jaxpr, consts)
+    return jaxpr, consts
+
+  to_jaxpr._asyncops_hook = True
+  to_jaxpr.__wrapped__ = original
+  frame_cls.to_jaxpr = to_jaxpr
+
+
+def without_dead_code(jaxpr: Any) -> Any:
+  """``jaxpr`` as lowering sees it: equations nothing uses removed.
+
+  Why: a value-level done whose result is never used is dead code, and
+  JAX drops it before compiling (``pe.dce_jaxpr``, internal), so the
+  compiled program starts a DMA it never waits for. The life-cycle check
+  runs on this view too.
+  """
+  if jaxpr.constvars:
+    jaxpr = _pe.convert_constvars_jaxpr(jaxpr)
+  out, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), True)
+  return out
+
+
+def name_stack_of(eqn: Any) -> str:
+  """The named scopes an equation was traced in (``a/b/c``)."""
+  return str(getattr(getattr(eqn, "source_info", None), "name_stack", ""))
+
+
+def eqn_invals(eqn: Any) -> list[Any]:
+  """An equation's input atoms (``Var``/``Literal``), traced or finished."""
+  if getattr(eqn, "in_tracers", None) is not None:  # being traced
+    return eqn_vals(eqn)
+  return list(eqn.invars)
 
 
 def _resolve(entry: Any) -> Any:

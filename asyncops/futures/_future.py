@@ -134,6 +134,8 @@ class Future:
   def tree_unflatten(cls, aux, children):
     spec, state = aux
     sems, src, dst = children
+    if sems:  # a future enters a trace: check that trace when it ends
+      jc.mark_frame(sems[0])
     fut = cls(sems, src, dst, spec, state)
     # Futures made by transformations (loop bodies, jit) are tracked from
     # here on but never warn: their origin owns the obligation to await.

@@ -6,16 +6,15 @@ into slot ``(i + 1) % 2``; the next iteration swaps them. Both slots live in
 one buffer, so the loop carries nothing and needs no unrolling: the kernels
 take the buffer once (one alias) and the slot indices in SMEM.
 
-The hazard check knows that ``send_slot(i)`` and ``recv_slot(i)`` of one
-``i`` are different slots; any other pair of traced slots is assumed
-distinct.
+The hazard check proves that ``send_slot(i)`` (``i % 2``) and
+``recv_slot(i)`` (``1 - i % 2``) differ for every ``i``, from the
+arithmetic itself (``asyncops.stateful._slots``).
 """
 
 import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.stateful import _hazards
 
 
 class DoubleBuffer:
@@ -48,13 +47,13 @@ class DoubleBuffer:
     self._slots = {}
 
   def _pair(self, i):
+    # One (send, receive) pair of index values per loop index object, so
+    # a start and its done name the very same slot values.
     key = id(i)
     if key not in self._slots or self._slots[key][0] is not i:
-      i = jnp.asarray(i, jnp.int32)
-      s = i % 2
-      r = 1 - s
-      _hazards.mark_distinct(s, r)
-      self._slots[key] = (i, s, r)
+      j = jnp.asarray(i, jnp.int32)
+      s = j % 2
+      self._slots[key] = (i, s, 1 - s)
     return self._slots[key][1:]
 
   def send_slot(self, i):

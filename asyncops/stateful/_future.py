@@ -17,6 +17,7 @@ import warnings
 
 import jax
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._future import FutureError, NeverAwaitedWarning
 from asyncops.futures._spec import OpSpec
 from asyncops.stateful._layout import Layout
@@ -101,6 +102,8 @@ class RefFuture:
 
   @classmethod
   def tree_unflatten(cls, aux, children):
+    if children[0]:  # entering a trace: check it when it ends
+      jc.mark_frame(children[0][0])
     fut = cls(children[0], *aux)
     fut._status = "handed_off"
     return fut
