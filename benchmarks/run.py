@@ -18,101 +18,17 @@ markdown table per shape and config. Traces and PNGs go to ``--out``.
 """
 
 import argparse
-import contextlib
-import math
-import os
 import pathlib
 import sys
 import time
-from typing import Literal
 
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks import _chips, _hlo, _timeline, _trace, _variants
+from benchmarks import _chips, _hlo, _mesh, _timeline, _trace, _variants
 
-
-@contextlib.contextmanager
-def _quiet_fd2():
-  """libtpu prints start-up warnings to fd 2; keep them off the terminal."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with open(os.devnull, "w") as null:
-    os.dup2(null.fileno(), 2)
-    try:
-      yield
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-
-
-Layout = Literal["ring", "line"]
-
-
-def _cycle(devs):
-  """Four devices of a 2x2 square in cycle order (every hop one link)."""
-  cx = sum(d.coords[0] for d in devs) / 4
-  cy = sum(d.coords[1] for d in devs) / 4
-  return sorted(
-    devs, key=lambda d: math.atan2(d.coords[1] - cy, d.coords[0] - cx)
-  )
-
-
-def _ring_rows(devs):
-  """Two rows of four forming physical rings, or None if impossible."""
-  chips = sorted({tuple(d.coords) for d in devs})
-  if len(devs) != 8:
-    return None
-  if len(chips) == 4:  # 2 cores per chip: x = core, y = the 2x2 chips
-    rows = [[d for d in devs if d.core_on_chip == c] for c in (0, 1)]
-  elif len(chips) == 8:  # 2x4: x = which 2x2 square along the long axis
-    long = max(range(3), key=lambda a: len({c[a] for c in chips}))
-    rows = [[d for d in devs if d.coords[long] // 2 == h] for h in (0, 1)]
-  else:
-    return None
-  if any(len({c for d in r for c in [tuple(d.coords)]}) != 4 for r in rows):
-    return None
-  return [_cycle(r) for r in rows]
-
-
-def make_mesh(topology: str, layout: Layout = "ring"):
-  """A ``("x", "y")`` mesh of the topology's devices.
-
-  Args:
-    topology: e.g. ``"v5e:2x4"``.
-    layout: ``"ring"``: each ``y`` row is a physical cycle (a 2x2 square
-      of chips, every ring hop one ICI link, both directions usable);
-      ``"line"``: ``y`` runs along the longest physical axis (an open line:
-      the ring's wrap-around message crosses ``n - 1`` links).
-
-  Returns:
-    The mesh (``x`` of size 2 when there are more than 2 devices).
-  """
-  from jax.experimental import topologies  # noqa: PLC0415
-  from jax.sharding import Mesh  # noqa: PLC0415
-
-  if layout not in ("ring", "line"):
-    raise ValueError(f"layout must be 'ring' or 'line', got {layout!r}")
-  # Several processes (tests, benchmarks) may compile for TPU at once.
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  with _quiet_fd2():
-    topo = topologies.get_topology_desc(topology, platform="tpu")
-  devs = sorted(
-    topo.devices,
-    key=lambda d: (*reversed(d.coords), getattr(d, "core_on_chip", 0)),
-  )
-  rows = _ring_rows(devs) if layout == "ring" else None
-  if rows is not None:
-    return Mesh(np.array(rows), ("x", "y"))
-  n = len(devs)
-  x = 2 if n % 2 == 0 and n > 2 else 1
-  return Mesh(np.array(devs).reshape(n // x, x).T, ("x", "y"))
-
-
-def mesh_rings(mesh) -> list[list[int]]:
-  """Partition ids of each ``y`` ring (partition id = flat mesh index)."""
-  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-  return [list(map(int, r)) for r in ids]
+_quiet_fd2 = _mesh.quiet_fd2
+make_mesh = _mesh.make_mesh
+mesh_rings = _mesh.mesh_rings
 
 
 def defensive_copies(text: str) -> int:
