@@ -30,6 +30,8 @@ from benchmarks import _chips, _hlo, _kernel_costs, _mesh, _timeline, _variants
 from benchmarks.xla_configs import hlo_key
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Model options every simulate() call here uses (run.py's flags set them).
+MODEL: dict[str, Any] = {"collectives": "ring"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +229,7 @@ def simulate(
     rings=_mesh.mesh_rings(mesh),
     prefetch=prefetch,
     kernel_cost=_coster(spec.topology, spec.layout, spec.tp, chip),
+    **MODEL,
   )
 
 

@@ -298,6 +298,12 @@ def ring_sends(rings: Sequence[Sequence[int]], shift: int) -> dict:
   return out
 
 
+def _colors(ins: Instr) -> int:
+  """Ring directions XLA chose (``StrategyRing{colors:N``), default 1."""
+  m = re.search(r"colors:(\d+)", ins.attrs)
+  return int(m.group(1)) if m else 1
+
+
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
 
 
@@ -366,8 +372,12 @@ _MAX_TRIPS = 1_000_000
 
 
 class _Sim:
-  def __init__(self, m, chip, coords, rings, prefetch, kernel_cost=None):
+  def __init__(
+    self, m, chip, coords, rings, prefetch, kernel_cost=None, collectives="ring"
+  ):
     self.m, self.chip, self.coords = m, chip, coords
+    self.collectives = collectives
+    self._rings: dict = {}
     self.rings, self.prefetch = rings, prefetch
     self.kernel_cost = kernel_cost
     self.ring_size = max(len(r) for r in rings)
@@ -568,25 +578,65 @@ class _Sim:
   def _n(self) -> int:
     return len(self.coords)
 
-  def _collective_load(self, op, groups, operand, out, pairs=()):
-    """``(link load, latency)`` of one collective over ``groups``."""
+  def _collective_load(self, op, groups, operand, out, pairs=(), colors=1):
+    """``(link load, latency)`` of one collective over ``groups``.
+
+    ``collectives="ring"`` (default): XLA's TPU emitters run a ring
+    (``StrategyRing{colors:1 ...}`` in their backend config): the group's
+    devices in a physical cycle, ``n - 1`` steps, each step moving one
+    shard to the next device, in ``colors`` directions (each carrying
+    ``1 / colors`` of every shard). ``"multicast"``: every shard crosses
+    each link towards its destinations at most once (a lower bound, the
+    model before calibration).
+    """
     if op == "collective-permute":
       sends = {}
       for s, t in pairs:
         sends.setdefault(s, []).append(t)
       return self._ici(sends, operand)
     gsize = max(len(g) for g in groups)
-    multicast = {s: [d for d in g if d != s] for g in groups for s in g}
-    if op == "all-gather":
-      return self._ici(multicast, operand)
-    if op == "reduce-scatter":
-      return self._ici(multicast, out)
-    if op == "all-reduce":
-      load, lat = self._ici(multicast, operand / gsize, 2.0)
-      return load, 2 * lat
-    if op == "all-to-all":
-      return self._ici(multicast, operand / gsize, gsize - 1.0)
-    return self._ici(multicast, operand)
+    if gsize <= 1:
+      return {}, 0.0
+    shard = {
+      "all-gather": operand,
+      "reduce-scatter": out,
+      "all-reduce": operand / gsize,
+      "all-to-all": operand / gsize,
+    }.get(op, operand)
+    steps = {"all-reduce": 2 * (gsize - 1)}.get(op, gsize - 1)
+    if self.collectives == "multicast":
+      multicast = {s: [d for d in g if d != s] for g in groups for s in g}
+      load, lat = self._ici(multicast, shard, 2.0 if op == "all-reduce" else 1)
+      return load, (2 * lat if op == "all-reduce" else lat)
+    rings = [self._ring_order(g) for g in groups]
+    load, hops = {}, 0
+    directions = (1, -1)[: max(1, min(colors, 2))]
+    for shift in directions:
+      part, h = link_loads(
+        ring_sends(rings, shift), shard * steps / len(directions), self.coords
+      )
+      hops = max(hops, h)
+      for k, v in part.items():
+        load[k] = load.get(k, 0.0) + v
+    return load, steps * hops * self.chip.ici_hop_s
+
+  def _ring_order(self, group: list[int]) -> list[int]:
+    """The group's devices in a physical cycle when one exists (XLA
+    reorders its ring: ``has_reordering_map``), else as given."""
+    key = tuple(group)
+    if key not in self._rings:
+      by = {}
+      for d in group:
+        by.setdefault(tuple(self.coords[d]), []).append(d)
+      order = list(group)
+      if all(len(v) == 1 for v in by.values()) and len(by) > 2:
+        from benchmarks._mesh import _cycles  # noqa: PLC0415
+
+        cyc = _cycles(sorted(by), len(by))
+        if cyc:
+          order = [by[c][0] for c in cyc[0]]
+      self._rings[key] = order
+    return self._rings[key]
 
   def _collective_dur(self, op: str, ins: Instr, comp: str):
     operand = self._bytes_of(comp, ins.operands[:1]) or ins.nbytes
@@ -597,7 +647,9 @@ class _Sim:
     return self._checked(
       ins,
       op,
-      self._collective_load(op, groups, operand, out, source_target_pairs(ins)),
+      self._collective_load(
+        op, groups, operand, out, source_target_pairs(ins), _colors(ins)
+      ),
       groups,
     )
 
@@ -644,7 +696,7 @@ class _Sim:
       inner,
       op,
       self._collective_load(
-        op, groups, operand, out, source_target_pairs(inner)
+        op, groups, operand, out, source_target_pairs(inner), _colors(ins)
       ),
       groups,
     )
@@ -968,6 +1020,7 @@ def simulate(
   rings: Sequence[Sequence[int]] | None = None,
   prefetch: Literal["free", "charged"] = "free",
   kernel_cost: KernelCost | None = None,
+  collectives: Literal["ring", "multicast"] = "ring",
 ) -> Timeline:
   """Simulates one device's step of a scheduled TPU HLO module.
 
@@ -985,6 +1038,10 @@ def simulate(
       before the step) or ``"charged"`` from time 0.
     kernel_cost: seconds for a Pallas kernel from its jnp twin (see
       :mod:`benchmarks._kernel_costs`), or None when it has none.
+    collectives: how XLA's all-gather, reduce-scatter and all-reduce use
+      the links: ``"ring"`` (its emitters' ring, ``n - 1`` steps; the
+      calibrated default) or ``"multicast"`` (each shard crosses a link at
+      most once; a lower bound).
 
   Returns:
     The :class:`Timeline`.
@@ -1005,8 +1062,18 @@ def simulate(
     rings = [
       list(range(i, i + size)) for i in range(0, len(coords) - size + 1, size)
     ]
+  if collectives not in ("ring", "multicast"):
+    raise ValueError(
+      f"collectives must be 'ring' or 'multicast', got {collectives!r}"
+    )
   sim = _Sim(
-    module, chip, coords, [list(r) for r in rings], prefetch, kernel_cost
+    module,
+    chip,
+    coords,
+    [list(r) for r in rings],
+    prefetch,
+    kernel_cost,
+    collectives,
   )
   step = sim.run(module.entry, 0.0)
   return Timeline(

@@ -501,6 +501,7 @@ def main(argv=None) -> int:
       _chips.chip_for(topo)
     except ValueError as e:
       p.error(f"--topology: {e}")
+  _measure.MODEL["collectives"] = a.collectives
   bench = Bench(a)
   sink = sys.stderr if a.json == "-" else sys.stdout
   t0 = time.perf_counter()

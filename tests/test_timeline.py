@@ -10,6 +10,7 @@ from benchmarks import _chips, _hlo, _timeline
 
 CHIP = _chips.CHIPS["v5e"]
 LINE = [(i, 0) for i in range(4)]
+SQUARE = [(0, 0), (1, 0), (1, 1), (0, 1)]  # a physical 4-cycle
 
 _HEAD = "HloModule m, is_scheduled=true\n\n"
 
@@ -75,17 +76,45 @@ def test_partial_overlap_exposes_the_rest():
   assert tl.exposed_comm_s == pytest.approx(transfer - cycles / CHIP.clock_hz)
 
 
-def test_synchronous_all_gather_is_exposed_and_routed():
+@pytest.mark.parametrize(
+  "collectives, shards, hops",
+  [
+    # XLA's ring: 3 steps, each link carries 3 shards; the wrap-around
+    # message of each step crosses the whole line (3 hops).
+    ("ring", 3, 3 * 3),
+    # Multicast: the last link carries 3 shards; 3 hops at most.
+    ("multicast", 3, 3),
+  ],
+)
+def test_synchronous_all_gather_is_exposed_and_routed(
+  collectives, shards, hops
+):
   body = (
     "  %p = f32[512,512]{1,0} parameter(0)\n"
     "  ROOT %ag = f32[512,2048]{1,0} all-gather(%p), channel_id=1, "
     "replica_groups=[1,4]<=[4], dimensions={1}"
   )
-  tl = _timeline.simulate(_module(body), CHIP, coords=LINE)
-  # On an open line of 4 the last link carries 3 shards; 3 hops at most.
-  expect = _transfer_s(3 * 512 * 512 * 4, hops=3)
+  tl = _timeline.simulate(
+    _module(body), CHIP, coords=LINE, collectives=collectives
+  )
+  expect = _transfer_s(shards * 512 * 512 * 4, hops=hops)
   assert tl.exposed_comm_s == pytest.approx(expect)
   assert tl.step_s == pytest.approx(expect)
+
+
+def test_ring_collective_on_a_square_uses_one_direction():
+  """On a physical 4-cycle XLA's ring (colors:1) sends every shard one way:
+  3 steps of one shard per link; colors:2 halves each direction's bytes."""
+  for colors, shards in ((1, 3), (2, 1.5)):
+    body = (
+      "  %p = f32[512,512]{1,0} parameter(0)\n"
+      "  ROOT %ag = f32[512,2048]{1,0} all-gather(%p), channel_id=1, "
+      "replica_groups={{0,1,2,3}}, dimensions={1}, backend_config="
+      f'{{"collective_algorithm_config":{{"debug":"StrategyRing{{colors:{colors}"}}}}'
+    )
+    tl = _timeline.simulate(_module(body), CHIP, coords=SQUARE)
+    expect = _transfer_s(shards * 512 * 512 * 4, hops=3)
+    assert tl.exposed_comm_s == pytest.approx(expect)
 
 
 @pytest.mark.parametrize("trips", [1, 3, 7])
@@ -207,9 +236,6 @@ def test_real_collective_matmul_overlaps(v5e_mesh):
     max(e.start + e.dur for e in tl.events if e.track == "compute")
   )
   assert np.isfinite(tl.step_s)
-
-
-SQUARE = [(0, 0), (1, 0), (1, 1), (0, 1)]  # a physical 4-cycle
 
 
 def _two_permutes(pairs_a: str, pairs_b: str) -> _hlo.Module:
