@@ -456,6 +456,12 @@ def _parser() -> argparse.ArgumentParser:
     help="the chapter's measured times against the model",
   )
   p.add_argument(
+    "--collectives",
+    default="ring",
+    choices=("ring", "multicast"),
+    help="how XLA's collectives use the links (see benchmarks/_timeline)",
+  )
+  p.add_argument(
     "--layout", default="ring", choices=("ring", "line", "chapter")
   )
   p.add_argument(
