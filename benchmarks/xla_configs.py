@@ -26,6 +26,7 @@ import sys
 AG, RS = "all_gather", "reduce_scatter"
 CONFIGS: dict[str, dict[str, object]] = {
   "default": {},
+  # = collective_matmul_mode none / post_spmd_conservative (same HLO).
   "windowed_einsum_off": {
     f"xla_tpu_enable_windowed_einsum_for_{AG}": False,
     f"xla_tpu_enable_windowed_einsum_for_{RS}": False,
@@ -34,19 +35,13 @@ CONFIGS: dict[str, dict[str, object]] = {
     f"xla_tpu_{AG}_collective_matmul_mode": "post_spmd",
     f"xla_tpu_{RS}_collective_matmul_mode": "post_spmd",
   },
-  "collective_matmul_post_spmd_conservative": {
-    f"xla_tpu_{AG}_collective_matmul_mode": "post_spmd_conservative",
-    f"xla_tpu_{RS}_collective_matmul_mode": "post_spmd_conservative",
-  },
   "windowed_einsum_unidirectional": {
     "xla_tpu_spmd_bidirectional_windowed_einsum": False,
   },
-  "async_collective_fusion": {
-    "xla_tpu_enable_async_collective_fusion": True,
-    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
-    "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
-    "xla_tpu_overlap_compute_collective_tc": True,
+  "windowed_einsum_unrolled": {
+    "xla_tpu_spmd_unroll_windowed_einsum": True,
   },
+  # Changes f32 reduce-scatter (no all-reduce-scatter custom fusion).
   "all_reduce_scatter_fusion_off": {
     "xla_tpu_enable_all_reduce_scatter_fusion": False,
   },
