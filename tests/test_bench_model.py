@@ -169,3 +169,56 @@ def test_bench_usage_errors_exit_2(capsys):
     bench_run.main(["--shape", "1,2"])
   assert e.value.code == 2
   assert "--shape" in capsys.readouterr().err
+
+
+def test_collective_without_link_time_is_flagged():
+  """A permute whose every pair stays on its device moves nothing: the
+  guard says so instead of costing it zero silently."""
+  body = (
+    "  %p = f32[512,512]{1,0} parameter(0)\n"
+    "  %s = (f32[512,512], f32[512,512], u32[], u32[]) "
+    "collective-permute-start(%p), source_target_pairs={{0,0},{1,1}}\n"
+    "  ROOT %d = f32[512,512]{1,0} collective-permute-done(%s)"
+  )
+  text = (
+    "HloModule m, is_scheduled=true\n\nENTRY %main (p: f32[512,512]) -> "
+    "f32[512,512] {\n" + body + "\n}\n"
+  )
+  tl = _timeline.simulate(_hlo.parse(text), CHIP)
+  assert any("no link time" in f for f in tl.flags)
+
+
+class _Res:
+  def __init__(self, free, charged):
+    self.row = {"step_us": free, "step_charged_us": charged, "flags": []}
+
+
+@pytest.mark.parametrize(
+  "free, charged, floor, step, charged_flag",
+  [
+    (13.1, 84.8, 72.2, 84.8, True),  # decode: weight read every step
+    (27.8, 38.0, 21.8, 27.8, False),  # above its roofline: stays free
+  ],
+)
+def test_prefetch_is_free_only_above_the_roofline(
+  free, charged, floor, step, charged_flag
+):
+  res = bench_run.Bench.guard(_Res(free, charged), floor)
+  assert res.row["step_us"] == step
+  assert (res.prefetch == "charged") == charged_flag
+  assert bool(res.row["flags"]) == charged_flag
+
+
+def test_run_measure_keeps_its_signature():
+  """examples/demo.py calls run.measure(variant, mesh, shape, config,
+  chip) and run.table(rows, bound)."""
+  mesh = bench_run.make_mesh("v5e:2x4")
+  row, tl = bench_run.measure(
+    "ppermute",
+    mesh,
+    (256, 512, 2048),
+    bench_run.parse_config("bfloat16"),
+    CHIP,
+  )
+  assert row["step_us"] == pytest.approx(tl.step_s * 1e6)
+  assert "ppermute" in bench_run.table([row], row["step_us"])
