@@ -732,6 +732,15 @@ class _Sim:
     if kind == "all_gather":
       multicast = {s: [d for d in r if d != s] for r in self.rings for s in r}
       return "ici", *self._ici(multicast, nbytes)
+    if kind == "all_to_all":  # its source (n, ...): slot p goes to peer p
+      n = self.ring_size
+      load, lat = {}, 0.0
+      for k in range(1, n):
+        part, lk = self._ici(ring_sends(self.rings, k), nbytes / n)
+        lat = max(lat, lk)
+        for key, v in part.items():
+          load[key] = load.get(key, 0.0) + v
+      return "ici", load, lat
     m = _SHIFT.search(ins.attrs)
     shift = int(m.group(1)) if m else -1
     return "ici", *self._ici(ring_sends(self.rings, shift), nbytes)

@@ -561,3 +561,24 @@ def test_two_cores_of_one_chip_copy_at_hbm_bandwidth():
   assert len(durs) == 2
   assert min(durs) >= 512 * 512 * 4 / CHIP.hbm_bytes_per_s
   assert not tl.flags
+
+
+def test_all_to_all_kernel_sends_one_slot_to_each_peer():
+  """asyncops_all_to_all_start's source is (n, ...): n - 1 slots leave,
+  one per peer, never the whole buffer to everyone."""
+  m = _hlo.parse(
+    _HEAD + "ENTRY %main (p: f32[4,128,512]) -> f32[4,128,512] {\n"
+    "  %p = f32[4,128,512]{2,1,0} parameter(0)\n"
+    "  %asyncops_all_to_all_start.0 = (f32[4,128,512], f32[4,128,512], "
+    's32[], s32[]) custom-call(%p), custom_call_target="tpu_custom_call"\n'
+    "  ROOT %g = f32[4,128,512] get-tuple-element("
+    "%asyncops_all_to_all_start.0), index=1\n}\n"
+  )
+  sim = _timeline._Sim(m, CHIP, SQUARE, [[0, 1, 2, 3]], "free")
+  sim._comp = m.entry
+  ins = m.computations[m.entry][1]
+  track, load, _ = sim._kernel_dur(ins)
+  slot = 128 * 512 * 4
+  # On a 4-cycle: offsets 1 and 3 are neighbours, offset 2 crosses 2 links.
+  assert track == "ici"
+  assert sum(load.values()) == pytest.approx(slot * 4 * (1 + 1 + 2))
