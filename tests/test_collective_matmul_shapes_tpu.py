@@ -113,15 +113,15 @@ def _rs_rows(api, bidirectional):
 
 # program -> (builder, chunk matmuls per ring step, keyed by a substring
 # of the step's scope, for (unidirectional, bidirectional value,
-# bidirectional ref) rings). A row-gather step multiplies everything that
-# arrived by each weight in one matmul (the weight is read once per step),
-# except the Ref ring's two half buffers; contracting gathers and row
-# scatters multiply each half and each outer batch (contiguous pieces of
-# lhs) separately. The Llama up ring has two weights, the down ring one;
-# the batched row forms hold P = 2 batches per device.
+# bidirectional ref) rings). A row-gather step multiplies each contiguous
+# piece (one per outer batch and half) by each weight; contracting gathers
+# and row scatters multiply each half and each outer batch separately. The
+# Llama up ring has two weights and P = 1, the down ring one weight; the
+# batched row gather holds P = 2 batches per device (split in two halves
+# when bidirectional), two weights.
 PROGRAMS = {
-  "llama": (_llama, {"/up/": (2, 2, 4), "/down/": (1, 2, 2)}),
-  "ag_rows": (_ag_rows, {"": (2, 2, 4)}),
+  "llama": (_llama, {"/up/": (2, 4, 4), "/down/": (1, 2, 2)}),
+  "ag_rows": (_ag_rows, {"": (4, 4, 4)}),
   "ag_contracting": (_ag_contracting, {"": (2, 4, 4)}),
   "rs_rows": (_rs_rows, {"": (2, 2, 2)}),
 }
@@ -209,8 +209,6 @@ CASES = [
   ),
   # The other new forms.
   ("v5e:2x4", "ag_rows", "value", False),
-  # Halves along the batch: one product per weight per step, sliced into
-  # pieces (a batched product's slices once cost a layout copy here).
   ("v5e:2x4", "ag_rows", "value", True),
   ("v5e:2x4", "ag_rows", "ref", True),
   ("v6e:2x4", "ag_rows", "value", True),

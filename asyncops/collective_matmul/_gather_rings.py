@@ -224,28 +224,22 @@ def rows(
     outs, g = carry
     outs = list(outs)
     cs = chunks(me, s, n, bidirectional)
-    # One matmul per weight over everything that arrived (both halves of a
-    # one-kernel bidirectional buffer, every batch), so the weight is read
-    # once per step; its pieces are then written where they belong.
+    # One product per contiguous [R', k] piece and weight, each written in
+    # place by its own fused dynamic-update-slice. (One product per weight
+    # over everything that arrived reads each weight once per step, but
+    # its pieces go to blocks that are not adjacent, so every piece costs
+    # an extra pass over HBM; on the Llama-3-70B shard that is slower.)
     if bidirectional and len(sent) == 1:
       groups = [(sent[0], (0, 1))]  # [2, P', R', k]
     else:
       groups = [(x[None], (j,)) for j, x in enumerate(sent)]
     for x, halves in groups:
-      _, pp, rr, _ = x.shape
-      flat = x.reshape(-1, k)  # [halves * P' * R', k]: a free reshape
-      for o, w in enumerate(ws):
-        # A 2-D product, sliced by contiguous rows: each piece is then
-        # written exactly as a per-piece product would be (slicing a
-        # batched product gives XLA's layout assignment a free choice for
-        # the first write into the uninitialized output, and it picks a
-        # transposed one, then copies it back).
-        y = jnp.dot(flat, w, preferred_element_type=dt)
-        for a, j in enumerate(halves):
-          for i in range(pp):
-            row = (a * pp + i) * rr
-            piece = jax.lax.slice_in_dim(y, row, row + rr, axis=0)
-            outs[o] = lay.write(outs[o], piece, j, i, cs[j])
+      for a, j in enumerate(halves):
+        for i in range(x.shape[1]):
+          piece = x[a, i]  # a contiguous [R', k] piece
+          for o, w in enumerate(ws):
+            y = jnp.dot(piece, w, preferred_element_type=dt)
+            outs[o] = lay.write(outs[o], y, j, i, cs[j])
       if g is not None:
         for a, j in enumerate(halves):
           for i in range(x.shape[1]):
