@@ -10,6 +10,7 @@ Start a transfer, compute while it runs, wait for it::
 from asyncops import collective_matmul as collective_matmul
 from asyncops import scheduling as scheduling
 from asyncops import stateful as stateful
+from asyncops._jit import jit as jit
 from asyncops.futures import Emulation as Emulation
 from asyncops.futures import Future as Future
 from asyncops.futures import FutureError as FutureError

@@ -108,10 +108,12 @@ def register_lowering(
     with _lowering_for(ctx):
       return lowered(ctx, *args, **params)
 
-  if platform is None:
-    _mlir.register_lowering(prim, rule)
-  else:
-    _mlir.register_lowering(prim, rule, platform=platform)
+  # ``cacheable=False``: JAX's per-module lowering cache would emit the
+  # first equation's lowering (with that equation's source location) as a
+  # function and call it for every equal equation, so a start in a loop
+  # body would be attributed to the prologue's start line in the HLO
+  # metadata. Lowering each equation inline keeps its own call site.
+  _mlir.register_lowering(prim, rule, platform=platform, cacheable=False)
 
 
 def module_scope(ctx) -> dict:

@@ -18,7 +18,14 @@ from typing import Any
 
 from ._hlo import MEMORY_SPACES, Instr, Module
 
-COPY_KINDS = ("defensive", "memory_space", "output", "scalar")
+COPY_KINDS = (
+  "defensive",
+  "memory_space",
+  "layout",
+  "output",
+  "boundary",
+  "scalar",
+)
 
 _WHY = {
   "defensive": (
@@ -26,7 +33,18 @@ _WHY = {
     "another user still needed the old value (costs a full read+write)"
   ),
   "memory_space": "a move between memory spaces (e.g. HBM <-> VMEM)",
+  "layout": (
+    "a change of layout (a transpose or retiling) that XLA's layout "
+    "assignment chose; not copy insertion (costs a full read+write)"
+  ),
   "output": "an entry parameter copied into a non-donated output",
+  "boundary": (
+    "at the program's edge: a communicating kernel's outputs (a start's "
+    "aliased source, its destination) must live in memory XLA allocates, "
+    "and the entry's parameters and outputs do not, so a parameter is "
+    "copied before it is sent and a received buffer before it is returned "
+    "(on v4/v5e/v6e the same copy is usually an HBM<->VMEM move)"
+  ),
   "scalar": "a scalar (loop counter or similar); harmless",
 }
 
@@ -43,7 +61,8 @@ class Copy:
 
   Attributes:
     name: instruction name.
-    kind: ``defensive``, ``memory_space``, ``output`` or ``scalar``.
+    kind: ``defensive``, ``memory_space``, ``layout``, ``output``,
+      ``boundary`` or ``scalar`` (``_WHY`` says what each is).
     shape: the result shape text.
     computation: the computation holding the copy.
     operand: the copied instruction.
@@ -56,6 +75,9 @@ class Copy:
     opcode: ``copy``, ``copy-start``, or the op hiding a whole-buffer copy
       (``fusion``, ``dynamic-update-slice``).
     output_index: which output of a multi-output fusion is the copy.
+    pair: ``(start, done)`` instruction names of the transfer whose buffer
+      the copy touches (``done`` is ``""`` when only the start is known);
+      empty for copies of other buffers.
   """
 
   name: str
@@ -70,6 +92,7 @@ class Copy:
   instr: Instr = dataclasses.field(repr=False, compare=False)
   opcode: str = "copy"
   output_index: tuple[int, ...] = ()
+  pair: tuple[str, str] | tuple[()] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +122,10 @@ class Pair:
     dest_live: the same for the destination buffer.
     start_source: user code of the start.
     done_source: user code of the done.
+    inplace_writes: instructions inside the window that write in place
+      into the transfer's source or destination buffer (the DMA reads or
+      writes it concurrently), each as ``"%name (opcode) writes into the
+      source"``.
   """
 
   start: str
@@ -116,6 +143,7 @@ class Pair:
   dest_live: bool
   start_source: str = ""
   done_source: str = ""
+  inplace_writes: tuple[str, ...] = ()
 
   @property
   def loop_carried(self) -> bool:
@@ -284,6 +312,8 @@ def _summary(r: Report) -> str:
     if p.kind == "kernel":
       live = "yes" if p.source_live else "NO (XLA may free/reuse it early)"
       out.append(f"      source buffer live until done: {live}")
+    for w in p.inplace_writes:
+      out.append(f"      IN-PLACE WRITE while in flight: {w}")
   if r.memory:
     keys = [k for k in r.memory if r.memory[k]]
     out.append(
