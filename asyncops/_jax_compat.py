@@ -14,6 +14,7 @@ Pinned to jax 0.10.2.
 
 import contextlib
 import contextvars
+import inspect as _inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -71,6 +72,15 @@ def sem_like(aval: Any) -> Any:
   return _core.ShapedArray((), jax.numpy.int32)
 
 
+# ``cacheable`` is a keyword of ``mlir.register_lowering`` since the
+# per-module lowering cache exists; older versions lower inline anyway.
+_UNCACHED = (
+  {"cacheable": False}
+  if "cacheable" in _inspect.signature(_mlir.register_lowering).parameters
+  else {}
+)
+
+
 def register_lowering(
   prim: Primitive,
   fn: Callable[..., Any],
@@ -113,7 +123,7 @@ def register_lowering(
   # function and call it for every equal equation, so a start in a loop
   # body would be attributed to the prologue's start line in the HLO
   # metadata. Lowering each equation inline keeps its own call site.
-  _mlir.register_lowering(prim, rule, platform=platform, cacheable=False)
+  _mlir.register_lowering(prim, rule, platform=platform, **_UNCACHED)
 
 
 def module_scope(ctx) -> dict:
