@@ -248,3 +248,117 @@ def test_a_write_after_the_done_is_not_a_hazard():
   g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
   r = assert_copy_free(g, _x(mesh))
   assert not r.kernel_pairs[0].inplace_writes
+
+
+# Program edges and generations ------------------------------------------------
+
+
+def _edge_kernel(remote: bool):
+  """A start-like Pallas kernel: DMA x into a new buffer (local or remote)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+
+  def kernel(x_ref, y_ref, send, recv):
+    if remote:
+      me = jax.lax.axis_index("i")
+      pltpu.make_async_remote_copy(
+        x_ref,
+        y_ref,
+        send,
+        recv,
+        device_id=(jax.lax.rem(me + 1, 8),),
+        device_id_type=pl.DeviceIdType.MESH,
+      ).start()
+    else:
+      pltpu.make_async_copy(x_ref, y_ref, send).start()
+
+  def wait(y_ref, send, recv, o_ref):
+    del o_ref
+    pltpu.make_async_copy(y_ref, y_ref, send).wait()
+    if remote:
+      pltpu.make_async_copy(y_ref, y_ref, recv).wait()
+
+  def f(x):
+    x = x * 2.0  # a computed source: no parameter copy
+    sd = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    sem = pltpu.SemaphoreType.DMA(())
+    y, s, r = pl.pallas_call(
+      kernel,
+      out_shape=(sd, sem, sem),
+      in_specs=[any_spec],
+      out_specs=(any_spec, sem_spec, sem_spec),
+      compiler_params=pltpu.CompilerParams(has_side_effects=True),
+    )(x)
+    return pl.pallas_call(
+      wait,
+      out_shape=sd,
+      in_specs=[any_spec, sem_spec, sem_spec],
+      out_specs=any_spec,
+      input_output_aliases={0: 0},
+      compiler_params=pltpu.CompilerParams(has_side_effects=True),
+    )(y, s, r)
+
+  return f
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_received_buffer_is_copied_at_the_program_edge_on_v5p(remote):
+  # The evidence behind the ``boundary`` copy kind, with plain Pallas: on
+  # v5p the destination of a remote DMA is copied before it is returned;
+  # a local DMA's is not. (v5e places the same copy as VMEM->HBM.)
+  mesh = _mesh("v5p:2x2x2")
+  f = jax.jit(
+    jax.shard_map(
+      _edge_kernel(remote),
+      mesh=mesh,
+      in_specs=P("i"),
+      out_specs=P("i"),
+      check_vma=False,
+    )
+  )
+  r = analyze(f, _x(mesh))
+  big = [c for c in r.copies if c.kind != "scalar"]
+  if remote:
+    (c,) = big
+    assert c.spaces == ("HBM", "HBM") and c.instr.is_root
+  else:
+    assert big == []
+
+
+@pytest.mark.parametrize("name", ["allgather_matmul", "matmul_allreduce"])
+def test_collective_matmuls_pass_the_guard_on_v5p(name):
+  # Only edge copies on v5p: the parameter sent first (allgather), the
+  # all-gathered result returned (allreduce, XLA's own all-gather).
+  mesh = tpu_mesh("v5p:2x2x2", (2, 4), ("x", "y"))
+  fn = getattr(asyncops.collective_matmul, name)
+  if name == "allgather_matmul":
+    shapes, specs, out = (
+      ((256, 1024), (1024, 512)),
+      (P("x", "y"), P(None, "y")),
+      P("x", "y"),
+    )
+  else:
+    shapes, specs, out = (
+      ((256, 1024), (1024, 512)),
+      (P("x", "y"), P("y", None)),
+      P("x", None),
+    )
+  args = [
+    jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+    for s, p in zip(shapes, specs, strict=True)
+  ]
+  f = asyncops.jit(
+    jax.shard_map(
+      functools.partial(fn, axis_name="y"),
+      mesh=mesh,
+      in_specs=specs,
+      out_specs=out,
+    )
+  )
+  f.lower(*args).compile()
+  r = f.last_report
+  r.assert_no_defensive_copies()
+  assert {c.kind for c in r.copies} <= {"boundary", "memory_space", "scalar"}

@@ -409,9 +409,17 @@ def analyze_module(
       )
 
   comm = _comm_classes(m, uf, starts)
+  xla_comm = _xla_comm_classes(m, uf)
   copies = [
     _classify(
-      m, uf, i, out_idx, k, *inflight.get((i.name, out_idx), ("", ())), comm
+      m,
+      uf,
+      i,
+      out_idx,
+      k,
+      *inflight.get((i.name, out_idx), ("", ())),
+      comm,
+      xla_comm,
     )
     for c in m.computations.values()
     for i in c.instrs
@@ -728,6 +736,26 @@ def _comm_classes(m: Module, uf: _UnionFind, starts) -> dict[Pos, str]:
   return out
 
 
+_XLA_COLLECTIVES = (
+  "all-gather",
+  "all-reduce",
+  "reduce-scatter",
+  "collective-permute",
+  "all-to-all",
+)
+
+
+def _xla_comm_classes(m: Module, uf: _UnionFind) -> set[Pos]:
+  """Alias classes holding the result of one of XLA's own collectives."""
+  out = set()
+  for c in m.computations.values():
+    for i in c.instrs:
+      op = i.opcode.removesuffix("-done").removesuffix("-start")
+      if op in _XLA_COLLECTIVES and not i.opcode.endswith("-start"):
+        out.update(uf.find((i.name, lf.index)) for lf in i.leaves)
+  return out
+
+
 def _classify(
   m: Module,
   uf: _UnionFind,
@@ -737,6 +765,7 @@ def _classify(
   inflight: str,
   pair: tuple[str, str] | tuple[()],
   comm: dict[Pos, str],
+  xla_comm: set[Pos] = frozenset(),
 ) -> Copy:
   operand = i.operands[k]
   src = m.instr(operand)
@@ -767,11 +796,13 @@ def _classify(
     if from_param and to_output:
       kind = "output"
     elif not inflight and (
-      (from_param and out_class in comm) or (to_output and in_class in comm)
+      (from_param and out_class in comm)
+      or (to_output and (in_class in comm or in_class in xla_comm))
     ):
-      # A communicating kernel's buffers live in memory XLA allocates; the
-      # entry's parameters and outputs do not (design/scheduling.md). Never
-      # for a copy made while the buffer is in flight.
+      # A communicating kernel's buffers (and XLA's own collectives'
+      # results) live in memory XLA allocates; the entry's parameters and
+      # outputs do not (design/scheduling.md). Never for a copy made while
+      # the buffer is in flight.
       kind = "boundary"
     else:
       kind = "defensive"

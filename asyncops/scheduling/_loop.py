@@ -31,9 +31,7 @@ What breaks. Traced bounds: the odd iteration is peeled under
 through the conditional (never a buffer in flight; a one-time copy, which
 on some TPUs is a defensive copy the copy guard refuses). That warns
 (:class:`CopyHazardWarning`); static bounds are copy-free. An odd
-``unroll`` recreates the per-trip copy and raises :class:`CopyHazardError`,
-as does a body returning one value in two carry slots when one is part of a
-future.
+``unroll`` recreates the per-trip copy and raises :class:`CopyHazardError`.
 
 Bodies that neither carry a future nor start or await a transfer go to
 ``jax.lax.fori_loop`` unchanged.
@@ -54,16 +52,6 @@ from asyncops.scheduling._settle import settle
 Carry = TypeVar("Carry")
 
 _BY = "asyncops.scheduling.fori_loop"
-
-
-def _future_flags(tree: Any) -> list[bool]:
-  flags: list[bool] = []
-  for node in jax.tree.leaves(tree, is_leaf=_trees.is_future):
-    if _trees.is_future(node):
-      flags.extend([True] * len(jax.tree.leaves(node)))
-    else:
-      flags.append(False)
-  return flags
 
 
 def _static_int(v: Any) -> int | None:
@@ -105,21 +93,12 @@ def _check_unroll(unroll: Any) -> None:
     )
 
 
-def _check_carry(body_fun, index, init_val) -> bool:
-  """Traces the body once; returns whether it needs double buffering."""
+def _needs_buffers(body_fun, index, init_val) -> bool:
+  """Traces the body once: does it carry a future or start/await one?"""
+  if _trees.has_future(init_val):
+    return True
   jaxpr = _inspect_body.trace_body(body_fun, index, init_val).jaxpr
-  carry_has_future = _trees.has_future(init_val)
-  flags = _future_flags(init_val)
-  if len(flags) == len(jaxpr.outvars):
-    for i, j in _inspect_body.repeated_outputs(jaxpr, flags):
-      raise CopyHazardError(
-        f"fori_loop: the body returns one value in carry leaves {i} and {j}, "
-        "and one of them belongs to a future. XLA gives every carry leaf "
-        "its own buffer, so it would copy a buffer a transfer is still "
-        "using (wrong results on TPU). Carry the future only and read its "
-        "value after the done (or keep the returned x out of the carry)."
-      )
-  return carry_has_future or _inspect_body.uses_async(jaxpr)
+  return _inspect_body.uses_async(jaxpr)
 
 
 def fori_loop(
@@ -162,8 +141,7 @@ def fori_loop(
     The final carry.
 
   Raises:
-    CopyHazardError: an odd ``unroll`` for a loop with transfers, or a
-      carry that returns one value in two slots, one of them in a future.
+    CopyHazardError: an odd ``unroll`` for a loop with transfers.
     CopyHazardWarning: (warned) traced bounds for a loop with transfers.
     ValueError: ``unroll`` is 0 or negative.
     TypeError: ``body_fun`` is not callable, or ``unroll`` is not an int.
@@ -182,7 +160,7 @@ def fori_loop(
   dtype = _index_dtype(lower, upper)
   lo, hi = _static_int(lower), _static_int(upper)
   probe = jnp.zeros((), dtype) if lo is None else jnp.asarray(lo, dtype)
-  if not _check_carry(body_fun, probe, init_val):
+  if not _needs_buffers(body_fun, probe, init_val):
     return jax.lax.fori_loop(lower, upper, body_fun, init_val, unroll=unroll)
   if unroll is False or (
     unroll is not None and unroll is not True and int(unroll) % 2
