@@ -17,9 +17,9 @@ every window when it is placed with ``overlap``; traced bounds: nothing in
 flight copied and no copy inside a loop body). On 8 CPU devices its
 numbers must equal the same program written with ``jax.lax``.
 
-``make test`` runs a few derandomized examples; ``make fuzz`` runs many
-(``ASYNCOPS_FUZZ_EXAMPLES``) and prints how many programs, copies and
-refusals it saw.
+``make test`` runs three fixed programs and two derandomized draws;
+``make fuzz`` runs many (``ASYNCOPS_FUZZ_EXAMPLES``) and prints how many
+programs, copies and refusals it saw.
 """
 
 import collections
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -41,7 +41,7 @@ import asyncops
 from asyncops import scheduling as sch
 from asyncops.inspect import analyze, hazards, tpu_mesh
 
-EXAMPLES = int(os.environ.get("ASYNCOPS_FUZZ_EXAMPLES", "4"))
+EXAMPLES = int(os.environ.get("ASYNCOPS_FUZZ_EXAMPLES", "2"))
 FUZZING = "ASYNCOPS_FUZZ_EXAMPLES" in os.environ
 AXES = ("x", "y")
 MESH_SHAPE = (2, 4)
@@ -325,6 +325,45 @@ def check_cpu(prog: Program):
   phases=(Phase.explicit, Phase.reuse, Phase.generate),
   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
   print_blob=True,
+)
+@example(  # a carried ring and an in-iteration copy feeding a matmul
+  Program(
+    chains=(
+      Chain("ppermute_y+1", True, "sin", "overlap", 1.0),
+      Chain("copy", False, "matmul", "plain", 2.0),
+    ),
+    trips=7,
+    traced=False,
+    unroll=None,
+    before=True,
+    topology="v5e:2x4",
+    transfer="start",
+  )
+)
+@example(  # two carried futures of different ops, unroll 4
+  Program(
+    chains=(
+      Chain("bidirectional", True, "sin", "plain", 0.5),
+      Chain("all_gather", True, "matmul", "overlap", 2.0),
+    ),
+    trips=6,
+    traced=False,
+    unroll=4,
+    before=False,
+    topology="v5p:2x2x2",
+    transfer="done",
+  )
+)
+@example(  # traced bounds with a carried future
+  Program(
+    chains=(Chain("ppermute_x", True, "sin", "overlap", 1.0),),
+    trips=5,
+    traced=True,
+    unroll=None,
+    before=False,
+    topology="v6e:2x4",
+    transfer="start",
+  )
 )
 @given(programs())
 def test_generated_loop_programs(prog):

@@ -386,9 +386,9 @@ PATTERNS = {
   ),
   "two_in_flight": (two_in_flight, two_in_flight_ref, 2, 0, (V5E, V5P)),
   "ring_7": (ring(7), ring_ref(7), 1, 3, (V5E, V5P)),
-  "ring_8": (ring(8), ring_ref(8), 1, 2, ALL),
+  "ring_8": (ring(8), ring_ref(8), 1, 2, (V4, V6E)),
   "staggered_7": (staggered_loop(7), staggered_loop_ref(7), 2, 3, (V4, V6E)),
-  "staggered_8": (staggered_loop(8), staggered_loop_ref(8), 2, 2, ALL),
+  "staggered_8": (staggered_loop(8), staggered_loop_ref(8), 2, 2, (V5E, V5P)),
   "accumulate_7": (accumulate(7), accumulate_ref(7), 2, 2, (V5E, V6E)),
   "accumulate_8": (accumulate(8), accumulate_ref(8), 2, 3, (V4, V5P)),
   "seed_accumulate_5": (
@@ -541,7 +541,7 @@ def test_lax_ring_copies_every_trip():
   assert r.defensive_copies and not r.inflight_copies
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 9])
+@pytest.mark.parametrize("n", [0, 1, 2])  # 5 and 6 above; 0-9 on CPU
 def test_static_trip_counts_compile_clean(n):
   r = _baseline(seed_accumulate(n), 2)
   r.assert_no_defensive_copies()

@@ -201,7 +201,7 @@ def _static(lo, hi, body_fun, carry, k, dtype):
     carry = body_fun(jnp.asarray(i, dtype), carry)
   if n - peel == 0:
     return carry
-  carry = settle(carry, _BY)
+  carry = settle(carry, _BY, seal=False)
   return jax.lax.fori_loop(lo + peel, hi, _sealed(body_fun), carry, unroll=k)
 
 
@@ -210,7 +210,7 @@ def _dynamic(lower, upper, body_fun, carry, k, dtype):
   upper = jnp.asarray(upper, dtype)
   n = jnp.maximum(upper - lower, 0)
   body = _sealed(body_fun)
-  carry = settle(carry, _BY)  # nothing in flight enters the conds
+  carry = settle(carry, _BY, seal=False)  # nothing in flight enters conds
   peel = n % k
   for r in range(1, k):
     # Peel up to k-1 leading iterations so the loop runs whole groups.

@@ -44,20 +44,34 @@ def _resolve(node: Any) -> Any:
   return Future((), src, y, node.spec, "ready", origin=origin)
 
 
-def settle(tree: Any, by: str) -> Any:
+def settle(tree: Any, by: str, seal: bool = True) -> Any:
   """Awaits every future in ``tree`` after all of ``tree``'s arrays exist.
 
   Args:
     tree: a loop carry (any pytree; may hold futures).
     by: the helper calling, named in life-cycle errors.
+    seal: also hand on the barrier's outputs of the values (not only of
+      the futures), so no compute fuses across the barrier: the end of a
+      loop iteration. Before a loop (``False``) the values pass on as they
+      were: XLA merges equal initial values (two ``zeros_like``) into one,
+      and one value leaving a barrier into two carry slots is copied.
 
   Returns:
     ``tree`` with every in-flight (or sent) future replaced by a
-    ``"ready"`` one holding the received value; other leaves pass through
-    the barrier.
+    ``"ready"`` one holding the received value.
   """
   leaves, rebuild = _trees.split_futures(tree, by=by)
   if not any(_trees.is_array(x) for x in leaves):
     return rebuild(leaves)
-  tree = rebuild(_barrier(leaves))
+  is_fut = [
+    f
+    for node in jax.tree.leaves(tree, is_leaf=_trees.is_future)
+    for f in (
+      [True] * len(jax.tree.leaves(node)) if _trees.is_future(node) else [False]
+    )
+  ]
+  held = _barrier(leaves)
+  if not seal:
+    held = [h if f else x for h, x, f in zip(held, leaves, is_fut, strict=True)]
+  tree = rebuild(held)
   return jax.tree.map(_resolve, tree, is_leaf=_trees.is_future)
