@@ -409,7 +409,7 @@ def analyze_module(
       )
 
   comm = _comm_classes(m, uf, starts)
-  xla_comm = _xla_comm_classes(m, uf)
+  xla_comm = _moved(m, uf, g, set(comm) | _xla_comm_classes(m, uf))
   copies = [
     _classify(
       m,
@@ -756,6 +756,38 @@ def _xla_comm_classes(m: Module, uf: _UnionFind) -> set[Pos]:
   return out
 
 
+def _moved(m: Module, uf: _UnionFind, g: _Graph, classes: set[Pos]) -> set[Pos]:
+  """``classes`` and every class one memory-space move away, transitively.
+
+  XLA may copy a parameter HBM->HBM for a start and then move the copy
+  into VMEM (or the reverse for a result): the edge copy's result is then
+  one move away from the communication buffer.
+  """
+  moves = []
+  for c in m.computations.values():
+    for i in c.instrs:
+      for out_idx, k in copy_ops(m, i):
+        src = uf.find((i.operands[k], ()))
+        if i.opcode == "copy-start":
+          dsts = [
+            uf.find((u.name, ()))
+            for u, _ in g.users.get(i.name, ())
+            if u.opcode == "copy-done"
+          ]
+        else:
+          dsts = [uf.find((i.name, out_idx))]
+        moves += [(src, d) for d in dsts]
+  out = set(classes)
+  changed = True
+  while changed:
+    changed = False
+    for a, b in moves:
+      if (a in out) != (b in out):
+        out.update((a, b))
+        changed = True
+  return out
+
+
 def _classify(
   m: Module,
   uf: _UnionFind,
@@ -767,6 +799,8 @@ def _classify(
   comm: dict[Pos, str],
   xla_comm: set[Pos] = frozenset(),
 ) -> Copy:
+  """One copy, classified (``xla_comm``: every class holding a
+  communication buffer, ours or XLA's, or one memory-space move away)."""
   operand = i.operands[k]
   src = m.instr(operand)
   out_leaf = i.leaf(out_idx)
@@ -796,7 +830,7 @@ def _classify(
     if from_param and to_output:
       kind = "output"
     elif not inflight and (
-      (from_param and out_class in comm)
+      (from_param and (out_class in comm or out_class in xla_comm))
       or (to_output and (in_class in comm or in_class in xla_comm))
     ):
       # A communicating kernel's buffers (and XLA's own collectives'
