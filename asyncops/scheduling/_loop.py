@@ -24,7 +24,8 @@ Approach (see ``design/scheduling.md`` for the HLO evidence).
    fused across iterations: the carry returns to the buffers it entered
    with, and copy insertion has nothing to copy.
 3. Static trip counts peel ``n % 2`` iterations inline before the loop
-   (their futures stay in flight: straight-line code has no back edge).
+   (their futures stay in flight: straight-line code has no back edge);
+   counts below two trips run inline entirely.
 
 What breaks. Traced bounds: the odd iteration is peeled under
 ``lax.cond`` after every future was awaited, and XLA copies the carry
@@ -196,7 +197,10 @@ def _sealed(body_fun):
 
 def _static(lo, hi, body_fun, carry, k, dtype):
   n = max(hi - lo, 0)
-  peel = n % k
+  # Fewer than two trips of k would leave no while loop (JAX unrolls a
+  # single trip): straight-line code has no back edge, so the futures stay
+  # in flight from one iteration to the next and nothing is settled.
+  peel = n if n < 2 * k else n % k
   for i in range(lo, lo + peel):
     carry = body_fun(jnp.asarray(i, dtype), carry)
   if n - peel == 0:
