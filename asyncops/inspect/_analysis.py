@@ -371,7 +371,9 @@ def analyze_module(
   start_done_names = {s.name for s in starts} | {f[1].name for f in found}
 
   pairs: list[Pair] = []
-  inflight: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[str, str]]] = {}
+  inflight: dict[
+    tuple[str, tuple[int, ...]], tuple[str, tuple[str, str], bool]
+  ] = {}
   for s, d, crossing, kernel in found:
     between = _window(m, s, d, crossing)
     srcs, dsts = _buffers(m, s) if kernel else ([], [])
@@ -405,6 +407,7 @@ def analyze_module(
           f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
           + (f" [{', '.join(crossing)}]" if crossing else ""),
           (s.name, d.name),
+          "destination" in why or not pairs[-1].source_live,
         ),
       )
 
@@ -417,7 +420,7 @@ def analyze_module(
       i,
       out_idx,
       k,
-      *inflight.get((i.name, out_idx), ("", ())),
+      *inflight.get((i.name, out_idx), ("", (), False)),
       comm,
       xla_comm,
     )
@@ -555,7 +558,7 @@ def _inflight(
   its result reaches ``d`` in an operand slot that carries the transfer's
   buffers (so the done would alias a buffer the DMA never touched).
   """
-  window = {i.name for i in between}
+  window = {i.name for i in _nested(m, between)}
   seeds = {
     "source": [_resolve(m, p) for p in srcs]
     + [(s.name, out_idx) for out_idx, _, _ in s.aliasing],
@@ -650,7 +653,7 @@ def _inplace_writes(
   destination its other array outputs (what the DMA writes), traced
   forward through tuples, loop carries and calls, not through aliasing.
   """
-  window = {i.name for i in between}
+  window = {i.name for i in _nested(m, between)}
   aliased = [(s.name, out_idx) for out_idx, _, _ in s.aliasing]
   dsts = [
     (s.name, lf.index)
@@ -675,6 +678,22 @@ def _inplace_writes(
           u.name, f"%{u.name} ({u.opcode}) writes into the {role}{where}"
         )
   return tuple(found.values())
+
+
+def _nested(m: Module, instrs) -> list[Instr]:
+  """``instrs`` and everything the computations they call run (a
+  conditional or loop inside a window runs its branches there too)."""
+  out, todo, seen = [], list(instrs), set()
+  while todo:
+    i = todo.pop()
+    out.append(i)
+    if i.computation in _fused(m):
+      continue
+    for c in i.called:
+      if c in m.computations and c not in seen and c not in _fused(m):
+        seen.add(c)
+        todo.extend(m.computations[c].instrs)
+  return out
 
 
 def _resolve(m: Module, pos: Pos) -> Pos:
@@ -796,11 +815,15 @@ def _classify(
   k: int,
   inflight: str,
   pair: tuple[str, str] | tuple[()],
+  hazard: bool,
   comm: dict[Pos, str],
   xla_comm: set[Pos] = frozenset(),
 ) -> Copy:
-  """One copy, classified (``xla_comm``: every class holding a
-  communication buffer, ours or XLA's, or one memory-space move away)."""
+  """Classifies one copy (``xla_comm``: every class holding a communication
+  buffer, ours or XLA's, or one memory-space move away); an in-flight one is
+  graded by what it can break: a ``hazard`` when it touches the destination
+  or the source's buffer does not live until the done, else a ``cost`` (a
+  read of a live source)."""
   operand = i.operands[k]
   src = m.instr(operand)
   out_leaf = i.leaf(out_idx)
@@ -860,6 +883,7 @@ def _classify(
     opcode=i.opcode,
     output_index=out_idx if i.opcode != "copy-start" else (),
     pair=pair,
+    grade=("hazard" if hazard else "cost") if inflight else "",
   )
 
 
