@@ -13,9 +13,7 @@ the compile time and the guard's time on the compiled HLO text (what
 ``asyncops.jit`` adds to a TPU compile). Exit status 0.
 """
 
-import argparse
 import functools
-import json
 import sys
 import time
 
@@ -25,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops import _cli
 from asyncops.inspect import (
   analyze_module,
   compile_tpu,
@@ -178,28 +177,38 @@ def _table(rows) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--topology", default=",".join(TOPOLOGIES))
-  p.add_argument("--programs", default=",".join(PROGRAMS))
-  p.add_argument("--json", action="store_true", help="print JSON rows")
+  p = _cli.parser("python -m benchmarks.loop_copies", __doc__)
+  p.add_argument(
+    "--topology",
+    default=",".join(TOPOLOGIES),
+    help="comma-separated TPU topologies (default: %(default)s)",
+  )
+  p.add_argument(
+    "--programs",
+    default=",".join(PROGRAMS),
+    help="comma-separated programs (default: %(default)s)",
+  )
   a = p.parse_args(argv)
   topologies = [t for t in a.topology.split(",") if t]
   names = [n for n in a.programs.split(",") if n]
   for n in names:
     if n not in PROGRAMS:
-      p.error(f"unknown program {n!r}; choose from {', '.join(PROGRAMS)}")
-  rows = []
+      p.error(
+        f"--programs: unknown program {n!r}; choose from {', '.join(PROGRAMS)}"
+      )
+  for t in topologies:
+    _cli.check_topology(t)
   jobs = [(t, n, lp) for n in names for t in topologies for lp in LOOPS]
-  for k, (t, n, lp) in enumerate(jobs):
-    print(f"[{k + 1}/{len(jobs)}] {n} {t} {lp}", file=sys.stderr, flush=True)
-    try:
-      rows.append(measure(t, n, lp))
-    except ValueError as e:  # e.g. an unknown topology
-      print(f"loop_copies: {e}", file=sys.stderr)
-      return 2
-  print(json.dumps(rows, indent=1) if a.json else _table(rows))
+  rows = [
+    measure(t, n, lp)
+    for t, n, lp in _cli.progress(jobs, "loop_copies", unit="compile")
+  ]
+  if a.json:
+    _cli.print_json(rows)
+  else:
+    print(_table(rows))
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli.run(main, prog="python -m benchmarks.loop_copies"))
