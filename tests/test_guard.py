@@ -328,31 +328,47 @@ def test_a_received_buffer_is_copied_at_the_program_edge_on_v5p(remote):
     assert big == []
 
 
-@pytest.mark.parametrize("name", ["allgather_matmul", "matmul_allreduce"])
-def test_collective_matmuls_pass_the_guard_on_v5p(name):
+# name -> (global operand shapes, in_specs, out_specs), small shapes.
+_CM_V5P = {
+  "allgather_matmul": (
+    ((256, 1024), (1024, 512)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+  ),
+  "matmul_reducescatter": (
+    ((256, 1024), (1024, 512)),
+    (P("x", "y"), P("y", None)),
+    P("x", "y"),
+  ),
+  "matmul_allreduce": (
+    ((256, 1024), (1024, 512)),
+    (P("x", "y"), P("y", None)),
+    P("x", None),
+  ),
+  "mlp_block": (
+    ((256, 512), (512, 1024), (1024, 512)),
+    (P("x", "y"), P(None, "y"), P("y", None)),
+    P("x", "y"),
+  ),
+}
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("name", list(_CM_V5P))
+def test_collective_matmuls_pass_the_guard_on_v5p(name, bidirectional):
   # Only edge copies on v5p: the parameter sent first (allgather), the
   # all-gathered result returned (allreduce, XLA's own all-gather).
+  # (v4, v5e and v6e: tests/test_collective_matmul_tpu.py.)
   mesh = tpu_mesh("v5p:2x2x2", (2, 4), ("x", "y"))
   fn = getattr(asyncops.collective_matmul, name)
-  if name == "allgather_matmul":
-    shapes, specs, out = (
-      ((256, 1024), (1024, 512)),
-      (P("x", "y"), P(None, "y")),
-      P("x", "y"),
-    )
-  else:
-    shapes, specs, out = (
-      ((256, 1024), (1024, 512)),
-      (P("x", "y"), P("y", None)),
-      P("x", None),
-    )
+  shapes, specs, out = _CM_V5P[name]
   args = [
     jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
     for s, p in zip(shapes, specs, strict=True)
   ]
   f = asyncops.jit(
     jax.shard_map(
-      functools.partial(fn, axis_name="y"),
+      functools.partial(fn, axis_name="y", bidirectional=bidirectional),
       mesh=mesh,
       in_specs=specs,
       out_specs=out,
@@ -361,4 +377,6 @@ def test_collective_matmuls_pass_the_guard_on_v5p(name):
   f.lower(*args).compile()
   r = f.last_report
   r.assert_no_defensive_copies()
+  r.assert_no_inflight_copies()
   assert {c.kind for c in r.copies} <= {"boundary", "memory_space", "scalar"}
+  assert r.kernel_pairs and all(p.overlapped for p in r.kernel_pairs)
