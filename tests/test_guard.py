@@ -97,6 +97,36 @@ def test_starts_name_the_user_line_in_prologue_and_loop_body():
   assert not any("asyncops/" in p.start_source for p in r.kernel_pairs)
 
 
+def _start_once(x):
+  x, fut = asyncops.ppermute_start(x, "i", shift=1)  # ONCE
+  return x, asyncops.ppermute_done(fut)
+
+
+def _start_in_loop(x):
+  def body(i, x):
+    y, fut = asyncops.ppermute_start(x, "i", shift=1)  # IN_LOOP
+    return y + asyncops.ppermute_done(fut)
+
+  return sch.fori_loop(0, 4, body, x), x
+
+
+@pytest.mark.parametrize("topology", [V5E, "v6e:2x4"])
+def test_equal_starts_in_two_programs_name_their_own_lines(topology):
+  # The same start (same shapes and axis) traced first at one line, then
+  # inside a loop body of another program: nothing cached from the first
+  # trace (a kernel's jaxpr, a lowering) may carry its line into the
+  # second program's metadata (innermost frame, or anywhere in the stack).
+  mesh = _mesh(topology)
+  for fn, marker in ((_start_once, "ONCE"), (_start_in_loop, "IN_LOOP")):
+    r = analyze(jax.jit(jax.shard_map(fn, mesh=mesh, **SPECS)), _x(mesh))
+    wheres = {p.start_source for p in r.kernel_pairs}
+    assert r.kernel_pairs and all(
+      w.startswith(f"{THIS}:{_line(marker)} in {fn.__name__}") for w in wheres
+    ), (marker, wheres)
+    other = "IN_LOOP" if marker == "ONCE" else "ONCE"
+    assert not any(f"{THIS}:{_line(other)} " in w for w in wheres), wheres
+
+
 # assert_copy_free -------------------------------------------------------------
 
 
