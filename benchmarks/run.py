@@ -485,9 +485,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--llama",
     action=argparse.BooleanOptionalAction,
-    default=True,
+    default=None,
     help="end with the Llama-3-70B MLP shard table (SwiGLU, sequence "
-    f"parallel, bfloat16, (tokens, D, F) = {LLAMA})",
+    f"parallel, bfloat16, (tokens, D, F) = {LLAMA}); default: on when "
+    "--shape, --families, --variants and --preset are not given",
   )
   p.add_argument(
     "--variants", default="", help="only these (besides bound, jit, xla_best)"
@@ -549,6 +550,12 @@ def main(argv=None) -> int:
   p = _parser()
   a = p.parse_args(argv)
   a.extra = a.extra or []
+  if a.llama is None:
+    a.llama = (
+      not a.preset
+      and not a.variants
+      and all(getattr(a, k) == p.get_default(k) for k in ("shape", "families"))
+    )
   if a.preset == "issue15":
     a.topology = "v5e:2x4,v6e:2x4"
     a.shape = "1024,2048,8192;2048,8192,28672"
@@ -614,7 +621,7 @@ def main(argv=None) -> int:
               bench.one_table(
                 family, topology, a.tp, shape, config, fam_variants
               )
-        if a.llama and not a.preset:
+        if a.llama:
           llama_variants = variants and [
             v for v in variants if v.startswith("mlp_sp_gated:")
           ]

@@ -102,6 +102,21 @@ def test_roofline_takes_the_largest_floor():
   assert highest.compute_s == pytest.approx(6 * r.compute_s)
 
 
+def test_roofline_of_the_gated_mlps():
+  """Three weights and one gather: 1.5 times the plain MLP's FLOPs, its
+  ring bytes; the sequence-parallel layout moves the same bytes."""
+  shape = (4096, 8192, 28672)
+  plain = _roofline.roofline("mlp", shape, 2, 4, jnp.bfloat16, CHIP)
+  gated = _roofline.roofline("mlp_gated", shape, 2, 4, jnp.bfloat16, CHIP)
+  sp = _roofline.roofline("mlp_sp_gated", shape, 2, 4, jnp.bfloat16, CHIP)
+  assert gated.compute_s == pytest.approx(1.5 * plain.compute_s)
+  assert gated.links_s == pytest.approx(plain.links_s)
+  assert gated.hbm_s > plain.hbm_s
+  assert sp == gated
+  with pytest.raises(ValueError, match="mlp_sp_gated"):
+    _roofline.roofline("mlp_swiglu", shape, 2, 4, jnp.bfloat16, CHIP)
+
+
 def test_hlo_key_ignores_metadata():
   a = 'HloModule a\n%x = f32[8] add(%p, %q), metadata={op_name="a"}\n'
   b = 'HloModule b\n%x = f32[8] add(%p, %q), metadata={op_name="b"}\n'
