@@ -33,6 +33,7 @@ __all__ = [
   "DMA_SEM_AVAL",
   "user_frame",
   "tpu_generation",
+  "tpu_device_kind",
 ]
 
 # Source attribution. JAX records, for every equation, the innermost frame
@@ -398,3 +399,12 @@ def tpu_generation() -> int | None:
   kind = _device_kind.get()
   match = re.match(r"TPU ?v?(\d+)", kind or "")
   return int(match.group(1)) if match else None
+
+
+def tpu_device_kind() -> str | None:
+  """The device kind being lowered for (e.g. ``"TPU v5 lite"``), or None.
+
+  Same source and limits as :func:`tpu_generation`; kernels that size VMEM
+  buffers need the chip, not only the generation (v5e and v5p differ).
+  """
+  return _device_kind.get()

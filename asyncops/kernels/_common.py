@@ -131,6 +131,9 @@ def wait_dma(ref, sem) -> None:
 
 
 ANY = pl.BlockSpec(memory_space=pl.ANY)
+# Buffers that must stay in HBM (XLA would otherwise move small ones to VMEM
+# and copy them back).
+HBM = pl.BlockSpec(memory_space=pltpu.HBM)
 SEM = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
 DMA = pltpu.SemaphoreType.DMA(())
 
@@ -152,3 +155,25 @@ def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
     aval.dtype if dtype is None else dtype,
     manual_axis_type=aval.manual_axis_type,
   )
+
+
+def shape_joint(shape, dtype, *xs) -> jax.ShapeDtypeStruct:
+  """An output shape that varies over every manual axis any of ``xs`` does
+  (a matmul's result varies wherever either operand does)."""
+  mats = [
+    (x if hasattr(x, "manual_axis_type") else jax.typeof(x)).manual_axis_type
+    for x in xs
+  ]
+  first = mats[0]
+  varying = frozenset().union(*(m.varying for m in mats))
+  joint = type(first)(
+    varying=varying, unreduced=first.unreduced, reduced=first.reduced
+  )
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=joint)
+
+
+def hbm_like(x):
+  """An output shape pinned to HBM (a kernel's DMAs and the next kernel
+  address it there; XLA would otherwise keep a small one in VMEM and copy
+  it out at the end)."""
+  return pltpu.HBM(tuple(x.shape), x.dtype)

@@ -1,0 +1,315 @@
+"""Fused collective matmuls: one Pallas ring kernel, accumulator in VMEM.
+
+Each op here is one JAX primitive lowered per platform. On TPU (including
+ahead-of-time compiles from a CPU host) it becomes the start / compute /
+done kernels of ``asyncops.kernels._allgather_matmul`` (or the
+reduce-scatter ones), with the block size, the number of ring directions
+and the row panels chosen from the shape and the chip; everywhere else it
+is the ``jax.lax`` collective plus ``jnp.dot`` it equals.
+
+Canonical 2-D forms (per device, inside ``shard_map``):
+
+- all-gather matmul: ``x [m, k] @ w [n k, f] -> [m, f]``, equal to
+  ``all_gather(x, axis, axis=1, tiled=True) @ w``.
+
+Numerics on TPU follow XLA's: floating inputs accumulate in float32 and
+round once; at ``Precision.DEFAULT`` a float32 matmul runs on the MXU in one
+bfloat16 pass, so float32 chunks travel as bfloat16 (what XLA's own
+all-gather matmul does: it converts before gathering), at ``HIGHEST`` they
+travel and multiply in float32. int8 accumulates in int32 and wraps to int8
+like ``jnp.dot``.
+
+Row panels: the accumulator ``[m, f]`` float32 lives in VMEM. When it (plus
+the chunk buffers and ``w`` blocks) exceeds the chip's budget, the rows are
+split in panels and each panel runs its own ring, one after the other; the
+output panels are written in place into one buffer.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from asyncops import _jax_compat as jc
+from asyncops.kernels import _allgather_matmul as agk
+from asyncops.kernels import _common
+
+# VMEM per TensorCore (jax's pallas tpu_info table); kernels use at most
+# ``_VMEM_SHARE`` of it so XLA's own buffers keep room.
+_VMEM_BYTES = {
+  4: 16 * 2**20,
+  5: 128 * 2**20,  # v5e; v5p has 64 MiB, see _vmem_capacity
+  6: 128 * 2**20,
+}
+_VMEM_SHARE = 0.6
+_W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
+
+
+def vmem_capacity(device_kind: str | None) -> int:
+  """VMEM bytes of one TensorCore of ``device_kind`` (64 MiB if unknown)."""
+  kind = (device_kind or "").lower()
+  if "v5" in kind and "lite" not in kind and "v5e" not in kind:
+    return 64 * 2**20  # v5p
+  for gen, size in _VMEM_BYTES.items():
+    if f"v{gen}" in kind:
+      return size
+  return 64 * 2**20
+
+
+def precision_name() -> str:
+  """The in-kernel precision for the current ``default_matmul_precision``."""
+  p = jax.config.jax_default_matmul_precision
+  p = str(p).lower() if p is not None else "default"
+  if p in ("highest", "float32", "high", "bfloat16_3x", "tensorfloat32"):
+    return "HIGHEST"
+  return "DEFAULT"
+
+
+def transfer_dtype(dtype, precision: str) -> str:
+  """The dtype chunks travel in: bfloat16 for float32 at DEFAULT."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32 and precision == "DEFAULT":
+    return "bfloat16"
+  return dtype.name
+
+
+_SUBLANES = {1: 32, 2: 16, 4: 8}
+
+
+def _sublanes(dtype) -> int:
+  return _SUBLANES.get(jnp.dtype(dtype).itemsize, 8)
+
+
+def _block_cols(f: int, k: int, itemsize: int) -> int | None:
+  """The widest ``bn`` dividing ``f`` whose ``w`` block fits the budget,
+  preferring at least two blocks per step (so a chunk copy can overlap the
+  last block)."""
+  fits = [
+    bn
+    for bn in (2048, 1536, 1024, 768, 512, 384, 256, 128)
+    if f % bn == 0 and k * bn * itemsize <= _W_BLOCK_BYTES
+  ]
+  two = [bn for bn in fits if f // bn >= 2]
+  if two:
+    return two[0]
+  if fits:
+    return fits[0]
+  if k * f * itemsize <= _W_BLOCK_BYTES:
+    return f
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AgPlan:
+  """How one all-gather matmul runs: kernel spec and row panels."""
+
+  spec: agk.AgSpec | None
+  panels: int
+  reason: str = ""
+
+
+def plan_allgather(
+  m: int,
+  k: int,
+  f: int,
+  n: int,
+  dtype,
+  w_dtype,
+  out_dtype,
+  *,
+  directions: int,
+  precision: str,
+  device_kind: str | None,
+  axis_name: str = "",
+  mesh_axes: tuple[str, ...] = (),
+  collective_id: int | None = None,
+) -> AgPlan:
+  """Block size, directions and panels for ``[m, k] @ [n k, f]``.
+
+  Returns a plan with ``spec=None`` and a ``reason`` when the fused kernel
+  cannot run this shape (the caller falls back).
+  """
+  t = transfer_dtype(dtype, precision)
+  if jnp.dtype(t) not in (
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.int8),
+  ):
+    return AgPlan(None, 0, f"dtype {jnp.dtype(dtype).name} has no MXU path")
+  if n < 2:
+    return AgPlan(None, 0, "axis of size 1")
+  if directions == 2 and (k % 2 or (k // 2) % 128):
+    return AgPlan(None, 0, f"k/2 = {k / 2} is not a multiple of 128")
+  if k % _sublanes(t):
+    return AgPlan(None, 0, f"k = {k} is not a multiple of the sublane tile")
+  bn = _block_cols(f, k, jnp.dtype(w_dtype).itemsize)
+  if bn is None:
+    return AgPlan(None, 0, f"no w block of k = {k} rows fits VMEM")
+  budget = int(vmem_capacity(device_kind) * _VMEM_SHARE)
+
+  def spec_for(rows):
+    s = agk.AgSpec(
+      axis_name=axis_name,
+      mesh_axes=mesh_axes,
+      n=n,
+      m=rows,
+      k=k,
+      f=f,
+      dtype=t,
+      w_dtype=jnp.dtype(w_dtype).name,
+      out_dtype=jnp.dtype(out_dtype).name,
+      directions=directions,
+      bn=bn,
+      precision=precision,
+      collective_id=collective_id,
+    )
+    need = agk.vmem_bytes(s)
+    limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
+    return dataclasses.replace(s, vmem_limit=limit), need
+
+  sub = _sublanes(t)
+  for panels in range(1, m + 1):
+    if m % panels:
+      continue
+    rows = m // panels
+    if rows % sub and panels > 1:
+      continue
+    spec, need = spec_for(rows)
+    if need <= budget:
+      return AgPlan(spec, panels)
+    if rows <= sub:
+      break
+  return AgPlan(None, 0, f"the accumulator of {m} x {f} does not fit VMEM")
+
+
+# The primitive -----------------------------------------------------------------
+
+allgather_matmul_p = jc.Primitive("asyncops_fused_allgather_matmul")
+
+
+@allgather_matmul_p.def_abstract_eval
+def _ag_abstract(x, w, **params):
+  out = _common.shape_joint((x.shape[0], w.shape[1]), params["out_dtype"], x, w)
+  return x.update(
+    shape=out.shape, dtype=out.dtype, manual_axis_type=out.manual_axis_type
+  )
+
+
+def _ag_reference(x, w, *, axis_name, out_dtype, precision, **_):
+  """Every platform but TPU: ``all_gather(x) @ w`` with ``jnp.dot``."""
+  g = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+  acc = jnp.int32 if jnp.dtype(x.dtype) == jnp.int8 else None
+  y = jnp.dot(
+    g, w, preferred_element_type=acc, precision=jax.lax.Precision[precision]
+  )
+  return y.astype(out_dtype)
+
+
+def _ag_tpu(
+  x,
+  w,
+  *,
+  axis_name,
+  mesh_axes,
+  n,
+  directions,
+  out_dtype,
+  precision,
+  collective_id,
+):
+  m, k = x.shape
+  plan = plan_allgather(
+    m,
+    k,
+    w.shape[1],
+    n,
+    x.dtype,
+    w.dtype,
+    out_dtype,
+    directions=directions,
+    precision=precision,
+    device_kind=jc.tpu_device_kind(),
+    axis_name=axis_name,
+    mesh_axes=mesh_axes,
+    collective_id=collective_id,
+  )
+  if plan.spec is None:
+    raise ValueError(f"allgather_matmul(method='fused'): {plan.reason}")
+  spec = plan.spec
+  x = x.astype(spec.dtype)
+  me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+  outs = []
+  for p in range(plan.panels):
+    xp = x[p * spec.m : (p + 1) * spec.m] if plan.panels > 1 else x
+    with jax.named_scope(f"panel{p}"):
+      shape = _common.shape_joint((spec.m, spec.f), jnp.dtype(out_dtype), xp, w)
+      outs.append(agk.run(me, xp, w, spec=spec, out_shape=shape))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+
+
+def _assign_id(scope, params):
+  pattern = ("ring_matmul", params["axis_name"], params["directions"])
+  cid = _common.collective_id(scope, pattern)
+  return {**params, "collective_id": cid}
+
+
+jc.register_lowering(allgather_matmul_p, _ag_reference, multiple_results=False)
+jc.register_lowering(
+  allgather_matmul_p,
+  _ag_tpu,
+  platform="tpu",
+  multiple_results=False,
+  prepare=_assign_id,
+)
+
+
+def allgather_matmul(lhs, rhs, axis_name: str, *, directions: int = 2):
+  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
+
+  Args:
+    lhs: ``[m, k]`` per device.
+    rhs: ``[n k, f]``.
+    axis_name: the ring's mesh axis (size ``n >= 2``).
+    directions: 2 (halves of each chunk travel both ways) or 1.
+
+  Returns:
+    ``[m, f]`` in ``lhs.dtype``.
+
+  Example:
+    >>> out = allgather_matmul(a, w, "y")  # doctest: +SKIP
+  """
+  n = int(jax.lax.axis_size(axis_name))
+  mesh = jax.sharding.get_abstract_mesh()
+  return allgather_matmul_p.bind(
+    lhs,
+    rhs,
+    axis_name=axis_name,
+    mesh_axes=tuple(mesh.axis_names),
+    n=n,
+    directions=directions,
+    out_dtype=jnp.dtype(lhs.dtype).name,
+    precision=precision_name(),
+    collective_id=None,
+  )
+
+
+def ag_supported(
+  m: int, k: int, f: int, n: int, dtype, directions: int, device_kind=None
+):
+  """``None`` if the fused all-gather matmul can run, else the reason."""
+  plan = plan_allgather(
+    m,
+    k,
+    f,
+    n,
+    dtype,
+    dtype,
+    dtype,
+    directions=directions,
+    precision=precision_name(),
+    device_kind=device_kind,
+  )
+  return None if plan.spec is not None else plan.reason
+
+
+__all__ = ["allgather_matmul", "plan_allgather", "ag_supported"]
