@@ -182,7 +182,7 @@ def plan_allgather(
   return AgPlan(None, 0, f"the accumulator of {m} x {f} does not fit VMEM")
 
 
-# The primitive -----------------------------------------------------------------
+# The primitive -------------------------------------------------------------
 
 allgather_matmul_p = jc.Primitive("asyncops_fused_allgather_matmul")
 
