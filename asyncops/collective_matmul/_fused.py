@@ -11,6 +11,8 @@ Canonical 2-D forms (per device, inside ``shard_map``):
 
 - all-gather matmul: ``x [m, k] @ w [n k, f] -> [m, f]``, equal to
   ``all_gather(x, axis, axis=1, tiled=True) @ w``.
+- matmul-reduce-scatter: ``x [m, k] @ w [k, n c] -> [m, c]``, equal to
+  ``psum_scatter(x @ w, axis, scatter_dimension=1, tiled=True)``.
 
 Numerics on TPU follow XLA's: floating inputs accumulate in float32 and
 round once; at ``Precision.DEFAULT`` a float32 matmul runs on the MXU in one
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 from asyncops import _jax_compat as jc
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _common
+from asyncops.kernels import _reducescatter_matmul as rsk
 
 # VMEM per TensorCore (jax's pallas tpu_info table); kernels use at most
 # ``_VMEM_SHARE`` of it so XLA's own buffers keep room.
@@ -312,4 +315,199 @@ def ag_supported(
   return None if plan.spec is not None else plan.reason
 
 
-__all__ = ["allgather_matmul", "plan_allgather", "ag_supported"]
+# Reduce-scatter ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RsPlan:
+  """How one matmul-reduce-scatter runs: kernel spec and row panels."""
+
+  spec: rsk.RsSpec | None
+  panels: int
+  reason: str = ""
+
+
+def plan_reducescatter(
+  m: int,
+  k: int,
+  c: int,
+  n: int,
+  dtype,
+  out_dtype,
+  *,
+  directions: int,
+  precision: str,
+  device_kind: str | None,
+  axis_name: str = "",
+  mesh_axes: tuple[str, ...] = (),
+  collective_id: int | None = None,
+) -> RsPlan:
+  """Block size and panels for ``[m, k] @ [k, n c] -> [m, c]``."""
+  t = transfer_dtype(dtype, precision)
+  if jnp.dtype(t) not in (
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.int8),
+  ):
+    return RsPlan(None, 0, f"dtype {jnp.dtype(dtype).name} has no MXU path")
+  if n < 2:
+    return RsPlan(None, 0, "axis of size 1")
+  if c % directions or (c // directions) % 128:
+    return RsPlan(
+      None, 0, f"c/{directions} = {c / directions} is not a multiple of 128"
+    )
+  ch = c // directions
+  bn = next(
+    (
+      b
+      for b in (2048, 1536, 1024, 768, 512, 384, 256, 128)
+      if ch % b == 0 and k * b * jnp.dtype(t).itemsize <= _W_BLOCK_BYTES
+    ),
+    None,
+  )
+  if bn is None:
+    return RsPlan(None, 0, f"no w block of k = {k} rows fits VMEM")
+  cap = vmem_capacity(device_kind)
+  budget = int(cap * _VMEM_SHARE)
+  sub = _sublanes(t)
+  for panels in range(1, m + 1):
+    if m % panels:
+      continue
+    rows = m // panels
+    if rows % sub and panels > 1:
+      continue
+    spec = rsk.RsSpec(
+      axis_name=axis_name,
+      mesh_axes=mesh_axes,
+      n=n,
+      m=rows,
+      k=k,
+      c=c,
+      dtype=t,
+      out_dtype=jnp.dtype(out_dtype).name,
+      directions=directions,
+      bn=bn,
+      precision=precision,
+      collective_id=collective_id,
+    )
+    need = rsk.vmem_bytes(spec)
+    if need <= budget:
+      limit = min(int(cap * 0.9), need + need // 4 + 2**22)
+      return RsPlan(dataclasses.replace(spec, vmem_limit=limit), panels)
+    if rows <= sub:
+      break
+  return RsPlan(None, 0, f"x rows of {k} columns do not fit VMEM")
+
+
+reducescatter_matmul_p = jc.Primitive("asyncops_fused_reducescatter_matmul")
+
+
+@reducescatter_matmul_p.def_abstract_eval
+def _rs_abstract(x, w, **params):
+  cols = w.shape[1] // params["n"]
+  out = _common.shape_joint((x.shape[0], cols), params["out_dtype"], x, w)
+  return x.update(
+    shape=out.shape, dtype=out.dtype, manual_axis_type=out.manual_axis_type
+  )
+
+
+def _rs_reference(x, w, *, axis_name, out_dtype, precision, **_):
+  """Every platform but TPU: ``psum_scatter(x @ w)`` with ``jnp.dot``."""
+  acc = jnp.int32 if jnp.dtype(x.dtype) == jnp.int8 else None
+  y = jnp.dot(
+    x, w, preferred_element_type=acc, precision=jax.lax.Precision[precision]
+  )
+  y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=1, tiled=True)
+  return y.astype(out_dtype)
+
+
+def _rs_tpu(
+  x,
+  w,
+  *,
+  axis_name,
+  mesh_axes,
+  n,
+  directions,
+  out_dtype,
+  precision,
+  collective_id,
+):
+  m, k = x.shape
+  plan = plan_reducescatter(
+    m,
+    k,
+    w.shape[1] // n,
+    n,
+    x.dtype,
+    out_dtype,
+    directions=directions,
+    precision=precision,
+    device_kind=jc.tpu_device_kind(),
+    axis_name=axis_name,
+    mesh_axes=mesh_axes,
+    collective_id=collective_id,
+  )
+  if plan.spec is None:
+    raise ValueError(f"matmul_reducescatter(method='fused'): {plan.reason}")
+  spec = plan.spec
+  me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+  outs = []
+  for p in range(plan.panels):
+    xp = x[p * spec.m : (p + 1) * spec.m] if plan.panels > 1 else x
+    with jax.named_scope(f"panel{p}"):
+      shape = _common.shape_joint((spec.m, spec.c), jnp.dtype(out_dtype), xp, w)
+      outs.append(rsk.run(me, xp, w, spec=spec, out_shape=shape))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+
+
+jc.register_lowering(
+  reducescatter_matmul_p, _rs_reference, multiple_results=False
+)
+jc.register_lowering(
+  reducescatter_matmul_p,
+  _rs_tpu,
+  platform="tpu",
+  multiple_results=False,
+  prepare=_assign_id,
+)
+
+
+def matmul_reducescatter(lhs, rhs, axis_name: str, *, directions: int = 2):
+  """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension=1, tiled=True)``,
+  fused.
+
+  Args:
+    lhs: ``[m, k]`` per device.
+    rhs: ``[k, n c]``.
+    axis_name: the ring's mesh axis (size ``n >= 2``).
+    directions: 2 (halves of each block travel both ways) or 1.
+
+  Returns:
+    ``[m, c]`` in ``lhs.dtype``.
+
+  Example:
+    >>> out = matmul_reducescatter(h, w2, "y")  # doctest: +SKIP
+  """
+  n = int(jax.lax.axis_size(axis_name))
+  mesh = jax.sharding.get_abstract_mesh()
+  return reducescatter_matmul_p.bind(
+    lhs,
+    rhs,
+    axis_name=axis_name,
+    mesh_axes=tuple(mesh.axis_names),
+    n=n,
+    directions=directions,
+    out_dtype=jnp.dtype(lhs.dtype).name,
+    precision=precision_name(),
+    collective_id=None,
+  )
+
+
+__all__ = [
+  "allgather_matmul",
+  "matmul_reducescatter",
+  "plan_allgather",
+  "plan_reducescatter",
+  "ag_supported",
+]

@@ -132,7 +132,7 @@ def vmem_bytes(spec: AgSpec) -> int:
   return (
     spec.m * spec.f * 4  # accumulator
     + 2 * spec.m * spec.k * t  # chunk double buffer
-    + 2 * spec.m * spec.k * t  # x block (pipelined, two buffers)
+    + spec.m * spec.k * t  # x block (fetched once)
     + 2 * spec.k * spec.bn * w  # w blocks, both halves, two buffers
     + 2 * spec.m * spec.bn * o  # output blocks (finish kernel)
   )
@@ -302,7 +302,11 @@ def _compute_grid_spec(spec: AgSpec, tail_specs, out_specs, sems_scratch=()):
   return pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     grid=(spec.n - 1, spec.nf),
-    in_specs=[pl.BlockSpec((spec.m, spec.k), lambda s, j, me: (0, 0))]
+    in_specs=[
+      pl.BlockSpec(
+        (spec.m, spec.k), lambda s, j, me: (0, 0), pipeline_mode=pl.Buffered(1)
+      )
+    ]
     + [_w_spec(spec, d, sh) for d, sh in enumerate(spec.shifts)]
     + list(tail_specs),
     out_specs=out_specs,
