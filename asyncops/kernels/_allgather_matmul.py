@@ -15,7 +15,7 @@ chunk per step. Each row of ``w`` belongs to exactly one (chunk, half), so
 rows instead, as the value-API ring does, reads ``w`` twice.) One
 direction: whole chunks travel to ``i - 1``.
 
-Kernels, in program order (all four appear in the compiled HLO):
+Kernels, in program order (all three appear in the compiled HLO):
 
 1. ``asyncops_ring_allgather_start``: a two-round barrier with the ring
    neighbours (the second round on a kernel-local semaphore, jax-ml/jax PR
@@ -24,26 +24,25 @@ Kernels, in program order (all four appear in the compiled HLO):
    k/d]`` (slot ``t`` of direction ``c`` holds the half used at step
    ``t + 1``; its first output, which ``benchmarks/`` routes) and DMA
    semaphore arrays ``[d, n - 1]`` for sends and receives.
-2. ``ring_allgather_matmul``: steps ``0 .. n - 2``, grid ``(n - 1, f /
-   bn)``. Step ``s`` multiplies the halves it holds (``x`` at step 0) by
-   their ``w`` blocks (streamed by the Pallas pipeline) into the float32
-   accumulator, a VMEM output. After block ``max(nf - 2, 0)`` of step
-   ``s < n - 2`` it waits for the halves of step ``s + 1``, forwards them
-   one hop further (the next device needs them a whole step later) and
-   starts copying them into the other slot of a VMEM double buffer, so the
-   copy overlaps the step's last block.
-3. ``asyncops_ring_allgather_done``: waits for the last receive and for
-   every send (the start's and each forward).
-4. ``ring_allgather_matmul_finish``: step ``n - 1``: the last chunk's
-   product plus the accumulator, written as ``[m, bn]`` output blocks.
+2. ``ring_allgather_matmul``: grid ``(n, f / bn)``. Step ``s`` multiplies
+   the halves it holds (``x`` at step 0) by their ``w`` blocks (streamed by
+   the Pallas pipeline) into the float32 VMEM accumulator. After block
+   ``max(nf - 2, 0)`` of step ``s < n - 1`` it waits for the halves of
+   step ``s + 1``, forwards them one hop further (the next device needs
+   them a whole step later) and starts copying them into the other slot of
+   a VMEM double buffer, so the copy overlaps the step's last block. The
+   last step adds its product and writes ``[m, bn]`` output blocks.
+3. ``asyncops_ring_allgather_done``: waits for every send (the start's and
+   each forward); it takes the result, so it runs after the compute kernel
+   that starts the forwards.
 
-Why the last step is its own kernel: XLA allocates every output of a kernel
-that communicates so that peers could write into it, and copies such an
-output when it is the program's result (measured on v5e: a 5 us copy of a
-2 MiB bfloat16 result); the finish kernel does not communicate, so its
-output is written where its consumer wants it. It also keeps the schedule
-honest for tools that read it: the last chunk is multiplied after the wait
-that proves it arrived.
+XLA allocates the outputs of a kernel that communicates so that peers could
+write into them; when such an output is the program's result XLA copies it
+(measured on v5e: a 5 us copy of a 2 MiB bfloat16 result). Moving the last
+step into a separate, non-communicating kernel avoids that copy but hands
+the float32 accumulator between kernels, which ``benchmarks/`` charges as
+two HBM round trips (each kernel is costed by a standalone jnp twin); it
+modelled 57.8 us against 44.6 us for this form (v5e, chapter shape, bf16).
 
 Limits. ``k / d`` a multiple of 128; ``f`` divisible by ``bn``; the
 accumulator ``[m, f]`` (float32; int32 for int8), two ``[m, k]`` chunk
@@ -134,7 +133,7 @@ def vmem_bytes(spec: AgSpec) -> int:
     + 2 * spec.m * spec.k * t  # chunk double buffer
     + spec.m * spec.k * t  # x block (fetched once)
     + 2 * spec.k * spec.bn * w  # w blocks, both halves, two buffers
-    + 2 * spec.m * spec.bn * o  # output blocks (finish kernel)
+    + 2 * spec.m * spec.bn * o  # output blocks
   )
 
 
@@ -200,10 +199,15 @@ def compute_kernel(
   *refs,
   spec: AgSpec,
 ):
-  """Grid step ``(s, j)``, ``s < n - 1``: block ``j`` of step ``s``."""
+  """Grid step ``(s, j)``: block ``j`` of step ``s``.
+
+  ``refs``: the ``w`` blocks, the receive buffer, the two semaphore arrays,
+  the output block, then scratch: the accumulator, the chunk double buffer
+  and its copy semaphores.
+  """
   nd = spec.directions
   w_refs = refs[:nd]
-  (recv_ref, send_sems, recv_sems, acc_ref, xbuf, copy_sems) = refs[nd:]
+  recv_ref, send_sems, recv_sems, o_ref, acc_ref, xbuf, copy_sems = refs[nd:]
   n, kh, bn, nf = spec.n, spec.kh, spec.bn, spec.nf
   s, j = pl.program_id(0), pl.program_id(1)
   slot = jax.lax.rem(s, 2)
@@ -218,55 +222,54 @@ def compute_kernel(
 
   cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
 
+  def held(d):
+    return xbuf[slot, :, d * kh : (d + 1) * kh]
+
   @pl.when(s == 0)
   def _():
     acc_ref[:, cols] = _product(
       lambda d: x_ref[:, d * kh : (d + 1) * kh], w_refs, spec
     )
 
-  @pl.when(s > 0)
+  @pl.when((s > 0) & (s < n - 1))
   def _():
-    acc_ref[:, cols] += _product(
-      lambda d: xbuf[slot, :, d * kh : (d + 1) * kh], w_refs, spec
-    )
+    acc_ref[:, cols] += _product(held, w_refs, spec)
 
-  @pl.when((s < n - 2) & (j == max(nf - 2, 0)))
+  @pl.when(s == n - 1)
   def _():
-    # Slot s holds the halves of step s + 1; the neighbour needs them as its
-    # slot s + 1 (used at its step s + 2, a whole step from now).
+    y = acc_ref[:, cols] + _product(held, w_refs, spec)
+    o_ref[...] = y.astype(o_ref.dtype)
+
+  # Slot s holds the halves of step s + 1: wait for them, forward them (the
+  # neighbour uses them as its slot s + 1, a whole step from now) unless
+  # this is the last slot, and copy them into VMEM for the next step.
+  @pl.when((s < n - 1) & (j == max(nf - 2, 0)))
+  def _():
     for d, sh in enumerate(spec.shifts):
       here = recv_ref.at[d, s]
       c.wait_dma(here, recv_sems.at[d, s])
-      pltpu.make_async_remote_copy(
-        here,
-        recv_ref.at[d, s + 1],
-        send_sems.at[d, s + 1],
-        recv_sems.at[d, s + 1],
-        device_id=_peer(spec, me, sh),
-        device_id_type=pl.DeviceIdType.MESH,
-      ).start()
+
+      @pl.when(s <= n - 3)
+      def _(d=d, sh=sh, here=here):
+        pltpu.make_async_remote_copy(
+          here,
+          recv_ref.at[d, s + 1],
+          send_sems.at[d, s + 1],
+          recv_sems.at[d, s + 1],
+          device_id=_peer(spec, me, sh),
+          device_id_type=pl.DeviceIdType.MESH,
+        ).start()
+
       pltpu.make_async_copy(
         here, xbuf.at[1 - slot, :, pl.ds(d * kh, kh)], copy_sems.at[d]
       ).start()
 
 
-def done_kernel(recv_ref, send_sems, recv_sems, *, spec: AgSpec):
-  """Waits for the last receive and for every send."""
-  last = spec.n - 2
+def done_kernel(recv_ref, send_sems, *, spec: AgSpec):
+  """Waits for every send (the start's and each forward)."""
   for d in range(spec.directions):
-    c.wait_dma(recv_ref.at[d, last], recv_sems.at[d, last])
     for t in range(spec.n - 1):
       c.wait_dma(recv_ref.at[d, t], send_sems.at[d, t])
-
-
-def finish_kernel(me_ref, acc_ref, *refs, spec: AgSpec):
-  """Grid step ``j``: output block ``j`` = accumulator + last chunk's."""
-  nd = spec.directions
-  x_refs, w_refs, (o_ref,) = refs[:nd], refs[nd : 2 * nd], refs[2 * nd :]
-  del me_ref
-  cols = pl.ds(pl.multiple_of(pl.program_id(0) * spec.bn, spec.bn), spec.bn)
-  y = _product(lambda d: x_refs[d][...], w_refs, spec)
-  o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
 
 
 # pallas_calls ----------------------------------------------------------------
@@ -280,54 +283,54 @@ def _recv_shape(x, spec: AgSpec):
   return c.shape_like(x, (spec.directions, spec.n - 1, spec.m, spec.kh))
 
 
-def _w_spec(spec: AgSpec, d: int, shift: int, step=None):
+def _w_index(spec: AgSpec, d: int, shift: int):
   """``w`` block ``[k/d, bn]`` of direction ``d``: rows of the chunk held
-  at step ``s`` (the grid's first index, or the fixed ``step``)."""
-  nd = spec.directions
+  at step ``s`` (the grid's first index)."""
 
-  if step is None:
+  def index(s, j, me_ref):
+    return (_chunk(me_ref[0], shift, s, spec.n) * spec.directions + d, j)
 
-    def index(s, j, me_ref):
-      return (_chunk(me_ref[0], shift, s, spec.n) * nd + d, j)
-
-  else:
-
-    def index(j, me_ref):
-      return (_chunk(me_ref[0], shift, step, spec.n) * nd + d, j)
-
-  return pl.BlockSpec((spec.kh, spec.bn), index)
+  return index
 
 
-def _compute_grid_spec(spec: AgSpec, tail_specs, out_specs, sems_scratch=()):
-  return pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=1,
-    grid=(spec.n - 1, spec.nf),
-    in_specs=[
-      pl.BlockSpec(
-        (spec.m, spec.k), lambda s, j, me: (0, 0), pipeline_mode=pl.Buffered(1)
-      )
-    ]
-    + [_w_spec(spec, d, sh) for d, sh in enumerate(spec.shifts)]
-    + list(tail_specs),
-    out_specs=out_specs,
-    scratch_shapes=list(sems_scratch)
-    + [
-      pltpu.VMEM((2, spec.m, spec.k), jnp.dtype(spec.dtype)),
-      pltpu.SemaphoreType.DMA((spec.directions,)),
-    ],
+def _in_specs(spec: AgSpec):
+  """``x`` (fetched once), then the ``w`` block of each direction."""
+  return [
+    pl.BlockSpec(
+      (spec.m, spec.k), lambda s, j, me: (0, 0), pipeline_mode=pl.Buffered(1)
+    )
+  ] + [
+    pl.BlockSpec((spec.kh, spec.bn), _w_index(spec, d, sh))
+    for d, sh in enumerate(spec.shifts)
+  ]
+
+
+def _out_block(spec: AgSpec):
+  # Only the last step writes the output; before it every step maps to
+  # block (0, 0), which is first written (and flushed) at (n - 1, 0).
+  n = spec.n
+  return pl.BlockSpec(
+    (spec.m, spec.bn), lambda s, j, me: (0, jnp.where(s == n - 1, j, 0))
   )
 
 
-def _params(spec: AgSpec, n_dims: int, collective_id=None):
+def _scratch(spec: AgSpec):
+  return [
+    pltpu.VMEM((spec.m, spec.f), spec.acc_dtype),
+    pltpu.VMEM((2, spec.m, spec.k), jnp.dtype(spec.dtype)),
+    pltpu.SemaphoreType.DMA((spec.directions,)),
+  ]
+
+
+def _params(spec: AgSpec, collective_id=None):
   return pltpu.CompilerParams(
-    dimension_semantics=("arbitrary",) * n_dims,
+    dimension_semantics=("arbitrary", "arbitrary"),
     has_side_effects=True,
     vmem_limit_bytes=spec.vmem_limit,
     collective_id=collective_id,
   )
 
 
-_VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
 _SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
@@ -352,150 +355,94 @@ def start(x, *, spec: AgSpec):
   )(x)
 
 
-def compute(me, x, w, recv, send_sems, recv_sems, *, spec: AgSpec):
-  """Steps ``0 .. n - 2`` and the forwards; returns the accumulator.
-
-  The accumulator ``[m, f]`` is a VMEM output: it stays on chip until the
-  finish kernel reads it.
-  """
+def compute(me, x, w, recv, send_sems, recv_sems, *, spec: AgSpec, out_shape):
+  """The chunk matmuls and the forwards; returns the ``[m, f]`` result."""
   return pl.pallas_call(
     functools.partial(compute_kernel, spec=spec),
-    out_shape=pltpu.VMEM((spec.m, spec.f), spec.acc_dtype),
-    grid_spec=_compute_grid_spec(spec, [c.HBM, c.SEM, c.SEM], _VMEM),
-    compiler_params=_params(spec, 2),
+    out_shape=out_shape,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(spec.n, spec.nf),
+      in_specs=_in_specs(spec) + [c.HBM, c.SEM, c.SEM],
+      out_specs=_out_block(spec),
+      scratch_shapes=_scratch(spec),
+    ),
+    compiler_params=_params(spec),
     name="ring_allgather_matmul",
   )(me, x, *([w] * spec.directions), recv, send_sems, recv_sems)
 
 
-def done(x, recv, acc, send_sems, recv_sems, *, spec: AgSpec):
-  """Waits for the last receive and every send; returns ``recv``, ordered
-  after the wait (the finish kernel reads its last slot).
+def done(x, recv, out, send_sems, *, spec: AgSpec):
+  """Waits for every send; returns a token nothing needs to read.
 
-  Takes the accumulator so it runs after the compute kernel, which starts
-  the forwards it waits for. One alias (``recv``), jax-ml/jax#24023.
+  Reads ``x`` and ``recv`` (so XLA keeps them alive until the sends end)
+  and ``out`` (so it runs after the compute kernel, which starts the
+  forwards it waits for). It has side effects, so XLA keeps it.
   """
 
-  def kernel(x_ref, recv_ref, acc_ref, send_sems, recv_sems, out_ref):
-    del x_ref, acc_ref, out_ref
-    done_kernel(recv_ref, send_sems, recv_sems, spec=spec)
+  def kernel(x_ref, recv_ref, out_ref, send_sems, token_ref):
+    del x_ref, out_ref
+    done_kernel(recv_ref, send_sems, spec=spec)
+    token_ref[0] = jnp.int32(0)
 
   return pl.pallas_call(
     kernel,
-    out_shape=c.hbm_like(recv),
-    in_specs=[c.ANY, c.HBM, _VMEM, c.SEM, c.SEM],
-    out_specs=c.HBM,
-    input_output_aliases={1: 0},
+    out_shape=c.shape_like(x, (1,), jnp.int32),
+    in_specs=[c.ANY, c.HBM, c.ANY, c.SEM],
+    out_specs=_SMEM,
     compiler_params=c.params(),
     name="asyncops_ring_allgather_done",
-  )(x, recv, acc, send_sems, recv_sems)
-
-
-def finish(me, acc, recv, w, *, spec: AgSpec, out_shape):
-  """Step ``n - 1``: ``acc + last chunk @ w``, cast, as ``[m, bn]`` blocks."""
-  last = spec.n - 1
-
-  def x_spec(d):
-    return pl.BlockSpec(
-      (None, None, spec.m, spec.kh), lambda j, me: (d, last - 1, 0, 0)
-    )
-
-  nd = spec.directions
-  return pl.pallas_call(
-    functools.partial(finish_kernel, spec=spec),
-    out_shape=out_shape,
-    grid_spec=pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      grid=(spec.nf,),
-      in_specs=[_VMEM]
-      + [x_spec(d) for d in range(nd)]
-      + [_w_spec(spec, d, sh, step=last) for d, sh in enumerate(spec.shifts)],
-      out_specs=pl.BlockSpec((spec.m, spec.bn), lambda j, me: (0, j)),
-    ),
-    compiler_params=_params(spec, 1),
-    name="ring_allgather_matmul_finish",
-  )(me, acc, *([recv] * nd), *([w] * nd))
+  )(x, recv, out, send_sems)
 
 
 def run(me, x, w, *, spec: AgSpec, out_shape):
-  """The four kernels in order; returns the ``[m, f]`` result."""
+  """The three kernels in order; returns the ``[m, f]`` result."""
   recv, send_sems, recv_sems = start(x, spec=spec)
-  acc = compute(me, x, w, recv, send_sems, recv_sems, spec=spec)
-  recv = done(x, recv, acc, send_sems, recv_sems, spec=spec)
-  return finish(me, acc, recv, w, spec=spec, out_shape=out_shape)
+  out = compute(
+    me, x, w, recv, send_sems, recv_sems, spec=spec, out_shape=out_shape
+  )
+  done(x, recv, out, send_sems, spec=spec)
+  return out
 
 
 def one_kernel(me, x, w, *, spec: AgSpec, out_shape, interpret=None):
-  """All four bodies in one kernel, semaphores as scratch.
+  """The three bodies in one kernel, semaphores as scratch.
 
   Pallas's TPU interpreter cannot return semaphores from a kernel, so the
-  CPU tests run this form: grid ``(n, nf)``; the start body before the
-  first step, the compute body for steps ``0 .. n - 2``, the done body and
-  a copy of the last chunk into VMEM before step ``n - 1``, the finish body
-  for it. Same DMAs, waits and arithmetic as the four kernels.
+  CPU tests run this form: the start body before the first grid step, the
+  done body after the last. Same DMAs, waits and arithmetic as the three
+  kernels.
   """
-  nd, n, kh = spec.directions, spec.n, spec.kh
+  nd = spec.directions
 
   def kernel(me_ref, x_ref, *refs):
     w_refs = refs[:nd]
-    x_any, o_ref, recv_ref, ss, rs, acc, last, xbuf, csems = refs[nd:]
+    x_any, o_ref, recv_ref, ss, rs, *scratch = refs[nd:]
     s, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when((s == 0) & (j == 0))
     def _():
       start_kernel(x_any, recv_ref, ss, rs, spec=spec)
 
-    @pl.when(s < n - 1)
+    compute_kernel(
+      me_ref, x_ref, *w_refs, recv_ref, ss, rs, o_ref, *scratch, spec=spec
+    )
+
+    @pl.when((s == spec.n - 1) & (j == spec.nf - 1))
     def _():
-      compute_kernel(
-        me_ref, x_ref, *w_refs, recv_ref, ss, rs, acc, xbuf, csems, spec=spec
-      )
-
-    @pl.when((s == n - 1) & (j == 0))
-    def _():
-      done_kernel(recv_ref, ss, rs, spec=spec)
-      for d in range(nd):
-        pltpu.sync_copy(recv_ref.at[d, n - 2], last.at[d])
-
-    @pl.when(s == n - 1)
-    def _():
-      cols = pl.ds(pl.multiple_of(j * spec.bn, spec.bn), spec.bn)
-      y = _product(lambda d: last[d], w_refs, spec)
-      o_ref[...] = (acc[:, cols] + y).astype(o_ref.dtype)
-
-  def w_index(d, sh):
-    def index(s, j, me_ref):
-      return (_chunk(me_ref[0], sh, s, n) * nd + d, j)
-
-    return index
+      done_kernel(recv_ref, ss, spec=spec)
 
   out, _ = pl.pallas_call(
     kernel,
     out_shape=(out_shape, _recv_shape(x, spec)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      grid=(n, spec.nf),
-      in_specs=[pl.BlockSpec((spec.m, spec.k), lambda s, j, me: (0, 0))]
-      + [
-        pl.BlockSpec((kh, spec.bn), w_index(d, sh))
-        for d, sh in enumerate(spec.shifts)
-      ]
-      + [c.ANY],
-      out_specs=(
-        pl.BlockSpec(
-          (spec.m, spec.bn), lambda s, j, me: (0, jnp.where(s == n - 1, j, 0))
-        ),
-        c.ANY,
-      ),
-      scratch_shapes=[
-        _sem_array(spec),
-        _sem_array(spec),
-        pltpu.VMEM((spec.m, spec.f), spec.acc_dtype),
-        pltpu.VMEM((nd, spec.m, kh), jnp.dtype(spec.dtype)),
-        pltpu.VMEM((2, spec.m, spec.k), jnp.dtype(spec.dtype)),
-        pltpu.SemaphoreType.DMA((nd,)),
-      ],
+      grid=(spec.n, spec.nf),
+      in_specs=_in_specs(spec) + [c.ANY],
+      out_specs=(_out_block(spec), c.ANY),
+      scratch_shapes=[_sem_array(spec), _sem_array(spec)] + _scratch(spec),
     ),
-    compiler_params=_params(spec, 2, spec.collective_id),
+    compiler_params=_params(spec, spec.collective_id),
     interpret=interpret,
     name="ring_allgather_matmul_one_kernel",
   )(me, x, *([w] * nd), x)

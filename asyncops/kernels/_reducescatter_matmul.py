@@ -340,7 +340,7 @@ def first(me, x, w, *, spec: RsSpec):
       out_specs=pl.BlockSpec((None, spec.m, bn), lambda d, j, me: (d, 0, j)),
     ),
     compiler_params=_params(spec, 2),
-    name="ring_reducescatter_matmul_first",
+    name="ring_reducescatter_first",
   )(me, x, w)
 
 
@@ -441,7 +441,7 @@ def finish(me, x, w, recv, *, spec: RsSpec, out_shape):
       out_specs=pl.BlockSpec((spec.m, bn), lambda j, me: (0, j)),
     ),
     compiler_params=_params(spec, 1),
-    name="ring_reducescatter_matmul_finish",
+    name="ring_reducescatter_finish",
   )(me, x, w, recv)
 
 
@@ -490,8 +490,18 @@ def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
     @pl.when((s >= 1) & (s <= n - 2))
     def _():
       compute_kernel(
-        me_ref, x_ref, w_ref, recv_ref, ss, rs, part, rbuf, sbuf, csem,
-        spec=spec, offset=0,
+        me_ref,
+        x_ref,
+        w_ref,
+        recv_ref,
+        ss,
+        rs,
+        part,
+        rbuf,
+        sbuf,
+        csem,
+        spec=spec,
+        offset=0,
       )
 
     @pl.when(s == n - 1)

@@ -1,0 +1,172 @@
+"""The fused ring kernels' variants and their jnp twins.
+
+Variants (registered with :func:`benchmarks._variants.register`):
+
+- ``allgather_matmul_fused`` / ``allgather_matmul_fused_uni``:
+  ``asyncops.collective_matmul``'s fused ring all-gather matmul (two ring
+  directions / one), the flagship's ``A[B_X, D_Y] W[D, F_Y]``.
+- ``reducescatter:asyncops_fused`` / ``..._fused_uni``: the fused ring
+  matmul-reduce-scatter.
+
+Twins (:mod:`benchmarks._kernel_costs`): what each computing kernel of
+``asyncops/kernels/_allgather_matmul.py`` and ``_reducescatter_matmul.py``
+does, written with ``jnp`` ops of the same shapes:
+
+- ``ring_allgather_matmul``: every chunk times its rows of ``w``, the
+  result cast: ``dot(x [m, n k], w [n k, f])`` (the unsharded matmul).
+- ``ring_reducescatter_first``: ``x @ w [k, c]`` (step 0's partial sums).
+- ``ring_reducescatter_matmul``: steps ``1 .. n - 2``: ``x @ w [k, (n-2)
+  c] + received [m, (n-2) c]``, cast to the travelling dtype.
+- ``ring_reducescatter_finish``: ``x @ w [k, c] + received [m, c]``, cast.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import _kernel_costs, _variants
+
+AXIS = _variants.AXIS
+_F32 = jnp.float32
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _dt(leaf):
+  return _kernel_costs._DTYPES.get(leaf.dtype, _F32)
+
+
+def _acc(dtype):
+  return jnp.int32 if jnp.dtype(dtype) == jnp.int8 else _F32
+
+
+def _matmul_cast(x, w, out_dtype):
+  return jnp.dot(
+    x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype)
+  ).astype(out_dtype)
+
+
+def _ag_twin(operands, results):
+  """``dot(x [m, n k], w [n k, f])``: every chunk times its rows."""
+  _, x, w, *rest = operands
+  recv = next(o for o in rest if len(o.dims) == 4)
+  n = recv.dims[1] + 1
+  (m, k), f = x.dims, w.dims[1]
+  fn = functools.partial(_matmul_cast, out_dtype=_dt(results[0]))
+  return fn, (_sds((m, n * k), _dt(x)), _sds((n * k, f), _dt(w)))
+
+
+def _rs_first_twin(operands, results):
+  _, x, w = operands
+  d, m, ch = results[0].dims
+  fn = functools.partial(_matmul_cast, out_dtype=_dt(results[0]))
+  return fn, (_sds(x.dims, _dt(x)), _sds((x.dims[1], d * ch), _dt(w)))
+
+
+def _rs_steps_twin(operands, results):
+  _, x, w, recv = operands[:4]
+  d, n1, m, ch = recv.dims
+  cols = (n1 - 1) * d * ch  # steps 1 .. n - 2
+
+  def fn(x, w, r):
+    y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
+    return (y + r.astype(y.dtype)).astype(r.dtype)
+
+  return fn, (
+    _sds(x.dims, _dt(x)),
+    _sds((x.dims[1], cols), _dt(w)),
+    _sds((m, cols), _dt(recv)),
+  )
+
+
+def _rs_finish_twin(operands, results):
+  _, x, w, recv = operands
+  m, c = results[0].dims
+  out = _dt(results[0])
+
+  def fn(x, w, r):
+    y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
+    return (y + r.astype(y.dtype)).astype(out)
+
+  return fn, (
+    _sds(x.dims, _dt(x)),
+    _sds((x.dims[1], c), _dt(w)),
+    _sds((m, c), _dt(recv)),
+  )
+
+
+# Longer names first: the coster takes the first registered prefix.
+_kernel_costs.register("ring_allgather_matmul", _ag_twin)
+_kernel_costs.register("ring_reducescatter_first", _rs_first_twin)
+_kernel_costs.register("ring_reducescatter_finish", _rs_finish_twin)
+_kernel_costs.register("ring_reducescatter_matmul", _rs_steps_twin)
+
+
+# Variants ------------------------------------------------------------------
+
+
+def _fused(name: str, **kw):
+  from asyncops.collective_matmul import _fused  # noqa: PLC0415
+
+  fn = getattr(_fused, name)
+
+  def body(*args, precision=None):
+    with jax.default_matmul_precision(precision or "default"):
+      return fn(*args, AXIS, **kw)
+
+  return body
+
+
+def _flagship(directions):
+  def build(mesh, precision):
+    f = functools.partial(
+      _fused("allgather_matmul", directions=directions), precision=precision
+    )
+    return jax.jit(
+      jax.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=(P("x", AXIS), P(None, AXIS)),
+        out_specs=P("x", AXIS),
+      )
+    )
+
+  return build
+
+
+def _family(family, library, directions):
+  fam = _variants.FAMILIES[family]
+
+  def build(mesh, precision):
+    f = functools.partial(
+      _fused(library, directions=directions), precision=precision
+    )
+    return jax.jit(
+      jax.shard_map(f, mesh=mesh, in_specs=fam.in_specs, out_specs=fam.out_spec)
+    )
+
+  return build
+
+
+def _args(as_name):
+  return lambda mesh, shape, dtype: _variants.abstract_args(
+    as_name, mesh, shape, dtype
+  )
+
+
+_variants.register("allgather_matmul_fused", _flagship(2), _args("jit"))
+_variants.register("allgather_matmul_fused_uni", _flagship(1), _args("jit"))
+_variants.register(
+  "reducescatter:asyncops_fused",
+  _family("reducescatter", "matmul_reducescatter", 2),
+  _args("reducescatter:jit"),
+)
+_variants.register(
+  "reducescatter:asyncops_fused_uni",
+  _family("reducescatter", "matmul_reducescatter", 1),
+  _args("reducescatter:jit"),
+)
