@@ -14,10 +14,9 @@ does, written with ``jnp`` ops of the same shapes:
 
 - ``ring_allgather_matmul``: every chunk times its rows of ``w``, the
   result cast: ``dot(x [m, n k], w [n k, f])`` (the unsharded matmul).
-- ``ring_reducescatter_first``: ``x @ w [k, c]`` (step 0's partial sums).
-- ``ring_reducescatter_matmul``: steps ``1 .. n - 2``: ``x @ w [k, (n-2)
-  c] + received [m, (n-2) c]``, cast to the travelling dtype.
-- ``ring_reducescatter_finish``: ``x @ w [k, c] + received [m, c]``, cast.
+- ``ring_reducescatter_matmul``: every step's product plus the partial
+  sums received, cast: ``x [m, k] @ w [k, n c] + r [m, n c]`` (the kernel
+  writes ``n - 1`` sent blocks and its own: ``n c`` columns).
 """
 
 import functools
@@ -60,50 +59,25 @@ def _ag_twin(operands, results):
   return fn, (_sds((m, n * k), _dt(x)), _sds((n * k, f), _dt(w)))
 
 
-def _rs_first_twin(operands, results):
-  _, x, w = operands
-  d, m, ch = results[0].dims
-  fn = functools.partial(_matmul_cast, out_dtype=_dt(results[0]))
-  return fn, (_sds(x.dims, _dt(x)), _sds((x.dims[1], d * ch), _dt(w)))
-
-
-def _rs_steps_twin(operands, results):
+def _rs_twin(operands, results):
   _, x, w, recv = operands[:4]
-  d, n1, m, ch = recv.dims
-  cols = (n1 - 1) * d * ch  # steps 1 .. n - 2
+  out = results[0]
+  m, cols = x.dims[0], w.dims[1]
 
   def fn(x, w, r):
     y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
-    return (y + r.astype(y.dtype)).astype(r.dtype)
+    return (y + r.astype(y.dtype)).astype(_dt(out))
 
   return fn, (
     _sds(x.dims, _dt(x)),
-    _sds((x.dims[1], cols), _dt(w)),
+    _sds(w.dims, _dt(w)),
     _sds((m, cols), _dt(recv)),
-  )
-
-
-def _rs_finish_twin(operands, results):
-  _, x, w, recv = operands
-  m, c = results[0].dims
-  out = _dt(results[0])
-
-  def fn(x, w, r):
-    y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
-    return (y + r.astype(y.dtype)).astype(out)
-
-  return fn, (
-    _sds(x.dims, _dt(x)),
-    _sds((x.dims[1], c), _dt(w)),
-    _sds((m, c), _dt(recv)),
   )
 
 
 # Longer names first: the coster takes the first registered prefix.
 _kernel_costs.register("ring_allgather_matmul", _ag_twin)
-_kernel_costs.register("ring_reducescatter_first", _rs_first_twin)
-_kernel_costs.register("ring_reducescatter_finish", _rs_finish_twin)
-_kernel_costs.register("ring_reducescatter_matmul", _rs_steps_twin)
+_kernel_costs.register("ring_reducescatter_matmul", _rs_twin)
 
 
 # Variants ------------------------------------------------------------------

@@ -131,7 +131,7 @@ def vmem_bytes(spec: AgSpec) -> int:
   return (
     spec.m * spec.f * 4  # accumulator
     + 2 * spec.m * spec.k * t  # chunk double buffer
-    + spec.m * spec.k * t  # x block (fetched once)
+    + 2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
     + 2 * spec.k * spec.bn * w  # w blocks, both halves, two buffers
     + 2 * spec.m * spec.bn * o  # output blocks
   )

@@ -5,50 +5,52 @@ holds ``x`` ``[m, k]`` and ``w`` ``[k, n c]``; the result on device ``i``
 is column block ``i`` (``c`` wide) of the sum over devices of ``x @ w``.
 Partial sums travel around the ring and each device adds its own
 contribution as they pass (the chapter's "permute the result as you
-accumulate it"): at step ``s`` a device computes its product for one
-block, adds the partial sum of that block it received from its
-neighbour, and sends the sum on; after ``n - 1`` hops each block has
-collected every device's contribution on the device that owns it. Only the
-partial sums move, never ``x`` or ``w``.
+accumulate it"): at step ``s`` a device computes its product for one block
+in ``[m, bn]`` pieces (``w`` streamed from HBM by the Pallas pipeline) into
+a float32 VMEM buffer, adds the partial sum of that block its neighbour
+sent one step earlier, and sends the sum on; after ``n - 1`` hops each
+block holds every device's contribution on the device that owns it. Only
+the partial sums move, never ``x`` or ``w``.
 
 Two directions (``directions=2``): the columns of every block are split in
 halves; partial sums of first halves travel to ``i + 1`` (block ``i - s -
 1`` at step ``s``), of second halves to ``i - 1`` (block ``i + s + 1``).
 Each column of ``w`` is used at exactly one step, so ``w`` is read once.
 
-Steps and kernels, in program order:
+Kernels, in program order (all three appear in the compiled HLO):
 
-0. ``ring_reducescatter_matmul_first``: step 0, which has no partial sum
-   to add, as a plain (non-communicating) matmul: ``p0 [d, m, c/d]`` in
-   the transfer dtype. (XLA's own matmul of these column-sliced halves
-   estimates 4.5x its FLOPs on v5e.)
 1. ``asyncops_ring_reducescatter_start``: a two-round barrier with the ring
-   neighbours, then sends ``p0``'s halves into their receive buffers.
-   Returns the receive buffer ``[d, n - 1, m, c/d]`` (slot ``t`` holds the
-   partial sum a device adds at step ``t + 1``; its first output, which
-   ``benchmarks/`` routes) and DMA semaphore arrays ``[d, n - 1]``.
-2. ``ring_reducescatter_matmul`` (``n >= 3``): steps ``1 .. n - 2``, grid
-   ``(n - 2, d, c / (d bn))``. Each ``[m, bn]`` product block accumulates
-   into a float32 VMEM buffer. After block ``max(nb - 2, 0)`` of a half it
-   waits for the neighbour's partial sum and starts copying it into VMEM;
-   after the last block it adds it, casts, and sends the sum on from a
-   VMEM double buffer (a send two steps back is awaited before its buffer
-   is reused, the last two at the kernel's end).
-3. ``asyncops_ring_reducescatter_done``: waits for the last receive and the
-   start's sends.
-4. ``ring_reducescatter_matmul_finish``: step ``n - 1``: the device's own
-   block, ``x @ w[:, block] + received``, written as ``[m, bn]`` blocks. It
-   does not communicate, so XLA writes its output where the consumer wants
-   it (outputs of communicating kernels are copied when they are the
-   program's result).
+   neighbours (the second on a kernel-local semaphore, jax-ml/jax PR
+   #27963). Returns the receive buffer ``[d, n - 1, m, c/d]`` (slot ``t``
+   holds the partial sum added at step ``t + 1``; its first output, which
+   ``benchmarks/`` routes) and DMA semaphore arrays ``[d, n - 1]``. It
+   starts no transfer: the first partial sums exist only after step 0.
+2. ``ring_reducescatter_matmul``: grid ``(n, d, c / (d bn))``. After block
+   ``max(nb - 2, 0)`` of a half at step ``s >= 1`` it waits for the
+   neighbour's partial sum and starts copying it into VMEM; after the last
+   block it adds it, casts, and either sends the sum on from slot ``s`` of
+   a VMEM send buffer (``s < n - 1``) or writes it as its half of the
+   output (``s = n - 1``). The send buffer ``[n - 1, d, m, c/d]`` is an
+   output, so it outlives the kernel while the last sends are in flight.
+3. ``asyncops_ring_reducescatter_done``: waits for every send.
 
 The travelling partial sums have the transfer dtype (the input dtype, as
 XLA's reduce-scatter), so bfloat16 sums round once per hop; each device's
 own products accumulate in float32.
 
+Why one compute kernel: the benchmark model charges each computing kernel
+XLA's estimate of the same work as a standalone jnp program, and XLA
+estimates the narrow per-step matmuls (``[m, k] x [k, c/2]``) at several
+times their FLOPs; a first/steps/finish split modelled 49.8 us against one
+full-width matmul's 27.8 us of twin cost (v5e, chapter shape, bf16).
+Tools reading the schedule see the transfers begin at the start kernel,
+up to one step's compute earlier than they do; they end at the done, as
+they do.
+
 Limits. ``c / d`` a multiple of 128 and of ``bn``; ``x`` ``[m, k]``, the
-float32 partial ``[m, c/d]`` and the send/receive buffers must fit in VMEM
-(the caller splits ``m`` into panels when they do not). One ring axis.
+float32 partial ``[m, c/d]``, the received and the ``n - 1`` sent partial
+sums must fit in VMEM (the caller splits ``m`` into panels when they do
+not). One ring axis.
 """
 
 import dataclasses
@@ -73,14 +75,14 @@ class RsSpec:
     m: rows of ``x``.
     k: columns of ``x`` (rows of ``w``).
     c: columns of one output block (``w`` has ``n c``).
-    dtype: dtype of ``x`` and ``w`` at the MXU, and of the partial sums
-      that travel.
+    dtype: dtype of ``x`` at the MXU (``w`` is cast to it in VMEM) and of
+      the partial sums that travel.
     out_dtype: the result's dtype.
     directions: 1 (partial sums to ``i + 1``) or 2 (halves both ways).
     bn: columns of a ``w`` block.
     precision: ``jax.lax.Precision`` name for the in-kernel dots.
     collective_id: barrier semaphore id of the start kernel.
-    vmem_limit: VMEM bytes the compute kernels may use.
+    vmem_limit: VMEM bytes the compute kernel may use.
   """
 
   axis_name: str
@@ -125,14 +127,17 @@ class RsSpec:
 
 
 def vmem_bytes(spec: RsSpec) -> int:
-  """VMEM the compute kernel needs."""
+  """VMEM the compute kernel needs (scratch and its VMEM output)."""
   t = jnp.dtype(spec.dtype).itemsize
+  o = jnp.dtype(spec.out_dtype).itemsize
+  half = spec.m * spec.ch
   return (
-    spec.m * spec.k * t  # x block (fetched once)
+    2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
     + 2 * spec.k * spec.bn * t  # w blocks
-    + spec.m * spec.ch * 4  # float32 partial of one half
-    + spec.m * spec.ch * t  # received partial
-    + 2 * spec.directions * spec.m * spec.ch * t  # send double buffer
+    + half * 4  # float32 partial of one half
+    + half * t  # received partial
+    + (spec.n - 1) * spec.directions * half * t  # sent partial sums
+    + 2 * half * o  # output blocks
   )
 
 
@@ -157,8 +162,8 @@ def _shift_of(spec: RsSpec, d):
 # Kernel bodies ---------------------------------------------------------------
 
 
-def start_kernel(p_ref, recv_ref, send_sems, recv_sems, *, spec: RsSpec):
-  """Barrier with the ring neighbours, then step 0's partial sums."""
+def start_kernel(*, spec: RsSpec):
+  """Barrier with the ring neighbours (who will write into our buffers)."""
   me = jax.lax.axis_index(spec.axis_name)
   n = spec.n
   barrier = pltpu.get_barrier_semaphore()
@@ -173,15 +178,6 @@ def start_kernel(p_ref, recv_ref, send_sems, recv_sems, *, spec: RsSpec):
       [(src, True) for src in senders],
       len(senders),
     )
-  for d, sh in enumerate(spec.shifts):
-    pltpu.make_async_remote_copy(
-      p_ref.at[d],
-      recv_ref.at[d, 0],
-      send_sems.at[d, 0],
-      recv_sems.at[d, 0],
-      device_id=_peer(spec, me, sh),
-      device_id_type=pl.DeviceIdType.MESH,
-    ).start()
 
 
 def compute_kernel(
@@ -191,22 +187,18 @@ def compute_kernel(
   recv_ref,
   send_sems,
   recv_sems,
+  o_ref,
+  sent_ref,
   part,
   rbuf,
-  sbuf,
   copy_sem,
   *,
   spec: RsSpec,
-  offset: int = 1,
 ):
-  """Grid step ``(s - offset, d, j)``: block ``j`` of half ``d`` at step
-  ``s`` (``1 <= s <= n - 2``)."""
+  """Grid step ``(s, d, j)``: block ``j`` of half ``d`` at step ``s``."""
   n, nb, bn = spec.n, spec.nb, spec.bn
-  s = pl.program_id(0) + offset
-  d = pl.program_id(1)
-  j = pl.program_id(2)
+  s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   me = me_ref[0]
-  slot = jax.lax.rem(s, 2)
 
   part[:, pl.ds(pl.multiple_of(j * bn, bn), bn)] = jnp.dot(
     x_ref[...],
@@ -216,30 +208,29 @@ def compute_kernel(
   )
 
   # Slot s - 1 holds the neighbour's partial sum of this step's block.
-  @pl.when(j == max(nb - 2, 0))
+  @pl.when((s >= 1) & (j == max(nb - 2, 0)))
   def _():
     here = recv_ref.at[d, s - 1]
     c.wait_dma(here, recv_sems.at[d, s - 1])
     pltpu.make_async_copy(here, rbuf, copy_sem).start()
 
-  @pl.when(j == nb - 1)
+  def total():
+    return part[...] + rbuf[...].astype(part.dtype)
+
+  @pl.when((s >= 1) & (j == nb - 1))
   def _():
     pltpu.make_async_copy(recv_ref.at[d, s - 1], rbuf, copy_sem).wait()
 
-    # The send from this buffer two steps back must be done.
-    @pl.when(s >= 3)
-    def _():
-      c.wait_dma(sbuf.at[slot, d], send_sems.at[d, s - 2])
-
-    sbuf[slot, d] = (part[...] + rbuf[...].astype(part.dtype)).astype(
-      sbuf.dtype
-    )
+  @pl.when((s < n - 1) & (j == nb - 1))
+  def _():
+    slot = sent_ref.at[s, d]
+    slot[...] = jnp.where(s == 0, part[...], total()).astype(sent_ref.dtype)
     for dd, sh in enumerate(spec.shifts):
 
       @pl.when(d == dd)
       def _(dd=dd, sh=sh):
         pltpu.make_async_remote_copy(
-          sbuf.at[slot, dd],
+          sent_ref.at[s, dd],
           recv_ref.at[dd, s],
           send_sems.at[dd, s],
           recv_sems.at[dd, s],
@@ -247,34 +238,16 @@ def compute_kernel(
           device_id_type=pl.DeviceIdType.MESH,
         ).start()
 
-  # Before the kernel ends (its VMEM goes away) the last sends must be done.
-  last = (s == n - 2) & (d == spec.directions - 1)
-
-  @pl.when(last & (j == nb - 1))
+  @pl.when((s == n - 1) & (j == nb - 1))
   def _():
-    for t in range(max(1, n - 3), n - 1):
-      for dd in range(spec.directions):
-        c.wait_dma(sbuf.at[t % 2, dd], send_sems.at[dd, t])
+    o_ref[...] = total().astype(o_ref.dtype)
 
 
-def done_kernel(recv_ref, send_sems, recv_sems, p_ref, *, spec: RsSpec):
-  """Waits for the last receive and for the start's sends."""
-  last = spec.n - 2
-  for d in range(spec.directions):
-    c.wait_dma(recv_ref.at[d, last], recv_sems.at[d, last])
-    c.wait_dma(p_ref.at[d], send_sems.at[d, 0])
-
-
-def finish_kernel(me_ref, x_ref, w_ref, r_ref, o_ref, *, spec: RsSpec):
-  """Output block ``j``: own product plus the received partial sum."""
-  del me_ref
-  y = jnp.dot(
-    x_ref[...],
-    w_ref[...].astype(x_ref.dtype),
-    preferred_element_type=spec.acc_dtype,
-    precision=jax.lax.Precision[spec.precision],
-  )
-  o_ref[...] = (y + r_ref[...].astype(y.dtype)).astype(o_ref.dtype)
+def done_kernel(sent_ref, send_sems, *, spec: RsSpec):
+  """Waits for every send."""
+  for t in range(spec.n - 1):
+    for d in range(spec.directions):
+      c.wait_dma(sent_ref.at[t, d], send_sems.at[d, t])
 
 
 # pallas_calls ----------------------------------------------------------------
@@ -284,72 +257,73 @@ def _sem_array(spec: RsSpec):
   return pltpu.SemaphoreType.DMA((spec.directions, spec.n - 1))
 
 
-def _recv_shape(p, spec: RsSpec):
-  return c.shape_like(p, (spec.directions, spec.n - 1, spec.m, spec.ch))
+def _recv_shape(x, spec: RsSpec):
+  t = jnp.dtype(spec.dtype)
+  return c.shape_like(x, (spec.directions, spec.n - 1, spec.m, spec.ch), t)
 
 
-def _params(spec: RsSpec, n_dims: int):
+def _params(spec: RsSpec, collective_id=None):
   return pltpu.CompilerParams(
-    dimension_semantics=("arbitrary",) * n_dims,
+    dimension_semantics=("arbitrary",) * 3,
     has_side_effects=True,
     vmem_limit_bytes=spec.vmem_limit,
+    collective_id=collective_id,
   )
 
 
-_VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
+def _in_specs(spec: RsSpec):
+  """``x`` (fetched once) and the ``w`` block of step ``s``, half ``d``."""
+  n, nb = spec.n, spec.nb
+  cb = spec.c // spec.bn  # w blocks per output block
 
-
-def _x_block(spec: RsSpec, index):
-  """``x`` whole, fetched once (one buffer: its block never changes)."""
-  return pl.BlockSpec((spec.m, spec.k), index, pipeline_mode=pl.Buffered(1))
-
-
-def first(me, x, w, *, spec: RsSpec):
-  """Step 0: ``[d, m, c/d]`` partial sums in the transfer dtype.
-
-  No partial sum arrives before step 0, so this is a plain matmul of each
-  half against its block's columns, streamed in ``[k, bn]`` blocks; it does
-  not communicate.
-  """
-  nb, bn = spec.nb, spec.bn
-  cb = spec.c // bn
-
-  def w_index(d, j, me_ref):
-    b = block_of(me_ref[0], _shift_of(spec, d), 0, spec.n)
+  def w_index(s, d, j, me_ref):
+    b = block_of(me_ref[0], _shift_of(spec, d), s, n)
     return (0, b * cb + d * nb + j)
 
-  def kernel(me_ref, x_ref, w_ref, o_ref):
-    del me_ref
-    o_ref[...] = jnp.dot(
-      x_ref[...],
-      w_ref[...].astype(x_ref.dtype),
-      preferred_element_type=spec.acc_dtype,
-      precision=jax.lax.Precision[spec.precision],
-    ).astype(o_ref.dtype)
+  return [
+    pl.BlockSpec(
+      (spec.m, spec.k),
+      lambda s, d, j, me: (0, 0),
+      pipeline_mode=pl.Buffered(1),
+    ),
+    pl.BlockSpec((spec.k, spec.bn), w_index),
+  ]
+
+
+def _out_block(spec: RsSpec):
+  # Written only at the last step, one half per direction; before it every
+  # step maps to block (0, 0), first written at (n - 1, 0, nb - 1).
+  n = spec.n
+  return pl.BlockSpec(
+    (spec.m, spec.ch), lambda s, d, j, me: (0, jnp.where(s == n - 1, d, 0))
+  )
+
+
+def _scratch(spec: RsSpec):
+  t = jnp.dtype(spec.dtype)
+  return [
+    pltpu.VMEM((spec.m, spec.ch), spec.acc_dtype),
+    pltpu.VMEM((spec.m, spec.ch), t),
+    pltpu.SemaphoreType.DMA(()),
+  ]
+
+
+def _sent_shape(spec: RsSpec):
+  shape = (spec.n - 1, spec.directions, spec.m, spec.ch)
+  return pltpu.VMEM(shape, jnp.dtype(spec.dtype))
+
+
+def start(x, *, spec: RsSpec):
+  """``-> (recv, send_sems, recv_sems)``; the barrier."""
+
+  def kernel(x_ref, recv_ref, send_sems, recv_sems):
+    del x_ref, recv_ref, send_sems, recv_sems
+    start_kernel(spec=spec)
 
   return pl.pallas_call(
     kernel,
-    out_shape=c.shape_like(x, (spec.directions, spec.m, spec.ch)),
-    grid_spec=pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      grid=(spec.directions, nb),
-      in_specs=[
-        _x_block(spec, lambda d, j, me: (0, 0)),
-        pl.BlockSpec((spec.k, bn), w_index),
-      ],
-      out_specs=pl.BlockSpec((None, spec.m, bn), lambda d, j, me: (d, 0, j)),
-    ),
-    compiler_params=_params(spec, 2),
-    name="ring_reducescatter_first",
-  )(me, x, w)
-
-
-def start(p, *, spec: RsSpec):
-  """``p [d, m, c/d] -> (recv, send_sems, recv_sems)``; sends step 0."""
-  return pl.pallas_call(
-    functools.partial(start_kernel, spec=spec),
     out_shape=(
-      c.hbm_like(_recv_shape(p, spec)),
+      c.hbm_like(_recv_shape(x, spec)),
       _sem_array(spec),
       _sem_array(spec),
     ),
@@ -357,209 +331,107 @@ def start(p, *, spec: RsSpec):
     out_specs=(c.HBM, c.SEM, c.SEM),
     compiler_params=c.params(collective_id=spec.collective_id),
     name="asyncops_ring_reducescatter_start",
-  )(p)
+  )(x)
 
 
-def compute(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec):
-  """Steps ``1 .. n - 2`` (``n >= 3``); returns a token for the done."""
-  n, nb, bn = spec.n, spec.nb, spec.bn
-  cb = spec.c // bn  # w blocks per output block
-
-  def w_index(s0, d, j, me_ref):
-    sh = _shift_of(spec, d)
-    b = block_of(me_ref[0], sh, s0 + 1, n)
-    return (0, b * cb + d * nb + j)
-
-  def kernel(*refs):
-    ins, (token_ref,), scratch = refs[:6], refs[6:7], refs[7:]
-    compute_kernel(*ins, *scratch, spec=spec)
-    token_ref[0] = jnp.int32(0)
-
-  t = jnp.dtype(spec.dtype)
+def compute(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec, out_shape):
+  """All ``n`` steps; returns ``(out [m, c], sent partial sums)``."""
   return pl.pallas_call(
-    kernel,
-    out_shape=c.shape_like(x, (1,), jnp.int32),
+    functools.partial(compute_kernel, spec=spec),
+    out_shape=(out_shape, _sent_shape(spec)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      grid=(n - 2, spec.directions, nb),
-      in_specs=[
-        _x_block(spec, lambda s0, d, j, me: (0, 0)),
-        pl.BlockSpec((spec.k, bn), w_index),
-        c.HBM,
-        c.SEM,
-        c.SEM,
-      ],
-      out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
-      scratch_shapes=[
-        pltpu.VMEM((spec.m, spec.ch), spec.acc_dtype),
-        pltpu.VMEM((spec.m, spec.ch), t),
-        pltpu.VMEM((2, spec.directions, spec.m, spec.ch), t),
-        pltpu.SemaphoreType.DMA(()),
-      ],
+      grid=(spec.n, spec.directions, spec.nb),
+      in_specs=_in_specs(spec) + [c.HBM, c.SEM, c.SEM],
+      out_specs=(_out_block(spec), pl.BlockSpec(memory_space=pltpu.VMEM)),
+      scratch_shapes=_scratch(spec),
     ),
-    compiler_params=_params(spec, 3),
+    compiler_params=_params(spec),
     name="ring_reducescatter_matmul",
   )(me, x, w, recv, send_sems, recv_sems)
 
 
-def done(p, recv, token, send_sems, recv_sems, *, spec: RsSpec):
-  """Waits for the last receive and the start's sends; returns ``recv``
-  (aliased), ordered after the wait."""
+def done(recv, sent, send_sems, *, spec: RsSpec):
+  """Waits for every send; returns a token nothing needs to read.
 
-  def kernel(p_ref, recv_ref, token_ref, send_sems, recv_sems, out_ref):
-    del token_ref, out_ref
-    done_kernel(recv_ref, send_sems, recv_sems, p_ref, spec=spec)
+  Reads ``recv`` and ``sent`` so XLA keeps both alive until the sends end
+  (``sent`` is what they read; peers write into ``recv``).
+  """
+
+  def kernel(recv_ref, sent_ref, send_sems, token_ref):
+    del recv_ref
+    done_kernel(sent_ref, send_sems, spec=spec)
+    token_ref[0] = jnp.int32(0)
 
   return pl.pallas_call(
     kernel,
-    out_shape=c.hbm_like(recv),
-    in_specs=[c.ANY, c.HBM, c.ANY, c.SEM, c.SEM],
-    out_specs=c.HBM,
-    input_output_aliases={1: 0},
+    out_shape=c.shape_like(recv, (1,), jnp.int32),
+    in_specs=[c.HBM, pl.BlockSpec(memory_space=pltpu.VMEM), c.SEM],
+    out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
     compiler_params=c.params(),
     name="asyncops_ring_reducescatter_done",
-  )(p, recv, token, send_sems, recv_sems)
-
-
-def finish(me, x, w, recv, *, spec: RsSpec, out_shape):
-  """Step ``n - 1``: own block plus the received partial sums."""
-  n, nb, bn = spec.n, spec.nb, spec.bn
-  cb = spec.c // bn
-  return pl.pallas_call(
-    functools.partial(finish_kernel, spec=spec),
-    out_shape=out_shape,
-    grid_spec=pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1,
-      grid=(cb,),
-      in_specs=[
-        _x_block(spec, lambda j, me: (0, 0)),
-        pl.BlockSpec((spec.k, bn), lambda j, me: (0, me[0] * cb + j)),
-        pl.BlockSpec(
-          (None, None, spec.m, bn), lambda j, me: (j // nb, n - 2, 0, j % nb)
-        ),
-      ],
-      out_specs=pl.BlockSpec((spec.m, bn), lambda j, me: (0, j)),
-    ),
-    compiler_params=_params(spec, 1),
-    name="ring_reducescatter_finish",
-  )(me, x, w, recv)
+  )(recv, sent, send_sems)
 
 
 def run(me, x, w, *, spec: RsSpec, out_shape):
-  """Step 0 (XLA), then the kernels in order; returns ``[m, c]``."""
+  """The three kernels in order; returns ``[m, c]``."""
   x = x.astype(spec.dtype)
-  p = first(me, x, w, spec=spec)
-  recv, send_sems, recv_sems = start(p, spec=spec)
-  token = p
-  if spec.n >= 3:
-    token = compute(me, x, w, recv, send_sems, recv_sems, spec=spec)
-  recv = done(p, recv, token, send_sems, recv_sems, spec=spec)
-  return finish(me, x, w, recv, spec=spec, out_shape=out_shape)
+  recv, send_sems, recv_sems = start(x, spec=spec)
+  out, sent = compute(
+    me, x, w, recv, send_sems, recv_sems, spec=spec, out_shape=out_shape
+  )
+  done(recv, sent, send_sems, spec=spec)
+  return out
 
 
 def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
-  """All five bodies in one kernel, semaphores as scratch (for Pallas's
-  TPU interpreter, which cannot return semaphores): grid ``(n, d, nb)``;
-  step 0 computes the first partial sums into an HBM buffer and runs the
-  start body, steps ``1 .. n - 2`` the compute body, step ``n - 1`` the
-  done body and then the finish body."""
-  n, nb, bn, nd = spec.n, spec.nb, spec.bn, spec.directions
-  cb = spec.c // bn
-  t = jnp.dtype(spec.dtype)
+  """The three bodies in one kernel, semaphores as scratch (for Pallas's
+  TPU interpreter, which cannot return semaphores): the start body before
+  the first grid step, the done body after the last."""
+  x = x.astype(spec.dtype)
 
-  def kernel(me_ref, x_ref, w_ref, o_ref, p_ref, recv_ref, *scratch):
-    ss, rs, part, rbuf, sbuf, csem, pbuf = scratch
+  def kernel(me_ref, x_ref, w_ref, o_ref, sent_ref, recv_ref, *scratch):
+    ss, rs, *rest = scratch
     s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    first = (s == 0) & (d == 0) & (j == 0)
+    last = (s == spec.n - 1) & (d == spec.directions - 1) & (j == spec.nb - 1)
 
-    @pl.when(s == 0)
+    @pl.when(first)
     def _():
-      y = jnp.dot(
-        x_ref[...],
-        w_ref[...].astype(x_ref.dtype),
-        preferred_element_type=spec.acc_dtype,
-        precision=jax.lax.Precision[spec.precision],
-      )
-      pbuf[d, :, cols] = y.astype(t)
+      start_kernel(spec=spec)
 
-      @pl.when((d == nd - 1) & (j == nb - 1))
-      def _():
-        pltpu.sync_copy(pbuf, p_ref)
-        start_kernel(p_ref, recv_ref, ss, rs, spec=spec)
+    compute_kernel(
+      me_ref,
+      x_ref,
+      w_ref,
+      recv_ref,
+      ss,
+      rs,
+      o_ref,
+      sent_ref,
+      *rest,
+      spec=spec,
+    )
 
-    @pl.when((s >= 1) & (s <= n - 2))
+    @pl.when(last)
     def _():
-      compute_kernel(
-        me_ref,
-        x_ref,
-        w_ref,
-        recv_ref,
-        ss,
-        rs,
-        part,
-        rbuf,
-        sbuf,
-        csem,
-        spec=spec,
-        offset=0,
-      )
-
-    @pl.when(s == n - 1)
-    def _():
-      @pl.when((d == 0) & (j == 0))
-      def _():
-        done_kernel(recv_ref, ss, rs, p_ref, spec=spec)
-
-      pltpu.sync_copy(recv_ref.at[d, n - 2, :, cols], rbuf.at[:, cols])
-      y = jnp.dot(
-        x_ref[...],
-        w_ref[...].astype(x_ref.dtype),
-        preferred_element_type=spec.acc_dtype,
-        precision=jax.lax.Precision[spec.precision],
-      )
-      o_ref[...] = (y + rbuf[:, cols].astype(y.dtype)).astype(o_ref.dtype)
-
-  def w_index(s, d, j, me_ref):
-    b = block_of(me_ref[0], _shift_of(spec, d), s, n)
-    return (0, b * cb + d * nb + j)
+      done_kernel(sent_ref, ss, spec=spec)
 
   out, _, _ = pl.pallas_call(
     kernel,
-    out_shape=(
-      out_shape,
-      c.shape_like(x, (nd, spec.m, spec.ch), t),
-      c.shape_like(x, (nd, n - 1, spec.m, spec.ch), t),
-    ),
+    out_shape=(out_shape, _sent_shape(spec), _recv_shape(x, spec)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      grid=(n, nd, nb),
-      in_specs=[
-        pl.BlockSpec((spec.m, spec.k), lambda s, d, j, me: (0, 0)),
-        pl.BlockSpec((spec.k, bn), w_index),
-      ],
+      grid=(spec.n, spec.directions, spec.nb),
+      in_specs=_in_specs(spec),
       out_specs=(
-        pl.BlockSpec(
-          (spec.m, bn),
-          lambda s, d, j, me: (0, jnp.where(s == n - 1, d * nb + j, 0)),
-        ),
-        c.ANY,
+        _out_block(spec),
+        pl.BlockSpec(memory_space=pltpu.VMEM),
         c.ANY,
       ),
-      scratch_shapes=[
-        _sem_array(spec),
-        _sem_array(spec),
-        pltpu.VMEM((spec.m, spec.ch), spec.acc_dtype),
-        pltpu.VMEM((spec.m, spec.ch), t),
-        pltpu.VMEM((2, nd, spec.m, spec.ch), t),
-        pltpu.SemaphoreType.DMA(()),
-        pltpu.VMEM((nd, spec.m, spec.ch), t),
-      ],
+      scratch_shapes=[_sem_array(spec), _sem_array(spec)] + _scratch(spec),
     ),
-    compiler_params=pltpu.CompilerParams(
-      dimension_semantics=("arbitrary",) * 3,
-      has_side_effects=True,
-      collective_id=spec.collective_id,
-    ),
+    compiler_params=_params(spec, spec.collective_id),
     interpret=interpret,
     name="ring_reducescatter_matmul_one_kernel",
   )(me, x, w)
