@@ -7,6 +7,8 @@ Variants (registered with :func:`benchmarks._variants.register`):
   directions / one), the flagship's ``A[B_X, D_Y] W[D, F_Y]``.
 - ``reducescatter:asyncops_fused`` / ``..._fused_uni``: the fused ring
   matmul-reduce-scatter.
+- ``allreduce:asyncops_fused``: the fused matmul-reduce-scatter, then XLA's
+  all-gather.
 
 Twins (:mod:`benchmarks._kernel_costs`): what each computing kernel of
 ``asyncops/kernels/_allgather_matmul.py`` and ``_reducescatter_matmul.py``
@@ -143,4 +145,9 @@ _variants.register(
   "reducescatter:asyncops_fused_uni",
   _family("reducescatter", "matmul_reducescatter", 1),
   _args("reducescatter:jit"),
+)
+_variants.register(
+  "allreduce:asyncops_fused",
+  _family("allreduce", "matmul_allreduce", 2),
+  _args("allreduce:jit"),
 )

@@ -504,8 +504,27 @@ def matmul_reducescatter(lhs, rhs, axis_name: str, *, directions: int = 2):
   )
 
 
+def matmul_allreduce(lhs, rhs, axis_name: str, *, directions: int = 2):
+  """``psum(lhs @ rhs, axis_name)``: the fused matmul-reduce-scatter, then
+  XLA's all-gather of the reduced column blocks (no matmul is left to hide
+  it behind). Columns that do not divide the axis size are padded.
+
+  Example:
+    >>> out = matmul_allreduce(a, w, "y")  # doctest: +SKIP
+  """
+  n = int(jax.lax.axis_size(axis_name))
+  f = rhs.shape[1]
+  pad = -f % n
+  if pad:
+    rhs = jnp.pad(rhs, ((0, 0), (0, pad)))
+  block = matmul_reducescatter(lhs, rhs, axis_name, directions=directions)
+  out = jax.lax.all_gather(block, axis_name, axis=1, tiled=True, to="invarying")
+  return out[:, :f] if pad else out
+
+
 __all__ = [
   "allgather_matmul",
+  "matmul_allreduce",
   "matmul_reducescatter",
   "plan_allgather",
   "plan_reducescatter",

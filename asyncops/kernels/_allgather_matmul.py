@@ -179,89 +179,82 @@ def start_kernel(x_ref, recv_ref, send_sems, recv_sems, *, spec: AgSpec):
     ).start()
 
 
-def _product(halves, w_refs, spec: AgSpec):
-  """``sum_d halves(d) @ w_refs[d]`` in the accumulator dtype."""
-  out = None
-  for d in range(spec.directions):
-    y = jnp.dot(
-      halves(d),
-      w_refs[d][...].astype(jnp.dtype(spec.dtype)),
-      preferred_element_type=spec.acc_dtype,
-      precision=jax.lax.Precision[spec.precision],
-    )
-    out = y if out is None else out + y
-  return out
-
-
 def compute_kernel(
   me_ref,
   x_ref,
-  *refs,
+  w_ref,
+  recv_ref,
+  send_sems,
+  recv_sems,
+  o_ref,
+  acc_ref,
+  xbuf,
+  copy_sems,
+  *,
   spec: AgSpec,
 ):
-  """Grid step ``(s, j)``: block ``j`` of step ``s``.
-
-  ``refs``: the ``w`` blocks, the receive buffer, the two semaphore arrays,
-  the output block, then scratch: the accumulator, the chunk double buffer
-  and its copy semaphores.
-  """
+  """Grid step ``(s, j, d)``: half ``d`` of output block ``j`` at step
+  ``s`` (the two halves of a step meet different ``w`` rows, so they are
+  two grid steps; ``w`` is one operand, read once)."""
   nd = spec.directions
-  w_refs = refs[:nd]
-  recv_ref, send_sems, recv_sems, o_ref, acc_ref, xbuf, copy_sems = refs[nd:]
   n, kh, bn, nf = spec.n, spec.kh, spec.bn, spec.nf
-  s, j = pl.program_id(0), pl.program_id(1)
+  s, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   slot = jax.lax.rem(s, 2)
   me = me_ref[0]
 
-  @pl.when((s > 0) & (j == 0))
+  @pl.when((s > 0) & (j == 0) & (d == 0))
   def _():
-    for d in range(nd):
+    for dd in range(nd):
       pltpu.make_async_copy(
-        recv_ref.at[d, 0], xbuf.at[slot, :, pl.ds(d * kh, kh)], copy_sems.at[d]
+        recv_ref.at[dd, 0],
+        xbuf.at[slot, :, pl.ds(dd * kh, kh)],
+        copy_sems.at[dd],
       ).wait()
 
   cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
+  half = pl.ds(pl.multiple_of(d * kh, kh), kh)
+  held = jnp.where(s == 0, x_ref[:, half], xbuf[slot, :, half])
+  y = jnp.dot(
+    held,
+    w_ref[...].astype(jnp.dtype(spec.dtype)),
+    preferred_element_type=spec.acc_dtype,
+    precision=jax.lax.Precision[spec.precision],
+  )
 
-  def held(d):
-    return xbuf[slot, :, d * kh : (d + 1) * kh]
-
-  @pl.when(s == 0)
+  @pl.when((s == 0) & (d == 0))
   def _():
-    acc_ref[:, cols] = _product(
-      lambda d: x_ref[:, d * kh : (d + 1) * kh], w_refs, spec
-    )
+    acc_ref[:, cols] = y
 
-  @pl.when((s > 0) & (s < n - 1))
+  @pl.when(((s > 0) | (d > 0)) & ((s < n - 1) | (d < nd - 1)))
   def _():
-    acc_ref[:, cols] += _product(held, w_refs, spec)
+    acc_ref[:, cols] += y
 
-  @pl.when(s == n - 1)
+  @pl.when((s == n - 1) & (d == nd - 1))
   def _():
-    y = acc_ref[:, cols] + _product(held, w_refs, spec)
-    o_ref[...] = y.astype(o_ref.dtype)
+    o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
 
   # Slot s holds the halves of step s + 1: wait for them, forward them (the
   # neighbour uses them as its slot s + 1, a whole step from now) unless
   # this is the last slot, and copy them into VMEM for the next step.
-  @pl.when((s < n - 1) & (j == max(nf - 2, 0)))
+  @pl.when((s < n - 1) & (j == max(nf - 2, 0)) & (d == nd - 1))
   def _():
-    for d, sh in enumerate(spec.shifts):
-      here = recv_ref.at[d, s]
-      c.wait_dma(here, recv_sems.at[d, s])
+    for dd, sh in enumerate(spec.shifts):
+      here = recv_ref.at[dd, s]
+      c.wait_dma(here, recv_sems.at[dd, s])
 
       @pl.when(s <= n - 3)
-      def _(d=d, sh=sh, here=here):
+      def _(dd=dd, sh=sh, here=here):
         pltpu.make_async_remote_copy(
           here,
-          recv_ref.at[d, s + 1],
-          send_sems.at[d, s + 1],
-          recv_sems.at[d, s + 1],
+          recv_ref.at[dd, s + 1],
+          send_sems.at[dd, s + 1],
+          recv_sems.at[dd, s + 1],
           device_id=_peer(spec, me, sh),
           device_id_type=pl.DeviceIdType.MESH,
         ).start()
 
       pltpu.make_async_copy(
-        here, xbuf.at[1 - slot, :, pl.ds(d * kh, kh)], copy_sems.at[d]
+        here, xbuf.at[1 - slot, :, pl.ds(dd * kh, kh)], copy_sems.at[dd]
       ).start()
 
 
@@ -283,34 +276,37 @@ def _recv_shape(x, spec: AgSpec):
   return c.shape_like(x, (spec.directions, spec.n - 1, spec.m, spec.kh))
 
 
-def _w_index(spec: AgSpec, d: int, shift: int):
-  """``w`` block ``[k/d, bn]`` of direction ``d``: rows of the chunk held
-  at step ``s`` (the grid's first index)."""
-
-  def index(s, j, me_ref):
-    return (_chunk(me_ref[0], shift, s, spec.n) * spec.directions + d, j)
-
-  return index
+def _shift_of(spec: AgSpec, d):
+  """The shift of direction ``d`` (a traced grid index)."""
+  if spec.directions == 1:
+    return jnp.int32(spec.shifts[0])
+  return jnp.where(d == 0, jnp.int32(1), jnp.int32(-1))
 
 
 def _in_specs(spec: AgSpec):
-  """``x`` (fetched once), then the ``w`` block of each direction."""
+  """``x`` (fetched once), then ``w``'s block ``[k/d, bn]``: rows of the
+  chunk direction ``d`` holds at step ``s``, columns of block ``j``."""
+
+  def w_index(s, j, d, me_ref):
+    chunk = _chunk(me_ref[0], _shift_of(spec, d), s, spec.n)
+    return (chunk * spec.directions + d, j)
+
   return [
     pl.BlockSpec(
-      (spec.m, spec.k), lambda s, j, me: (0, 0), pipeline_mode=pl.Buffered(1)
-    )
-  ] + [
-    pl.BlockSpec((spec.kh, spec.bn), _w_index(spec, d, sh))
-    for d, sh in enumerate(spec.shifts)
+      (spec.m, spec.k),
+      lambda s, j, d, me: (0, 0),
+      pipeline_mode=pl.Buffered(1),
+    ),
+    pl.BlockSpec((spec.kh, spec.bn), w_index),
   ]
 
 
 def _out_block(spec: AgSpec):
   # Only the last step writes the output; before it every step maps to
-  # block (0, 0), which is first written (and flushed) at (n - 1, 0).
+  # block (0, 0), which is first written (and flushed) at (n - 1, 0, d).
   n = spec.n
   return pl.BlockSpec(
-    (spec.m, spec.bn), lambda s, j, me: (0, jnp.where(s == n - 1, j, 0))
+    (spec.m, spec.bn), lambda s, j, d, me: (0, jnp.where(s == n - 1, j, 0))
   )
 
 
@@ -324,7 +320,7 @@ def _scratch(spec: AgSpec):
 
 def _params(spec: AgSpec, collective_id=None):
   return pltpu.CompilerParams(
-    dimension_semantics=("arbitrary", "arbitrary"),
+    dimension_semantics=("arbitrary",) * 3,
     has_side_effects=True,
     vmem_limit_bytes=spec.vmem_limit,
     collective_id=collective_id,
@@ -362,14 +358,14 @@ def compute(me, x, w, recv, send_sems, recv_sems, *, spec: AgSpec, out_shape):
     out_shape=out_shape,
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      grid=(spec.n, spec.nf),
+      grid=(spec.n, spec.nf, spec.directions),
       in_specs=_in_specs(spec) + [c.HBM, c.SEM, c.SEM],
       out_specs=_out_block(spec),
       scratch_shapes=_scratch(spec),
     ),
     compiler_params=_params(spec),
     name="ring_allgather_matmul",
-  )(me, x, *([w] * spec.directions), recv, send_sems, recv_sems)
+  )(me, x, w, recv, send_sems, recv_sems)
 
 
 def done(x, recv, out, send_sems, *, spec: AgSpec):
@@ -415,20 +411,18 @@ def one_kernel(me, x, w, *, spec: AgSpec, out_shape, interpret=None):
   """
   nd = spec.directions
 
-  def kernel(me_ref, x_ref, *refs):
-    w_refs = refs[:nd]
-    x_any, o_ref, recv_ref, ss, rs, *scratch = refs[nd:]
-    s, j = pl.program_id(0), pl.program_id(1)
+  def kernel(me_ref, x_ref, w_ref, x_any, o_ref, recv_ref, ss, rs, *scratch):
+    s, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-    @pl.when((s == 0) & (j == 0))
+    @pl.when((s == 0) & (j == 0) & (d == 0))
     def _():
       start_kernel(x_any, recv_ref, ss, rs, spec=spec)
 
     compute_kernel(
-      me_ref, x_ref, *w_refs, recv_ref, ss, rs, o_ref, *scratch, spec=spec
+      me_ref, x_ref, w_ref, recv_ref, ss, rs, o_ref, *scratch, spec=spec
     )
 
-    @pl.when((s == spec.n - 1) & (j == spec.nf - 1))
+    @pl.when((s == spec.n - 1) & (j == spec.nf - 1) & (d == nd - 1))
     def _():
       done_kernel(recv_ref, ss, spec=spec)
 
@@ -437,7 +431,7 @@ def one_kernel(me, x, w, *, spec: AgSpec, out_shape, interpret=None):
     out_shape=(out_shape, _recv_shape(x, spec)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      grid=(spec.n, spec.nf),
+      grid=(spec.n, spec.nf, nd),
       in_specs=_in_specs(spec) + [c.ANY],
       out_specs=(_out_block(spec), c.ANY),
       scratch_shapes=[_sem_array(spec), _sem_array(spec)] + _scratch(spec),
@@ -445,5 +439,5 @@ def one_kernel(me, x, w, *, spec: AgSpec, out_shape, interpret=None):
     compiler_params=_params(spec, spec.collective_id),
     interpret=interpret,
     name="ring_allgather_matmul_one_kernel",
-  )(me, x, *([w] * nd), x)
+  )(me, x, w, x)
   return out
