@@ -34,6 +34,7 @@ __all__ = [
   "user_frame",
   "tpu_generation",
   "tpu_device_kind",
+  "trace_device_kind",
 ]
 
 # Source attribution. JAX records, for every equation, the innermost frame
@@ -408,3 +409,14 @@ def tpu_device_kind() -> str | None:
   buffers need the chip, not only the generation (v5e and v5p differ).
   """
   return _device_kind.get()
+
+
+def trace_device_kind() -> str | None:
+  """The device kind of the mesh being traced over (inside ``shard_map``),
+  e.g. ``"TPU v5 lite"``; None when the abstract mesh names no device.
+
+  ``AbstractMesh.abstract_device`` is public but only set when the mesh was
+  built from concrete devices (it is for ahead-of-time TPU topologies).
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "device_kind", None)

@@ -85,10 +85,11 @@ _kernel_costs.register("ring_reducescatter_matmul", _rs_twin)
 # Variants ------------------------------------------------------------------
 
 
-def _fused(name: str, **kw):
-  from asyncops.collective_matmul import _fused  # noqa: PLC0415
+def _fused(name: str, module: str = "_fused", **kw):
+  import importlib  # noqa: PLC0415
 
-  fn = getattr(_fused, name)
+  mod = importlib.import_module(f"asyncops.collective_matmul.{module}")
+  fn = getattr(mod, name)
 
   def body(*args, precision=None):
     with jax.default_matmul_precision(precision or "default"):
@@ -97,11 +98,9 @@ def _fused(name: str, **kw):
   return body
 
 
-def _flagship(directions):
+def _flagship(**kw):
   def build(mesh, precision):
-    f = functools.partial(
-      _fused("allgather_matmul", directions=directions), precision=precision
-    )
+    f = functools.partial(_fused("allgather_matmul", **kw), precision=precision)
     return jax.jit(
       jax.shard_map(
         f,
@@ -114,13 +113,11 @@ def _flagship(directions):
   return build
 
 
-def _family(family, library, directions):
+def _family(family, library, **kw):
   fam = _variants.FAMILIES[family]
 
   def build(mesh, precision):
-    f = functools.partial(
-      _fused(library, directions=directions), precision=precision
-    )
+    f = functools.partial(_fused(library, **kw), precision=precision)
     return jax.jit(
       jax.shard_map(f, mesh=mesh, in_specs=fam.in_specs, out_specs=fam.out_spec)
     )
@@ -134,20 +131,41 @@ def _args(as_name):
   )
 
 
-_variants.register("allgather_matmul_fused", _flagship(2), _args("jit"))
-_variants.register("allgather_matmul_fused_uni", _flagship(1), _args("jit"))
+_variants.register(
+  "allgather_matmul_fused", _flagship(directions=2), _args("jit")
+)
+_variants.register(
+  "allgather_matmul_fused_uni", _flagship(directions=1), _args("jit")
+)
 _variants.register(
   "reducescatter:asyncops_fused",
-  _family("reducescatter", "matmul_reducescatter", 2),
+  _family("reducescatter", "matmul_reducescatter", directions=2),
   _args("reducescatter:jit"),
 )
 _variants.register(
   "reducescatter:asyncops_fused_uni",
-  _family("reducescatter", "matmul_reducescatter", 1),
+  _family("reducescatter", "matmul_reducescatter", directions=1),
   _args("reducescatter:jit"),
 )
 _variants.register(
   "allreduce:asyncops_fused",
-  _family("allreduce", "matmul_allreduce", 2),
+  _family("allreduce", "matmul_allreduce", directions=2),
   _args("allreduce:jit"),
 )
+
+# method="auto" (until the public functions take method=, these rows run
+# asyncops.collective_matmul._auto directly).
+_variants.register(
+  "allgather_matmul_auto",
+  _flagship(module="_auto", method="auto"),
+  _args("jit"),
+)
+for _fam, _lib in (
+  ("reducescatter", "matmul_reducescatter"),
+  ("allreduce", "matmul_allreduce"),
+):
+  _variants.register(
+    f"{_fam}:asyncops_auto",
+    _family(_fam, _lib, module="_auto", method="auto"),
+    _args(f"{_fam}:jit"),
+  )

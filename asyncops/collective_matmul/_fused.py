@@ -522,7 +522,26 @@ def matmul_allreduce(lhs, rhs, axis_name: str, *, directions: int = 2):
   return out[:, :f] if pad else out
 
 
+def rs_supported(
+  m: int, k: int, c: int, n: int, dtype, directions: int, device_kind=None
+):
+  """``None`` if the fused matmul-reduce-scatter can run, else the reason."""
+  plan = plan_reducescatter(
+    m,
+    k,
+    c,
+    n,
+    dtype,
+    dtype,
+    directions=directions,
+    precision=precision_name(),
+    device_kind=device_kind,
+  )
+  return None if plan.spec is not None else plan.reason
+
+
 __all__ = [
+  "rs_supported",
   "allgather_matmul",
   "matmul_allreduce",
   "matmul_reducescatter",
