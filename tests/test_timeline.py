@@ -451,8 +451,12 @@ def test_unreadable_replica_groups_name_the_fix():
 
 
 def test_mesh_replica_groups_on_real_hlo():
-  """Windowed einsum off: XLA prints the all-gather's groups as mesh axes.
-  The model routes it like the default compile's iota groups."""
+  """Windowed einsum off: the all-gather's groups on real HLO.
+
+  Newer libtpu prints them as mesh axes (`replica_groups=mesh[...]`), older
+  ones (jax 0.9.0's) as iota or explicit lists; the model routes every form
+  to the same two squares (the mesh form alone is parsed in the synthetic
+  tests above)."""
   shape = (256, 512, 2048)
   off, mesh = _compile(
     "v5e:2x4",
@@ -462,7 +466,7 @@ def test_mesh_replica_groups_on_real_hlo():
     jnp.bfloat16,
     xla_tpu_enable_windowed_einsum_for_all_gather=False,
   )
-  assert "replica_groups=mesh[" in off
+  assert "replica_groups=" in off
   tl = _sim(off, mesh)
   (ag,) = [e for e in tl.events if e.kind == "collective"]
   # Each device gathers 3 shards of [128, 128] bf16 over its 2x2 square.

@@ -192,9 +192,10 @@ allgather_matmul_p = jc.Primitive("asyncops_fused_allgather_matmul")
 
 @allgather_matmul_p.def_abstract_eval
 def _ag_abstract(x, w, **params):
-  out = _common.shape_joint((x.shape[0], w.shape[1]), params["out_dtype"], x, w)
   return x.update(
-    shape=out.shape, dtype=out.dtype, manual_axis_type=out.manual_axis_type
+    shape=(x.shape[0], w.shape[1]),
+    dtype=jnp.dtype(params["out_dtype"]),
+    **jc.joint_manual_axes_kwargs([x, w]),
   )
 
 
@@ -405,9 +406,10 @@ reducescatter_matmul_p = jc.Primitive("asyncops_fused_reducescatter_matmul")
 @reducescatter_matmul_p.def_abstract_eval
 def _rs_abstract(x, w, **params):
   cols = w.shape[1] // params["n"]
-  out = _common.shape_joint((x.shape[0], cols), params["out_dtype"], x, w)
   return x.update(
-    shape=out.shape, dtype=out.dtype, manual_axis_type=out.manual_axis_type
+    shape=(x.shape[0], cols),
+    dtype=jnp.dtype(params["out_dtype"]),
+    **jc.joint_manual_axes_kwargs([x, w]),
   )
 
 

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from asyncops import _jax_compat as jc
+
 # Dtypes a TPU DMA moves as-is. 64-bit and boolean types are not DMA-able.
 MOVABLE_DTYPES = (
   "float32",
@@ -130,21 +132,17 @@ def wait_dma(ref, sem) -> None:
   pltpu.make_async_copy(ref, ref, sem).wait()
 
 
-ANY = pl.BlockSpec(memory_space=pl.ANY)
+ANY = pl.BlockSpec(memory_space=jc.ANY)
 # Buffers that must stay in HBM (XLA would otherwise move small ones to VMEM
 # and copy them back).
-HBM = pl.BlockSpec(memory_space=pltpu.HBM)
-SEM = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+HBM = pl.BlockSpec(memory_space=jc.HBM)
+SEM = pl.BlockSpec(memory_space=jc.SEMAPHORE)
 DMA = pltpu.SemaphoreType.DMA(())
 
 
 def params(*, collective_id: int | None = None) -> pltpu.CompilerParams:
   """Compiler params: kernels are never dead code, they move data."""
-  if collective_id is None:
-    return pltpu.CompilerParams(has_side_effects=True)
-  return pltpu.CompilerParams(
-    collective_id=collective_id, has_side_effects=True
-  )
+  return jc.tpu_compiler_params(collective_id=collective_id)
 
 
 def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
@@ -153,27 +151,23 @@ def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(
     aval.shape if shape is None else tuple(shape),
     aval.dtype if dtype is None else dtype,
-    manual_axis_type=aval.manual_axis_type,
+    **jc.manual_axes_kwargs(aval),
   )
 
 
 def shape_joint(shape, dtype, *xs) -> jax.ShapeDtypeStruct:
   """An output shape that varies over every manual axis any of ``xs`` does
   (a matmul's result varies wherever either operand does)."""
-  mats = [
-    (x if hasattr(x, "manual_axis_type") else jax.typeof(x)).manual_axis_type
-    for x in xs
+  avals = [
+    x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x) for x in xs
   ]
-  first = mats[0]
-  varying = frozenset().union(*(m.varying for m in mats))
-  joint = type(first)(
-    varying=varying, unreduced=first.unreduced, reduced=first.reduced
+  return jax.ShapeDtypeStruct(
+    tuple(shape), dtype, **jc.joint_manual_axes_kwargs(avals)
   )
-  return jax.ShapeDtypeStruct(tuple(shape), dtype, manual_axis_type=joint)
 
 
 def hbm_like(x):
   """An output shape pinned to HBM (a kernel's DMAs and the next kernel
   address it there; XLA would otherwise keep a small one in VMEM and copy
   it out at the end)."""
-  return pltpu.HBM(tuple(x.shape), x.dtype)
+  return jc.HBM(tuple(x.shape), x.dtype)
