@@ -108,6 +108,40 @@ def tpu_compiler_params(
   )
 
 
+def half_dma_problem(shape: Sequence[int], dtype: Any) -> str | None:
+  """Why Mosaic cannot DMA the halves ``x[:h]``, ``x[h:]`` (``h`` = half
+  of axis 0) of an array of ``shape`` and ``dtype`` (None: it can).
+
+  Measured on AOT TPU compiles (v5e) of a bidirectional transfer:
+  - jax 0.10: a 1-D half must start on a 128-element tile and span a
+    multiple of 512 bytes ("contiguous inner slice ... divisible by 512
+    bytes"); 2-D halves of any row count compile.
+  - jax 0.9: a 1-D array of 2048 or more elements is tiled by 1024 (a
+    shorter one by its own padded length, so its halves never align):
+    halves must be multiples of 1024 elements; a 2-D half must span whole
+    128-lane tiles (its last dimension a multiple of 128).
+  """
+  if not shape:
+    return None
+  h = shape[0] // 2
+  itemsize = jax.numpy.dtype(dtype).itemsize
+  if len(shape) == 1:
+    if JAX_VERSION < (0, 10):
+      if h % 1024:
+        return f"a 1-D half of {h} elements is not a multiple of 1024"
+      return None
+    if h % 128 or (h * itemsize) % 512:
+      unit = max(128, 512 // itemsize)
+      return (
+        f"a 1-D half of {h} elements is not a multiple of {unit} "
+        f"({itemsize}-byte elements: 128-element tiles, 512-byte DMAs)"
+      )
+    return None
+  if len(shape) == 2 and JAX_VERSION < (0, 10) and shape[1] % 128:
+    return f"the last dimension {shape[1]} is not a multiple of 128 lanes"
+  return None
+
+
 def manual_axes_kwargs(aval: Any) -> dict[str, Any]:
   """``ShapeDtypeStruct`` keywords carrying ``aval``'s varying manual axes."""
   if hasattr(aval, "manual_axis_type"):  # jax >= 0.10

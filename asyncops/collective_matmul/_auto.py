@@ -199,19 +199,25 @@ def explain_allreduce(
   m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
 ) -> Choice:
   """The choice for ``psum(x [m, k] @ w [k, f])``: the fused reduce-scatter
-  plus XLA's all-gather, against XLA's all-reduce (both move the blocks
-  twice around the ring; only the first half can hide under the matmul)."""
+  plus XLA's all-gather, against XLA's all-reduce.
+
+  Both move the blocks twice around the ring, and only the first half can
+  hide under the matmul. XLA's all-reduce is one collective over both ring
+  directions; the all-gather after the fused reduce-scatter is a separate
+  collective XLA runs over one direction (its plain all-gather of the
+  result), so its half costs twice the link time.
+  """
   c = -(-f // n)
   rs = explain_reducescatter(
     m, k, c, n, dtype, precision=precision, device_kind=device_kind
   )
   chip = chip_for(device_kind)
   t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
-  gather = (n - 1) * (m * c * t / (2 * chip.link) + _HOP_S)
-  xla = rs.xla_us * 1e-6 + gather
+  half = m * c * t / chip.link
+  xla = rs.xla_us * 1e-6 + (n - 1) * (half / 2 + _HOP_S)
   if rs.fused_us is None:
     return dataclasses.replace(rs, xla_us=xla * 1e6)
-  fused = rs.fused_us * 1e-6 + gather
+  fused = rs.fused_us * 1e-6 + _XLA_OVERHEAD_S + (n - 1) * (half + _HOP_S)
   compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
   hbm = k * n * c * jnp.dtype(dtype).itemsize / chip.hbm
   return _decide(None, fused, xla, compute, hbm, chip)
