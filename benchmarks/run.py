@@ -598,6 +598,15 @@ def main(argv=None) -> int:
         f"--families: unknown family {fam!r}; choose from allgather, "
         f"{', '.join(_variants.FAMILIES)}"
       )
+  known = set(_variants.available()) | set(_variants.library_ref())
+  for fam in _variants.FAMILIES:
+    known |= set(_variants.family_variants(fam, ref=True))
+  for v in (v for v in a.variants.split(",") if v):
+    if v not in known:
+      p.error(
+        f"--variants: unknown variant {v!r}; choose from "
+        f"{', '.join(sorted(known))}"
+      )
   for topo in a.topology.split(","):
     try:
       _chips.chip_for(topo)

@@ -164,11 +164,21 @@ def test_bench_json_rows_and_xla_best(tmp_path, monkeypatch):
     )
 
 
-def test_bench_usage_errors_exit_2(capsys):
+@pytest.mark.parametrize(
+  "argv, flag",
+  [
+    (["--shape", "1,2"], "--shape"),
+    (["--variants", "ppermute,nope"], "unknown variant 'nope'"),
+    (["--families", "gather"], "--families"),
+  ],
+)
+def test_bench_usage_errors_exit_2(capsys, argv, flag):
   with pytest.raises(SystemExit) as e:
-    bench_run.main(["--shape", "1,2"])
+    bench_run.main(argv)
   assert e.value.code == 2
-  assert "--shape" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert flag in err
+  assert "Traceback" not in err
 
 
 def test_collective_without_link_time_is_flagged():
