@@ -4,7 +4,9 @@ Variants (registered with :func:`benchmarks._variants.register`):
 
 - ``allgather_matmul_fused`` / ``allgather_matmul_fused_uni``:
   ``asyncops.collective_matmul``'s fused ring all-gather matmul (two ring
-  directions / one), the flagship's ``A[B_X, D_Y] W[D, F_Y]``.
+  directions / one), the flagship's ``A[B_X, D_Y] W[D, F_Y]``;
+  ``allgather_matmul_fused_int8``: its chunks travel as int8 with per-row
+  scales (the result is the dequantized chunks' product).
 - ``reducescatter:asyncops_fused`` / ``..._fused_uni``: the fused ring
   matmul-reduce-scatter.
 - ``allreduce:asyncops_fused``: the fused matmul-reduce-scatter, then XLA's
@@ -46,6 +48,10 @@ def _acc(dtype):
 
 
 def _matmul_cast(x, w, out_dtype):
+  if jnp.dtype(x.dtype) == jnp.int8 and jnp.issubdtype(w.dtype, jnp.floating):
+    # Quantized chunks: the kernel multiplies the int8 codes as bf16 and
+    # scales the rows (one multiply per output element, negligible).
+    x = x.astype(jnp.bfloat16)
   return jnp.dot(
     x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype)
   ).astype(out_dtype)
@@ -136,6 +142,11 @@ _variants.register(
 )
 _variants.register(
   "allgather_matmul_fused_uni", _flagship(directions=1), _args("jit")
+)
+_variants.register(
+  "allgather_matmul_fused_int8",
+  _flagship(directions=2, transfer="int8"),
+  _args("jit"),
 )
 _variants.register(
   "reducescatter:asyncops_fused",

@@ -276,3 +276,98 @@ def test_plan_refuses_types_without_an_mxu_path():
     device_kind="TPU v5 lite",
   )
   assert plan.spec is None and "int32" in plan.reason
+
+
+@pytest.mark.parametrize(
+  "mesh_shape,directions,w_dtype",
+  [((1, 4), 2, "float32"), ((2, 3), 1, "bfloat16")],
+)
+def test_allgather_int8_transfer_kernel_bodies(
+  mesh_shape, directions, w_dtype, capfd
+):
+  """int8 chunks with per-row, per-half scales: the kernel's product equals
+  the dequantize-then-matmul reference."""
+  x_n, n = mesh_shape
+  rng = np.random.default_rng(4)
+  a = jnp.asarray(rng.normal(size=(16 * x_n, n * 256)), jnp.float32)
+  a = a.at[3].set(0.0)  # an all-zero row: scale 1, codes 0
+  w = _ints((n * 256, n * 128 * 2), w_dtype, 5)
+
+  def body(x, y):
+    spec = agk.AgSpec(
+      "y",
+      ("x", "y"),
+      n,
+      x.shape[0],
+      x.shape[1],
+      y.shape[1],
+      "int8",
+      w_dtype,
+      "float32",
+      directions=directions,
+      bn=128,
+      collective_id=0,
+      quantized=True,
+    )
+    q, scales = _fused.quantize(x, directions)
+    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+    out = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.float32)
+    return agk.one_kernel(
+      me, q, y, spec=spec, out_shape=out, interpret=_interpret(), scales=scales
+    )
+
+  def reference(x, y):
+    deq = _fused.dequantize(*_fused.quantize(x, directions))
+    g = jax.lax.all_gather(deq, "y", axis=1, tiled=True)
+    return jnp.dot(
+      g, y.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+
+  mesh = _mesh(mesh_shape)
+  args = (
+    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
+    jax.device_put(w, NamedSharding(mesh, P(None, "y"))),
+  )
+
+  def run(fn):
+    return jax.jit(
+      jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(P("x", "y"), P(None, "y")),
+        out_specs=P("x", "y"),
+        check_vma=False,
+      )
+    )(*args)
+
+  got, want = np.asarray(run(body)), np.asarray(run(reference))
+  # Equal up to float32 summation order (|terms| <= 12, 256 n of them); the
+  # quantization error is orders of magnitude larger.
+  atol = 1e-3
+  np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+  exact = np.asarray(jnp.dot(a, w.astype(jnp.float32), precision="highest"))
+  assert np.abs(got - exact).max() > 10 * atol  # int8 is not the exact product
+  np.testing.assert_allclose(
+    got, exact, rtol=0, atol=0.02 * np.abs(exact).max()
+  )
+  _check_interpreter_output(capfd)
+
+
+def test_quantize_round_trip():
+  x = jnp.asarray(np.random.default_rng(6).normal(size=(8, 512)), jnp.float32)
+  x = x.at[2].set(0.0)
+  q, scales = _fused.quantize(x, 2)
+  assert q.dtype == jnp.int8 and scales.shape == (2, 8, agk.SCALE_LANES)
+  back = _fused.dequantize(q, scales)
+  # Within half a code of each half-row's largest magnitude / 127.
+  top = jnp.max(jnp.abs(x.reshape(8, 2, 256)), axis=2)
+  err = jnp.abs(back - x).reshape(8, 2, 256).max(axis=2)
+  assert bool(jnp.all(err <= top / 254 + 1e-6))
+  assert bool(jnp.all(back[2] == 0))
+
+
+def test_transfer_argument_is_checked():
+  with pytest.raises(ValueError, match="transfer must be 'native' or 'int8'"):
+    _fused.allgather_matmul(
+      jnp.ones((8, 8)), jnp.ones((8, 8)), "y", transfer="fp8"
+    )

@@ -127,6 +127,30 @@ def test_allgather_float32_travels_as_bf16_at_default_precision():
   assert start.leaves[0].dtype == "f32"
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_allgather_int8_transfers(topology, dtype):
+  """``transfer="int8"``: the chunk halves travel as int8 and their per-row
+  scales as float32 lane tiles, on the same semaphores; nothing is copied."""
+
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y", transfer="int8")
+
+  text = _compile(*_allgather(topology, f, dtype=dtype))
+  assert _entry_order(text) == [
+    "asyncops_ring_allgather_start",
+    "ring_allgather_matmul",
+    "asyncops_ring_allgather_done",
+  ]
+  (start,) = _calls(text, "asyncops_ring_allgather_start")
+  m, k = B // 2, D // 4
+  codes, scales = start.leaves[:2]
+  assert (codes.dtype, codes.dims) == ("s8", (2, 3, m, k // 2))
+  assert (scales.dtype, scales.dims) == ("f32", (2, 3, m, 128))
+  report = analyze(text)
+  assert not report.defensive_copies, report.defensive_copies
+
+
 def test_allgather_one_direction():
   def f(a, w):
     return _fused.allgather_matmul(a, w, "y", directions=1)

@@ -44,7 +44,7 @@ _VMEM_BYTES = {
   5: 128 * 2**20,  # v5e; v5p has 64 MiB, see _vmem_capacity
   6: 128 * 2**20,
 }
-_VMEM_SHARE = 0.6
+_VMEM_SHARE = 0.8
 _W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
 
 
@@ -126,13 +126,16 @@ def plan_allgather(
   axis_name: str = "",
   mesh_axes: tuple[str, ...] = (),
   collective_id: int | None = None,
+  quantized: bool = False,
 ) -> AgPlan:
   """Block size, directions and panels for ``[m, k] @ [n k, f]``.
 
   Returns a plan with ``spec=None`` and a ``reason`` when the fused kernel
   cannot run this shape (the caller falls back).
   """
-  t = transfer_dtype(dtype, precision)
+  if quantized and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    return AgPlan(None, 0, "int8 transfers quantize floating inputs only")
+  t = "int8" if quantized else transfer_dtype(dtype, precision)
   if jnp.dtype(t) not in (
     jnp.dtype(jnp.bfloat16),
     jnp.dtype(jnp.float32),
@@ -165,6 +168,7 @@ def plan_allgather(
       bn=bn,
       precision=precision,
       collective_id=collective_id,
+      quantized=quantized,
     )
     need = agk.vmem_bytes(s)
     limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
@@ -199,8 +203,50 @@ def _ag_abstract(x, w, **params):
   )
 
 
-def _ag_reference(x, w, *, axis_name, out_dtype, precision, **_):
-  """Every platform but TPU: ``all_gather(x) @ w`` with ``jnp.dot``."""
+def quantize(x, directions: int):
+  """int8 codes and per-row scales of each half of ``x``'s columns.
+
+  Returns:
+    ``(q [m, k] int8, scales [d, m, 128] float32)``: for half ``c``,
+    ``x[:, half c] ~ q[:, half c] * scales[c, :, 0:1]``, the scale being
+    the row's largest magnitude over 127 (1 for an all-zero row). Halves
+    are static column slices (a ``[m, d, k/d]`` reshape gives XLA a
+    2-sublane layout it copies).
+  """
+  m, k = x.shape
+  kh = k // directions
+  codes, scales = [], []
+  for c in range(directions):
+    half = x[:, c * kh : (c + 1) * kh].astype(jnp.float32)
+    top = jnp.max(jnp.abs(half), axis=1)
+    scale = jnp.where(top > 0, top / 127, 1.0)
+    q = jnp.clip(jnp.round(half * (1 / scale)[:, None]), -127, 127)
+    codes.append(q.astype(jnp.int8))
+    scales.append(jnp.broadcast_to(scale[:, None], (m, agk.SCALE_LANES)))
+  q = codes[0] if directions == 1 else jnp.concatenate(codes, axis=1)
+  return q, jnp.stack(scales)
+
+
+def dequantize(q, scales):
+  """``q * scale`` per row and half, float32 (the inverse of
+  :func:`quantize` up to rounding)."""
+  directions = scales.shape[0]
+  kh = q.shape[1] // directions
+  halves = [
+    q[:, c * kh : (c + 1) * kh].astype(jnp.float32) * scales[c, :, :1]
+    for c in range(directions)
+  ]
+  return halves[0] if directions == 1 else jnp.concatenate(halves, axis=1)
+
+
+def _ag_reference(x, w, *, axis_name, out_dtype, precision, **params):
+  """Every platform but TPU: ``all_gather(x) @ w`` with ``jnp.dot`` (for
+  int8 transfers, of the dequantized chunks)."""
+  if params.get("quantized"):
+    x = dequantize(*quantize(x, params["directions"]))
+    g = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    y = jnp.dot(g, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype)
   g = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
   acc = jnp.int32 if jnp.dtype(x.dtype) == jnp.int8 else None
   y = jnp.dot(
@@ -220,6 +266,7 @@ def _ag_tpu(
   out_dtype,
   precision,
   collective_id,
+  quantized=False,
 ):
   m, k = x.shape
   plan = plan_allgather(
@@ -236,23 +283,31 @@ def _ag_tpu(
     axis_name=axis_name,
     mesh_axes=mesh_axes,
     collective_id=collective_id,
+    quantized=quantized,
   )
   if plan.spec is None:
     raise ValueError(f"allgather_matmul(method='fused'): {plan.reason}")
   spec = plan.spec
+  scales = None
+  if quantized:
+    x, scales = quantize(x, spec.directions)
   x = x.astype(spec.dtype)
   me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
   outs = []
   for p in range(plan.panels):
-    xp = x[p * spec.m : (p + 1) * spec.m] if plan.panels > 1 else x
+    rows = slice(p * spec.m, (p + 1) * spec.m)
+    xp = x[rows] if plan.panels > 1 else x
+    sp = None if scales is None else scales[:, rows]
     with jax.named_scope(f"panel{p}"):
       shape = _common.shape_joint((spec.m, spec.f), jnp.dtype(out_dtype), xp, w)
-      outs.append(agk.run(me, xp, w, spec=spec, out_shape=shape))
+      outs.append(agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
 
 
 def _assign_id(scope, params):
   pattern = ("ring_matmul", params["axis_name"], params["directions"])
+  # Every fused ring kernel barriers with the same neighbours, so one id
+  # per (axis, directions) is enough; they never run concurrently.
   cid = _common.collective_id(scope, pattern)
   return {**params, "collective_id": cid}
 
@@ -267,7 +322,9 @@ jc.register_lowering(
 )
 
 
-def allgather_matmul(lhs, rhs, axis_name: str, *, directions: int = 2):
+def allgather_matmul(
+  lhs, rhs, axis_name: str, *, directions: int = 2, transfer: str = "native"
+):
   """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
 
   Args:
@@ -275,6 +332,12 @@ def allgather_matmul(lhs, rhs, axis_name: str, *, directions: int = 2):
     rhs: ``[n k, f]``.
     axis_name: the ring's mesh axis (size ``n >= 2``).
     directions: 2 (halves of each chunk travel both ways) or 1.
+    transfer: ``"native"`` (chunks travel in their dtype; float32 at
+      DEFAULT precision as bfloat16) or ``"int8"``: each half of each row
+      of a chunk travels as int8 codes with one float32 scale (its largest
+      magnitude / 127), a quarter of float32's bytes and half of
+      bfloat16's. The result then equals ``all_gather(dequantize(
+      quantize(lhs))) @ rhs``, not the exact product.
 
   Returns:
     ``[m, f]`` in ``lhs.dtype``.
@@ -282,6 +345,7 @@ def allgather_matmul(lhs, rhs, axis_name: str, *, directions: int = 2):
   Example:
     >>> out = allgather_matmul(a, w, "y")  # doctest: +SKIP
   """
+  quantized = _transfer(transfer)
   n = int(jax.lax.axis_size(axis_name))
   mesh = jax.sharding.get_abstract_mesh()
   return allgather_matmul_p.bind(
@@ -294,7 +358,18 @@ def allgather_matmul(lhs, rhs, axis_name: str, *, directions: int = 2):
     out_dtype=jnp.dtype(lhs.dtype).name,
     precision=precision_name(),
     collective_id=None,
+    quantized=quantized,
   )
+
+
+def _transfer(transfer) -> bool:
+  if transfer not in ("native", "int8"):
+    raise ValueError(
+      f"allgather_matmul: transfer must be 'native' or 'int8', got "
+      f"{transfer!r} ('int8': chunks travel as int8 with per-row "
+      "scales)."
+    )
+  return transfer == "int8"
 
 
 def ag_supported(
