@@ -48,9 +48,10 @@ Quantized transfers (``AgSpec.quantized``): ``x`` arrives as int8 codes
 with one float32 scale per row and half (``[d, m, 128]``, the scale
 broadcast over a lane tile so it moves as one DMA block). Each half's
 scales travel beside it on the same semaphores (a semaphore counts bytes:
-the codes and the scales are each waited for by their own size); the codes meet the MXU as bfloat16 (exact for
-int8) and each step's product is scaled per row before it is accumulated:
-the result is ``all_gather(dequantize(quantize(x))) @ w``.
+the codes and the scales are each waited for by their own size); the
+codes meet the MXU as bfloat16 (exact for int8) and each step's product is
+scaled per row before it is accumulated: the result is
+``all_gather(dequantize(quantize(x))) @ w``.
 
 Limits. ``k / d`` a multiple of 128; ``f`` divisible by ``bn``; the
 accumulator ``[m, f]`` (float32; int32 for int8), two ``[m, k]`` chunk
