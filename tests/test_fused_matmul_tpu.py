@@ -234,6 +234,44 @@ def test_auto_picks_xla_at_decode_and_fused_at_prefill():
   assert "method_fused" in prefill
 
 
+def test_reducescatter_sent_partial_sums_stay_small():
+  """The sent partial sums are a VMEM output the done reads in VMEM; 29 MiB
+  of them (m 4096, tp 8) did not compile, so the plan adds panels."""
+  plan = _fused.plan_reducescatter(
+    4096,
+    3584,
+    1024,
+    8,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    directions=2,
+    precision="DEFAULT",
+    device_kind="TPU v5 lite",
+  )
+  s = plan.spec
+  assert plan.panels > 1
+  assert (s.n - 1) * s.directions * s.m * s.ch * 2 <= 8 * 2**20
+
+  mesh = tpu_mesh("v5e:2x4", (1, 8), ("x", "y"))
+  f = jax.jit(
+    jax.shard_map(
+      functools.partial(_fused.matmul_reducescatter, axis_name="y"),
+      mesh=mesh,
+      in_specs=(P("x", "y"), P("y", None)),
+      out_specs=P("x", "y"),
+    )
+  )
+  text = _compile(
+    f,
+    (
+      _sds(mesh, (4096, 28672), P("x", "y"), jnp.bfloat16),
+      _sds(mesh, (28672, 8192), P("y", None), jnp.bfloat16),
+    ),
+  )
+  assert len(_calls(text, "asyncops_ring_reducescatter_done")) == plan.panels
+  assert not analyze(text).defensive_copies
+
+
 def test_auto_per_family_at_decode_and_for_all_reduce():
   """Decode rows (Llama-3-70B MLP shard, tp 8): the all-gather keeps XLA
   (HBM-bound), the reduce-scatter takes the fused kernel (XLA's

@@ -46,6 +46,12 @@ _VMEM_BYTES = {
 }
 _VMEM_SHARE = 0.8
 _W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
+# The reduce-scatter's sent partial sums are a VMEM output that must stay
+# resident until the done (the remote DMAs read it). The done takes it in
+# VMEM within its default scoped limit (16 MiB on v5e); a larger buffer
+# failed to compile (v5e, m 4096, tp 8: 29 MiB, "CompileTimeScopedVmemOom"),
+# so rows are split into more panels instead.
+_SENT_BYTES = 8 * 2**20
 
 
 def vmem_capacity(device_kind: str | None) -> int:
@@ -467,7 +473,8 @@ def plan_reducescatter(
       collective_id=collective_id,
     )
     need = rsk.vmem_bytes(spec)
-    if need <= budget:
+    sent = (n - 1) * directions * rows * ch * jnp.dtype(t).itemsize
+    if need <= budget and sent <= _SENT_BYTES:
       limit = min(int(cap * 0.9), need + need // 4 + 2**22)
       return RsPlan(dataclasses.replace(spec, vmem_limit=limit), panels)
     if rows <= sub:
