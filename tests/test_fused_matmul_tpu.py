@@ -283,6 +283,8 @@ def test_auto_per_family_at_decode_and_for_all_reduce():
   rs = _auto.explain_reducescatter(16, 3584, 1024, 8, jnp.bfloat16, **kw)
   assert rs.method == "fused" and "partial sums" in rs.reason
   assert rs.fused_us < rs.xla_us
+  long = _auto.explain_allgather(16384, 1024, 3584, 8, jnp.bfloat16, **kw)
+  assert long.method == "xla" and "panels" in long.reason
   for dtype in (jnp.bfloat16, jnp.float32):
     ar = _auto.explain_allreduce(512, 512, 8192, 4, dtype, **kw)
     assert ar.method == "xla" and ar.fused_us > ar.xla_us

@@ -86,6 +86,7 @@ _HOP_S = 1e-6
 _FUSED_OVERHEAD_S = 1.5e-6  # the start's barrier and issue, the done
 _XLA_OVERHEAD_S = 1e-6
 _MARGIN = 0.97
+_MAX_AG_PANELS = 2
 
 
 def chip_for(device_kind: str | None) -> Chip:
@@ -191,6 +192,26 @@ def explain_allgather(
   fused = _FUSED_OVERHEAD_S + max(compute, hbm, ring + compute / n)
   xla = _XLA_OVERHEAD_S + ring + max(compute, hbm)
   reason = _fused.ag_supported(m, k, f, n, dtype, 2, device_kind)
+  if reason is None:
+    panels = _fused.plan_allgather(
+      m,
+      k,
+      f,
+      n,
+      dtype,
+      dtype,
+      dtype,
+      directions=2,
+      precision=precision,
+      device_kind=device_kind,
+    ).panels
+    if panels > _MAX_AG_PANELS:
+      # Each panel re-reads w and restarts the ring: modelled 1.32x of
+      # XLA's best at 8 panels (M 16384, tp 8, v5e), 0.99x at 2 (M 4096).
+      reason = (
+        f"the accumulator needs {panels} row panels, each re-reading w "
+        f"(more than {_MAX_AG_PANELS})"
+      )
   return _decide(reason, fused, xla, compute, hbm, chip)
 
 

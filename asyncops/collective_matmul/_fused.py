@@ -44,7 +44,7 @@ _VMEM_BYTES = {
   5: 128 * 2**20,  # v5e; v5p has 64 MiB, see _vmem_capacity
   6: 128 * 2**20,
 }
-_VMEM_SHARE = 0.8
+_VMEM_SHARE = 0.6
 _W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
 # The reduce-scatter's sent partial sums are a VMEM output that must stay
 # resident until the done (the remote DMAs read it). The done takes it in
