@@ -88,6 +88,16 @@ ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE
 # HBM as a memory space; ``HBM(shape, dtype)`` is an output pinned there.
 HBM = getattr(_pltpu, "HBM", None) or _pltpu.MemorySpace.HBM
+
+
+def in_hbm(x: Any) -> Any:
+  """``x`` as a ``pallas_call`` operand XLA must keep in HBM.
+
+  A BlockSpec's memory space does not reach XLA for an operand; this does
+  (``pltpu.with_memory_space_constraint``, jax 0.9 and 0.10)."""
+  return _pltpu.with_memory_space_constraint(x, HBM)
+
+
 DeviceIdType = _pl.DeviceIdType
 semaphore_signal = _pl.semaphore_signal
 semaphore_wait = _pl.semaphore_wait

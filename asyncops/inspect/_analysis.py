@@ -331,12 +331,21 @@ def _find_pairs(m: Module, g: _Graph):
   return starts, found
 
 
+def _is_ref_kernel(s: Instr) -> bool:
+  """A start of the Ref API (``asyncops.stateful``)."""
+  return "_ref_start" in s.name or "_ref_start" in (s.op_name or "")
+
+
 def _buffers(m: Module, s: Instr):
-  """Source (operand) and destination (non-aliased output) positions."""
+  """Source (operand) and destination (non-aliased output) positions.
+
+  A Ref API start's slot indices (its ``s32[2]`` operand, read into SMEM
+  when the kernel starts, never by the DMA) are not a buffer."""
   srcs: list[Pos] = []
   for o in s.operands:
     for lf in m.instr(o).leaves:
-      if lf.memory_space != SEM and lf.num_elements > 1:
+      slot = _is_ref_kernel(s) and lf.dtype == "s32" and lf.dims == (2,)
+      if lf.memory_space != SEM and lf.num_elements > 1 and not slot:
         srcs.append((o, lf.index))
   aliased_outs = {a[0] for a in s.aliasing}
   dsts = [

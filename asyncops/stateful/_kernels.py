@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
@@ -71,6 +72,17 @@ def stateful_done_kernel(*refs, spec: OpSpec, layout: Layout, n_sems: int):
   k.wait_recv(dst, sems[n_send:], spec=spec)
 
 
+def _pinned(bufs, layout: Layout):
+  """The operands with a separate source pinned to HBM: the DMA reads it
+  until the done, and the done must hold that buffer, not a VMEM copy XLA
+  would otherwise prefetch for it (and then free the original in flight)."""
+  if layout.n_bufs == 1:
+    return bufs
+  bufs = list(bufs)
+  bufs[layout.src_i] = jc.in_hbm(bufs[layout.src_i])
+  return bufs
+
+
 def start(*bufs, slots, spec: OpSpec, layout: Layout):
   """Starts the transfer into the destination buffer; ``(dst, *sems)``."""
   k = _registry.get(spec.kind)
@@ -102,4 +114,4 @@ def done(*bufs, slots, sems, spec: OpSpec, layout: Layout):
     input_output_aliases=aliases,
     compiler_params=c.params(),
     name=f"asyncops_{spec.kind}_ref_done",
-  )(*bufs, slots.astype(jnp.int32), *sems)
+  )(*_pinned(bufs, layout), slots.astype(jnp.int32), *sems)
