@@ -398,3 +398,107 @@ def tpu_generation() -> int | None:
   kind = _device_kind.get()
   match = re.match(r"TPU ?v?(\d+)", kind or "")
   return int(match.group(1)) if match else None
+
+
+# Differentiation and batching (asyncops.futures._ad, _batching) --------------
+#
+# Why: the backward of a start/done pair is a transfer started at the done's
+# transpose and awaited at the start's transpose, but JAX transposes one
+# equation at a time and a future's semaphores are integers (float0
+# cotangents), so the reverse transfer's future cannot travel as a
+# cotangent. The rules pair a done with its start when both are linearized
+# in one tangent jaxpr: that needs JAX's per-primitive linearization hook
+# (``primitive_linearizations``, used by ``jax.grad``/``vjp``/``linearize``
+# in 0.10) and a look at which equation produced a tangent tracer (to follow
+# it back through optimization barriers to its start). The transposes meet
+# in the trace they run in. None of this is public API in 0.10.2.
+
+from jax._src.interpreters import ad as _ad  # noqa: E402 (linearization hook)
+
+
+def register_linearization(prim: Primitive, rule: Callable[..., Any]) -> None:
+  """``rule(is_vjp, nonzeros, *primals, **params) -> (primal_out,
+  nonzeros_out, residuals, linearized)``, as for ``jax.lax.sin``."""
+  _ad.primitive_linearizations[prim] = rule
+
+
+def current_trace() -> Any:
+  """The trace that binds primitives now (a transpose's output trace)."""
+  return _core.unsafe_get_current_trace()
+
+
+_FORWARDING = ("optimization_barrier", "asyncops_tie")
+
+
+def _producer(t: Any) -> tuple[Any, int] | None:
+  eqn = getattr(t, "parent", None) if isinstance(t, _pe.DynamicJaxprTracer) else None
+  if eqn is None:
+    return None
+  for i, o in enumerate(eqn.outvars):
+    if o is t.val:
+      return eqn, i
+  return None
+
+
+def forwarded_from(t: Any, prim: Primitive) -> tuple[dict, Any] | None:
+  """``(params, input tracer)`` of the ``prim`` equation that made ``t``.
+
+  Follows ``t`` back through optimization barriers (an output is its
+  operand at the same position) within ``t``'s jaxpr; None when ``t`` was
+  made by anything else, or is an input of the jaxpr being traced.
+  """
+  seen = 0
+  while seen < 10_000:
+    seen += 1
+    found = _producer(t)
+    if found is None:
+      return None
+    eqn, i = found
+    if eqn.primitive is prim:
+      return eqn.params, eqn.in_tracers[0]
+    if eqn.primitive.name not in _FORWARDING:
+      return None
+    t = eqn.in_tracers[i]
+  return None
+
+
+def same_value(t: Any, u: Any) -> bool:
+  """Whether ``t`` is ``u`` passed through optimization barriers only."""
+  if t is u:
+    return True
+  target = getattr(u, "val", None)
+  for _ in range(10_000):
+    if target is not None and getattr(t, "val", None) is target:
+      return True
+    found = _producer(t)
+    if found is None or found[0].primitive.name not in _FORWARDING:
+      return False
+    t = found[0].in_tracers[found[1]]
+  return False
+
+
+def reaches_inputs(t: Any) -> bool:
+  """Whether tracer ``t`` depends on an input of the jaxpr it is traced in.
+
+  In a tangent jaxpr the inputs are the tangents; a value that depends on
+  none of them (an instantiated zero, a function of residuals only) is a
+  constant, which JAX evaluates rather than transposes.
+  """
+  if not isinstance(t, _pe.DynamicJaxprTracer):
+    return False
+  frame = getattr(t._trace, "frame", None)
+  if frame is None:
+    return False
+  inputs = {id(v) for v in frame.invars}
+  stack, seen = [t], set()
+  while stack:
+    u = stack.pop()
+    if id(u) in seen:
+      continue
+    seen.add(id(u))
+    if id(getattr(u, "val", None)) in inputs:
+      return True
+    eqn = getattr(u, "parent", None)
+    if eqn is not None:
+      stack.extend(x for x in eqn.in_tracers if isinstance(x, _pe.DynamicJaxprTracer))
+  return False

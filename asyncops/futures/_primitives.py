@@ -159,3 +159,6 @@ jc.register_lowering(
 )
 
 __all__ = ["start_p", "done_p", "send_done_p", "recv_done_p", "jax"]
+
+# Differentiation and batching rules register themselves on import.
+from asyncops.futures import _ad  # noqa: E402,F401

@@ -31,6 +31,12 @@ always runs after ``send_done`` (or inside the combined done), so the
 source is held until the copy has read it and the destination is complete
 when it is returned.
 
+Reversed ring. When ``spec.perm`` is the ring ``i -> i - 1`` the halves
+swap directions: the first half goes to ``index - 1`` and the second to
+``index + 1``. That is the transpose of the default ring (the gradient of
+the row half that came from the left goes back to the left), so the
+backward pass of a bidirectional permute is one bidirectional kernel too.
+
 Limits. ``x.shape[0]`` must be even (checked by ``bidirectional_start``).
 One mesh axis per call. Dtypes must be DMA-able (``_common.MOVABLE_DTYPES``).
 """
@@ -46,11 +52,25 @@ from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
 
 
+def direction(spec: OpSpec) -> int:
+  """+1 when the first half travels to ``index + 1`` (the default), -1 when
+  ``spec.perm`` is the reversed ring (the transpose's transfer)."""
+  n = spec.axis_size
+  if n > 2 and spec.perm and (spec.perm[0][1] - spec.perm[0][0]) % n == n - 1:
+    return -1
+  return 1
+
+
 def neighbours(spec: OpSpec) -> tuple[jax.Array, jax.Array]:
-  """Traced ``(right, left)`` ring neighbours of this device."""
+  """Traced ``(right, left)`` ring neighbours of this device.
+
+  "right" receives the first half. It is ``index + 1`` for the default
+  ring and ``index - 1`` for the reversed one (``direction(spec) == -1``).
+  """
   n = spec.axis_size
   me = jax.lax.axis_index(spec.axis_name)
-  return jax.lax.rem(me + 1, n), jax.lax.rem(me + (n - 1), n)
+  plus, minus = jax.lax.rem(me + 1, n), jax.lax.rem(me + (n - 1), n)
+  return (plus, minus) if direction(spec) == 1 else (minus, plus)
 
 
 def halves(ref, spec: OpSpec):
@@ -146,9 +166,9 @@ def start(x, *, spec: OpSpec):
 
 def emulate(x, *, spec: OpSpec):
   h = spec.shape[0] // 2
-  n = spec.axis_size
-  right = [(i, (i + 1) % n) for i in range(n)]
-  left = [(i, (i - 1) % n) for i in range(n)]
+  n, d = spec.axis_size, direction(spec)
+  right = [(i, (i + d) % n) for i in range(n)]
+  left = [(i, (i - d) % n) for i in range(n)]
   return jax.numpy.concatenate(
     [
       jax.lax.ppermute(x[:h], spec.axis_name, right),
