@@ -161,4 +161,4 @@ jc.register_lowering(
 __all__ = ["start_p", "done_p", "send_done_p", "recv_done_p", "jax"]
 
 # Differentiation and batching rules register themselves on import.
-from asyncops.futures import _ad  # noqa: E402,F401
+from asyncops.futures import _ad, _batching  # noqa: E402,F401
