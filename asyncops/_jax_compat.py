@@ -462,6 +462,16 @@ def forwarded_from(t: Any, prim: Primitive) -> tuple[dict, Any] | None:
   return None
 
 
+def unforwarded(t: Any) -> Any:
+  """``t`` before the optimization barriers it passed through (its jaxpr)."""
+  for _ in range(10_000):
+    found = _producer(t)
+    if found is None or found[0].primitive.name not in _FORWARDING:
+      return t
+    t = found[0].in_tracers[found[1]]
+  return t
+
+
 def same_value(t: Any, u: Any) -> bool:
   """Whether ``t`` is ``u`` passed through optimization barriers only."""
   if t is u:
@@ -499,6 +509,8 @@ def reaches_inputs(t: Any) -> bool:
     if id(getattr(u, "val", None)) in inputs:
       return True
     eqn = getattr(u, "parent", None)
+    if eqn is not None and getattr(eqn.primitive, "ref_primitive", False):
+      return True  # a new Ref: JAX transposes everything that reads it
     if eqn is not None:
       stack.extend(x for x in eqn.in_tracers if isinstance(x, _pe.DynamicJaxprTracer))
   return False

@@ -69,6 +69,9 @@ class Pair:
     self.spec = spec
     self.claimed = False
     self.pending: list[tuple[Any, Any]] = []
+    # Tie the backward compute into the reverse window (the Ref API, whose
+    # forward has no barriers of its own to transpose).
+    self.tie = False
 
   def __repr__(self):
     return f"pair{self.id}"
@@ -172,7 +175,9 @@ def _lin_start_transpose(ct, t, *, spec, pair):
     return [_after_reverse(transfer_now(_as(ct, spec), rev), spec, rev)]
   if entry is None:  # the done's cotangent was zero
     return [ad.Zero(t.aval)]
-  src, dst, sems = entry
+  src, dst, sems, eqn = entry
+  if eqn is not None:
+    sems = jc.tie_between(eqn, list(sems))
   if type(ct) is not ad.Zero and jc.same_value(ct, src):
     # ``ct`` is the reverse source after every barrier of the backward
     # window: awaiting it (it keeps the source alive, like the forward's
@@ -189,7 +194,10 @@ def _lin_done_transpose(ct, t, *, spec, pair):
     pair.push(None)
     return [ad.Zero(t.aval)]
   src, dst, *sems = prims.start_p.bind(_as(ct, spec), spec=reverse(spec))
-  pair.push((src, dst, sems))
+  eqn = None
+  if pair.tie and (frame := jc.current_frame(sems[0])) is not None:
+    eqn = jc.live_eqns(frame)[-1]
+  pair.push((src, dst, sems, eqn))
   return [src]
 
 
