@@ -267,6 +267,46 @@ def _tie_lowering(ctx, *args):
 _mlir.register_lowering(tie_p, _tie_lowering)
 
 
+def _tie_nonzero(vals: Sequence[Any]) -> list[Any]:
+  """``tie_p`` over the values that are not symbolic zeros."""
+  from jax.interpreters import ad
+
+  keep = [i for i, v in enumerate(vals) if type(v) is not ad.Zero]
+  out = list(vals)
+  if keep:
+    tied = tie_p.bind(*(vals[i] for i in keep))
+    for i, v in zip(keep, tied, strict=True):
+      out[i] = v
+  return out
+
+
+def _tie_jvp(primals, tangents):
+  # Tangents (and cotangents) keep the tie among themselves: the backward
+  # of compute kept in a window is kept together too. Symbolic zeros stay
+  # zeros (a float0 semaphore tangent has nothing to order).
+  return tie_p.bind(*primals), _tie_nonzero(tangents)
+
+
+def _tie_transpose(cts, *primals):
+  del primals
+  return _tie_nonzero(cts)
+
+
+def _tie_batch(args, dims):
+  return tie_p.bind(*args), dims
+
+
+def _register_tie_rules() -> None:
+  from jax.interpreters import ad, batching
+
+  ad.primitive_jvps[tie_p] = _tie_jvp
+  ad.primitive_transposes[tie_p] = _tie_transpose
+  batching.primitive_batchers[tie_p] = _tie_batch
+
+
+_register_tie_rules()
+
+
 def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   """Keeps pure compute traced after ``start_eqn`` after it and before now.
 
