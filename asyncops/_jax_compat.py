@@ -471,7 +471,11 @@ _FORWARDING = ("optimization_barrier", "asyncops_tie")
 
 
 def _producer(t: Any) -> tuple[Any, int] | None:
-  eqn = getattr(t, "parent", None) if isinstance(t, _pe.DynamicJaxprTracer) else None
+  eqn = (
+    getattr(t, "parent", None)
+    if isinstance(t, _pe.DynamicJaxprTracer)
+    else None
+  )
   if eqn is None:
     return None
   for i, o in enumerate(eqn.outvars):
@@ -552,5 +556,7 @@ def reaches_inputs(t: Any) -> bool:
     if eqn is not None and getattr(eqn.primitive, "ref_primitive", False):
       return True  # a new Ref: JAX transposes everything that reads it
     if eqn is not None:
-      stack.extend(x for x in eqn.in_tracers if isinstance(x, _pe.DynamicJaxprTracer))
+      stack.extend(
+        x for x in eqn.in_tracers if isinstance(x, _pe.DynamicJaxprTracer)
+      )
   return False

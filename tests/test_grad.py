@@ -200,7 +200,9 @@ def _differentiate(op, mesh_key, shape, dtype, transfer, seed=0):
       )
     )(jax.device_put(x, sharded), jax.device_put(t, sharded))
   exact = exact and dtype == "float32"
-  for name, g, w in zip(("value", "vjp", "jvp", "linearize"), got, want):
+  for name, g, w in zip(
+    ("value", "vjp", "jvp", "linearize"), got, want, strict=True
+  ):
     try:
       _assert_close(g, w, exact)
     except AssertionError as e:
@@ -359,7 +361,7 @@ def test_loops_carrying_futures(program, transfer):
     with jax.set_mesh(mesh):
       eager = jax.grad(loss(ours), (0, 1))(x, w)
   for got in (jitted, remat, eager):
-    for g, r in zip(got, want):
+    for g, r in zip(got, want, strict=True):
       np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
@@ -384,7 +386,9 @@ def test_second_order():
     return jax.jit(lambda x, v: jax.jvp(jax.grad(loss), (x,), (v,))[1])
 
   x, v = (
-    jax.device_put(_data(k, (16, 8), "float32"), jax.NamedSharding(mesh, P("i")))
+    jax.device_put(
+      _data(k, (16, 8), "float32"), jax.NamedSharding(mesh, P("i"))
+    )
     for k in (0, 1)
   )
   np.testing.assert_allclose(hvp(ours)(x, v), hvp(ref)(x, v), rtol=1e-4)
@@ -483,8 +487,12 @@ def test_ref_api(program, transfer):
   ours, ref = _ref_programs()[program]
   mesh = _mesh((2, 4), ("x", "y"))
   spec = P(("x", "y"))
-  x = jax.device_put(_data(0, (64, 128), "float32"), jax.NamedSharding(mesh, spec))
-  t = jax.device_put(_data(1, (64, 128), "float32"), jax.NamedSharding(mesh, spec))
+  x = jax.device_put(
+    _data(0, (64, 128), "float32"), jax.NamedSharding(mesh, spec)
+  )
+  t = jax.device_put(
+    _data(1, (64, 128), "float32"), jax.NamedSharding(mesh, spec)
+  )
 
   def body(f):
     def run(x, t):
@@ -503,7 +511,7 @@ def test_ref_api(program, transfer):
   with asyncops.emulation(transfer):
     got = body(ours)(x, t)
   exact = program != "all_gather"
-  for name, g, w in zip(("value", "vjp", "jvp"), got, want):
+  for name, g, w in zip(("value", "vjp", "jvp"), got, want, strict=True):
     try:
       _assert_close(g, w, exact)
     except AssertionError as e:

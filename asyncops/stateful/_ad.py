@@ -121,9 +121,12 @@ def _tangent_done(t_src, t_dst, slots, layout: Layout, spec: OpSpec, sems):
   if spec.kind == "ppermute" and not spec.is_full_perm:
     old = _read(t_dst, s_dst, layout.dst_slotted)
     w = jnp.where(_receives(spec), w, old)
-  _write(t_dst, s_dst, layout.dst_slotted, w.reshape(
-    _read_shape(t_dst, layout.dst_slotted)
-  ))
+  _write(
+    t_dst,
+    s_dst,
+    layout.dst_slotted,
+    w.reshape(_read_shape(t_dst, layout.dst_slotted)),
+  )
 
 
 def _read_shape(ref, slotted):
