@@ -8,10 +8,11 @@ run once. Where the batch axis goes:
 - ``ppermute``, ``copy``, ``all_gather``: wherever it already is (no
   relayout). The all-gather's raw destination puts its slot axis first, so
   its batch axis is one further right.
-- ``bidirectional`` and ``all_to_all``: never axis 0. The bidirectional
-  permute halves axis 0 and the all-to-all's axis 0 holds the slots, so a
-  batch axis at 0 moves to 1 (one transpose of the source, before the start;
-  never of a buffer in flight).
+- ``bidirectional``: wherever it is; the axis it halves moves right of the
+  batch (``spec.gather_axis``), each half then being a strided DMA.
+- ``all_to_all`` (only ever the all-gather's reverse): never axis 0, which
+  holds the slots; a batch at 0 moves to 1 (one transpose of the source,
+  before the start; never of a buffer in flight).
 
 The semaphores are never batched: one transfer, one set of semaphores. The
 done's rule rebuilds the start's batched spec from the batch axis of the
@@ -30,12 +31,10 @@ from asyncops.futures import _primitives as prims
 from asyncops.futures._future import FutureError
 from asyncops.futures._spec import OpSpec
 
-_KEEP_OFF_AXIS0 = ("bidirectional", "all_to_all")
-
 
 def _source_axis(spec: OpSpec, b: int) -> int:
   """Where the batch axis of the source goes for ``spec``."""
-  return 1 if b == 0 and spec.kind in _KEEP_OFF_AXIS0 else b
+  return 1 if b == 0 and spec.kind == "all_to_all" else b
 
 
 def _dst_axis(spec: OpSpec, b: int) -> int:
@@ -45,7 +44,11 @@ def _dst_axis(spec: OpSpec, b: int) -> int:
 def _batched(spec: OpSpec, b: int, size: int) -> OpSpec:
   shape = list(spec.shape)
   shape.insert(b, size)
-  return dataclasses.replace(spec, shape=tuple(shape))
+  spec = dataclasses.replace(spec, shape=tuple(shape))
+  if spec.kind == "bidirectional" and b <= spec.gather_axis:
+    # The halved axis moves right of the batch (a strided DMA per half).
+    spec = dataclasses.replace(spec, gather_axis=spec.gather_axis + 1)
+  return spec
 
 
 def _prepare(x, b, spec: OpSpec):

@@ -37,6 +37,10 @@ swap directions: the first half goes to ``index - 1`` and the second to
 the row half that came from the left goes back to the left), so the
 backward pass of a bidirectional permute is one bidirectional kernel too.
 
+Split axis. The halves are taken along axis 0, except under ``jax.vmap``
+with the batch at axis 0: the rows are then axis 1 (``spec.gather_axis``)
+and each half is a strided DMA, so the batch needs no relayout.
+
 Limits. ``x.shape[0]`` must be even (checked by ``bidirectional_start``).
 One mesh axis per call. Dtypes must be DMA-able (``_common.MOVABLE_DTYPES``).
 """
@@ -73,10 +77,18 @@ def neighbours(spec: OpSpec) -> tuple[jax.Array, jax.Array]:
   return (plus, minus) if direction(spec) == 1 else (minus, plus)
 
 
+def split_axis(spec: OpSpec) -> int:
+  """The axis halved: 0, or 1 under ``jax.vmap`` with the batch at 0
+  (``spec.gather_axis`` holds it; the batch then needs no relayout)."""
+  return spec.gather_axis
+
+
 def halves(ref, spec: OpSpec):
-  """``(ref[:h], ref[h:])`` as ref views, ``h = spec.shape[0] // 2``."""
-  h = spec.shape[0] // 2
-  return ref.at[pl.ds(0, h)], ref.at[pl.ds(h, h)]
+  """The two halves of ``ref`` along ``split_axis(spec)``, as ref views."""
+  a = split_axis(spec)
+  h = spec.shape[a] // 2
+  lead = (slice(None),) * a
+  return ref.at[(*lead, pl.ds(0, h))], ref.at[(*lead, pl.ds(h, h))]
 
 
 def bidirectional_start_kernel(
@@ -165,23 +177,25 @@ def start(x, *, spec: OpSpec):
 
 
 def emulate(x, *, spec: OpSpec):
-  h = spec.shape[0] // 2
+  a = split_axis(spec)
+  lo, hi = jax.numpy.split(x, 2, axis=a)
   n, d = spec.axis_size, direction(spec)
   right = [(i, (i + d) % n) for i in range(n)]
   left = [(i, (i - d) % n) for i in range(n)]
   return jax.numpy.concatenate(
     [
-      jax.lax.ppermute(x[:h], spec.axis_name, right),
-      jax.lax.ppermute(x[h:], spec.axis_name, left),
+      jax.lax.ppermute(lo, spec.axis_name, right),
+      jax.lax.ppermute(hi, spec.axis_name, left),
     ],
-    axis=0,
+    axis=a,
   )
 
 
 def validate(spec: OpSpec) -> None:
-  if not spec.shape or spec.shape[0] % 2:
+  a = split_axis(spec)
+  if len(spec.shape) <= a or spec.shape[a] % 2:
     raise ValueError(
-      f"bidirectional_start: x.shape = {spec.shape}; axis 0 must be even "
+      f"bidirectional_start: x.shape = {spec.shape}; axis {a} must be even "
       "(half of it goes each way). Pad x along axis 0, or use "
       "ppermute_start."
     )
