@@ -8,14 +8,14 @@ export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test doctest docs lint bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet -e ".[tpu,test,bench,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -23,6 +23,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# Docstring examples of the package (run in CI too).
+doctest: $(STAMP)
+	$(PY) -m pytest --doctest-modules asyncops -p no:cacheprovider
+
+# API reference generated from the docstrings (HTML in docs/api/).
+docs: $(STAMP)
+	$(VENV)/bin/pdoc -o docs/api asyncops
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncops tests examples benchmarks

@@ -9,7 +9,10 @@ the TPU rule re-types those operands as semaphores before tracing the Pallas
 kernel. Lowering rules and the rule context are not public API, so every use
 of ``jax._src`` is here; a JAX upgrade should be one edit of this file.
 
-Pinned to jax 0.10.2.
+Supported: jax 0.9.0 to 0.10.x (``pyproject.toml``); CI runs the suite on
+the oldest and the newest. The differences between them, and the renames
+jax 0.11 makes, are in the "Versions" section below: every other module
+uses the names defined there.
 """
 
 import contextlib
@@ -25,6 +28,20 @@ from jax.experimental.pallas import tpu as _pltpu
 from jax.extend.core import Primitive
 
 __all__ = [
+  "JAX_VERSION",
+  "shape_like",
+  "manual_axes_kwargs",
+  "jaxprs_in_params",
+  "is_drop_var",
+  "all_gather_invariant",
+  "ANY",
+  "SEMAPHORE",
+  "DeviceIdType",
+  "semaphore_signal",
+  "semaphore_wait",
+  "get_barrier_semaphore",
+  "tpu_compiler_params",
+  "user_source_frame",
   "Primitive",
   "register_lowering",
   "register_effect",
@@ -34,6 +51,151 @@ __all__ = [
   "user_frame",
   "tpu_generation",
 ]
+
+# Versions -------------------------------------------------------------------
+#
+# What differs between the supported jax versions, and what jax 0.11
+# renames, each in one place. Facts from jax's CHANGELOG.md and
+# docs/pallas/CHANGELOG.md:
+# - 0.10.0 replaced ``ShapedArray.vma`` / ``ShapeDtypeStruct(vma=)`` with
+#   ``manual_axis_type`` (``.manual_axis_type.varying``).
+# - 0.10.0 moved ``semaphore_signal/_wait/_read``, ``DeviceIdType`` and
+#   ``semaphore`` from ``pallas.tpu`` to ``pallas`` (both exist in 0.9.x
+#   and 0.10.x; 0.11.0 removes the ``pallas.tpu`` ones) and removed
+#   ``pltpu.ANY`` (use ``pl.ANY``, present since before 0.9.0).
+# - 0.10.2 added ``jax.ShapeDtypeStruct.like``.
+# - 0.11.0 adds ``jax_pallas_auto_assign_collective_ids`` ("no" by
+#   default: our explicit ids stand) and makes ``pl.kernel`` alias only
+#   written Refs (we alias explicitly with ``pallas_call``'s
+#   ``input_output_aliases``, unaffected).
+# - jax.extend.core gained ``jaxprs_in_params`` in 0.10.0; state effects
+#   name their operand ``input`` (0.10) or ``input_index`` (0.9).
+
+from jax.experimental import pallas as _pl  # noqa: E402
+
+
+def _version(text: str) -> tuple[int, ...]:
+  return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+JAX_VERSION = _version(jax.__version__)
+
+# Pallas names: the ``pl.*`` spellings exist in every supported version.
+ANY = _pl.ANY
+SEMAPHORE = _pltpu.SEMAPHORE
+DeviceIdType = _pl.DeviceIdType
+semaphore_signal = _pl.semaphore_signal
+semaphore_wait = _pl.semaphore_wait
+get_barrier_semaphore = _pltpu.get_barrier_semaphore
+
+
+def tpu_compiler_params(
+  *, collective_id: int | None = None, has_side_effects: bool = True
+) -> Any:
+  """Mosaic compiler parameters of our kernels.
+
+  ``collective_id`` picks the barrier semaphore (None: the kernel uses
+  none). Our ids are assigned per lowered module (``module_scope``).
+  """
+  if collective_id is None:
+    return _pltpu.CompilerParams(has_side_effects=has_side_effects)
+  return _pltpu.CompilerParams(
+    collective_id=collective_id, has_side_effects=has_side_effects
+  )
+
+
+def manual_axes_kwargs(aval: Any) -> dict[str, Any]:
+  """``ShapeDtypeStruct`` keywords carrying ``aval``'s varying manual axes."""
+  if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
+    return {"manual_axis_type": aval.manual_axis_type}
+  return {"vma": getattr(aval, "vma", frozenset())}  # jax 0.9
+
+
+def shape_like(x: Any, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
+  """``jax.ShapeDtypeStruct.like(x)``, optionally with another shape/dtype.
+
+  Keeps the manual axes ``x`` varies over (a Pallas output inside
+  ``shard_map`` must vary like its input).
+  """
+  if shape is None and dtype is None and hasattr(jax.ShapeDtypeStruct, "like"):
+    return jax.ShapeDtypeStruct.like(x)  # jax >= 0.10.2
+  aval = jax.typeof(x)
+  return jax.ShapeDtypeStruct(
+    aval.shape if shape is None else tuple(shape),
+    aval.dtype if dtype is None else dtype,
+    weak_type=getattr(aval, "weak_type", False) and shape is dtype is None,
+    **manual_axes_kwargs(aval),
+  )
+
+
+def jaxprs_in_params(params: Any) -> Iterator[Any]:
+  """The jaxprs an equation's params hold (sub-computations)."""
+  from jax.extend import core as _jex
+
+  fn = getattr(_jex, "jaxprs_in_params", None)
+  if fn is None:  # jax 0.9: not yet in jax.extend
+    fn = _core.jaxprs_in_params
+  return fn(params)
+
+
+def all_gather_invariant(x: Any, axis_name: Any, *, axis: int, tiled: bool):
+  """``jax.lax.all_gather(..., to="invarying")``: the result is the same on
+  every device of the axis (so ``out_specs`` may leave the axis out).
+
+  jax 0.9 spells it ``all_gather_invariant``, not public there.
+  """
+  if JAX_VERSION >= (0, 10):
+    return jax.lax.all_gather(
+      x, axis_name, axis=axis, tiled=tiled, to="invarying"
+    )
+  from jax._src.lax import parallel as _parallel  # jax 0.9 only
+
+  return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
+
+
+def is_drop_var(v: Any) -> bool:
+  """Whether a jaxpr output variable is ``_`` (a result nobody reads)."""
+  from jax.extend import core as _jex
+
+  cls = getattr(_jex, "DropVar", None) or _core.DropVar  # 0.9: not public
+  return isinstance(v, cls)
+
+
+def _effect_input(eff: Any) -> Any:
+  """The operand (index or Var) a state effect is about."""
+  return eff.input if hasattr(eff, "input") else eff.input_index
+
+
+# Settings that change what a function traces to. ``asyncops.emulation``
+# picks where the non-TPU emulation moves data; the choice is baked into the
+# traced program. A plain context variable is invisible to ``jax.jit``'s
+# caches, so a function traced under one mode silently ran that program
+# under the other. A JAX config state with ``include_in_jit_key`` (the C++
+# dispatch cache) and ``include_in_trace_context`` (the Python tracing
+# cache) makes a mode change retrace; both are needed (measured: either
+# alone leaves one cache stale). Config states are internal in 0.10.2.
+from jax._src import config as _config  # noqa: E402
+
+
+def traced_setting(name: str, values: Sequence[str], default: str, help: str):
+  """A thread-local string setting that ``jax.jit`` traces for.
+
+  Returns a JAX config state: ``state.value`` reads it, ``with
+  state(value):`` sets it for a block; a jitted function retraces when it
+  changes. The environment variable ``name.upper()`` sets the default.
+  """
+  existing = _config.config_states.get(name)
+  if existing is not None:  # module re-imported
+    return existing
+  return _config.enum_state(
+    name,
+    list(values),
+    default,
+    help=help,
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+  )
+
 
 # Source attribution. JAX records, for every equation, the innermost frame
 # that is not its own code ("user frame"); that frame becomes the HLO
@@ -138,24 +300,41 @@ def register_effect(effect_type: type) -> None:
   _effects.remat_allowed_effects.add_type(effect_type)
 
 
-def user_frame(eqn: Any, skip: Sequence[str] = ("/asyncops/",)) -> str:
-  """``file:line (function)`` of the user code that created ``eqn``.
+_SUMMARY = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)? \((?P<fn>.*)\)$")
 
-  A jaxpr equation's ``source_info`` is not public API; its traceback lists
-  frames innermost first. We return the first frame outside JAX, asyncops
-  (``skip``) and ``contextlib``.
+
+def _frame_of(source_info: Any) -> tuple[str, int, str] | None:
+  """``(file, line, function)`` of the user frame of a ``SourceInfo``.
+
+  Public API only: ``source_info_util.summarize`` names the innermost
+  frame that is neither JAX's, the standard library's nor asyncops' (the
+  package directory is registered as an exclusion above), as
+  ``file:line[:column] (function)``.
   """
-  tb = getattr(getattr(eqn, "source_info", None), "traceback", None)
-  if tb is None:
-    return "<unknown>"
-  for fr in tb.frames:
-    f = fr.file_name
-    if "/jax/" in f or "/jaxlib/" in f or "contextlib" in f:
-      continue
-    if any(s in f for s in skip):
-      continue
-    return f"{f}:{fr.line_num} ({fr.function_name})"
-  return "<unknown>"
+  if source_info is None or getattr(source_info, "traceback", None) is None:
+    return None
+  text = _public_source_info.summarize(source_info)
+  match = _SUMMARY.match(text.strip())
+  if match is None:
+    return None
+  # A qualified name (``test.<locals>.body``): the function's own name.
+  return match["file"], int(match["line"]), match["fn"].rsplit(".", 1)[-1]
+
+
+def user_source_frame() -> str:
+  """``file:line in function`` of the user code calling into asyncops now.
+
+  Used at trace time (a start records where it was called, so errors about
+  its future name the user's line, not the library's).
+  """
+  frame = _frame_of(_public_source_info.current())
+  return "<unknown>" if frame is None else "{}:{} in {}".format(*frame)
+
+
+def user_frame(eqn: Any) -> str:
+  """``file:line (function)`` of the user code that created ``eqn``."""
+  frame = _frame_of(getattr(eqn, "source_info", None))
+  return "<unknown>" if frame is None else "{}:{} ({})".format(*frame)
 
 
 # Stateful API (asyncops.stateful) --------------------------------------------
@@ -235,13 +414,16 @@ def eqn_where(eqn: Any) -> str:
 
 
 def ref_effect_inputs(eqn: Any) -> tuple[set[int], set[int]]:
-  """Operand positions ``eqn`` reads and writes as Refs."""
+  """Operand positions ``eqn`` reads and writes (or accumulates) as Refs.
+
+  Works on equations being traced and on finished ones.
+  """
   reads, writes = set(), set()
-  vals = eqn_vals(eqn)
+  vals = eqn_invals(eqn)
   for eff in eqn.effects:
     if not isinstance(eff, _state.RefEffect):
       continue
-    where = eff.input
+    where = _effect_input(eff)
     if not isinstance(where, int):  # resolved to the Ref's Var
       where = next((i for i, v in enumerate(vals) if v is where), None)
       if where is None:
@@ -379,6 +561,86 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
     tie.outvars[k] = v
     tie.in_tracers[k] = trace.var_to_tracer(fresh, e.source_info, e)
   return list(outs[len(leaves) :])
+
+
+# Checks on every finished trace ---------------------------------------------
+#
+# Why: a future's life cycle (awaited exactly once on every path) and the
+# Ref API's hazards (no access to a buffer a DMA is using) can only be
+# decided on the whole traced program: a cond branch that drops a future, a
+# loop body that touches a slot in flight across the back edge. JAX has no
+# public hook for "a jaxpr was traced", so we wrap the internal
+# ``JaxprStackFrame.to_jaxpr``, which every ``jit``, ``make_jaxpr``,
+# ``shard_map``, ``cond`` and loop trace ends with. Only frames where
+# asyncops traced something (``mark_frame``) are checked, and a checked
+# frame marks its parent, which sees the sub-jaxpr in context.
+
+_marked: dict[int, bool] = {}
+_jaxpr_checks: list[Callable[[Any, Sequence[Any]], None]] = []
+
+
+def mark_frame(x: Any) -> None:
+  """Marks the jaxpr ``x`` (a tracer) is traced into for the checks."""
+  frame = current_frame(x)
+  if frame is not None:
+    _marked[id(frame)] = True
+
+
+def on_jaxpr_traced(check: Callable[[Any, Sequence[Any]], None]) -> None:
+  """Runs ``check(jaxpr, consts)`` on every marked jaxpr when traced.
+
+  ``check`` may raise; the error ends the trace (e.g. ``jax.jit``'s).
+  """
+  _install_finish_hook()
+  if check not in _jaxpr_checks:
+    _jaxpr_checks.append(check)
+
+
+def _install_finish_hook() -> None:
+  frame_cls = _pe.JaxprStackFrame
+  original = frame_cls.to_jaxpr
+  if getattr(original, "_asyncops_hook", False):
+    return
+
+  def to_jaxpr(self, trace, *args, **kwargs):
+    jaxpr, consts = original(self, trace, *args, **kwargs)
+    if _marked.pop(id(self), False):
+      parent = getattr(trace, "parent_trace", None)
+      if isinstance(parent, _pe.DynamicJaxprTrace):
+        _marked[id(parent.frame)] = True
+      for check in list(_jaxpr_checks):
+        check(jaxpr, consts)
+    return jaxpr, consts
+
+  to_jaxpr._asyncops_hook = True
+  to_jaxpr.__wrapped__ = original
+  frame_cls.to_jaxpr = to_jaxpr
+
+
+def without_dead_code(jaxpr: Any) -> Any:
+  """``jaxpr`` as lowering sees it: equations nothing uses removed.
+
+  Why: a value-level done whose result is never used is dead code, and
+  JAX drops it before compiling (``pe.dce_jaxpr``, internal), so the
+  compiled program starts a DMA it never waits for. The life-cycle check
+  runs on this view too.
+  """
+  if jaxpr.constvars:
+    jaxpr = _pe.convert_constvars_jaxpr(jaxpr)
+  out, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), True)
+  return out
+
+
+def name_stack_of(eqn: Any) -> str:
+  """The named scopes an equation was traced in (``a/b/c``)."""
+  return str(getattr(getattr(eqn, "source_info", None), "name_stack", ""))
+
+
+def eqn_invals(eqn: Any) -> list[Any]:
+  """An equation's input atoms (``Var``/``Literal``), traced or finished."""
+  if getattr(eqn, "in_tracers", None) is not None:  # being traced
+    return eqn_vals(eqn)
+  return list(eqn.invars)
 
 
 def _resolve(entry: Any) -> Any:

@@ -94,6 +94,10 @@ class Event:
   start: float
   dur: float
   lane: int = 0  # concurrent boxes of one track (ICI transfers) stack
+  # Details for pictures (benchmarks/_trace.py): "op" (HLO opcode),
+  # "links" ({(from_coords, to_coords): bytes} of an ICI transfer),
+  # "awaits" (the start names a done waits on).
+  args: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclasses.dataclass
@@ -339,9 +343,9 @@ class _Sim:
 
   # walking -----------------------------------------------------------------
 
-  def _emit(self, track, name, kind, start, dur, lane=0):
+  def _emit(self, track, name, kind, start, dur, lane=0, **args):
     if dur > 0:
-      self.events.append(Event(track, name, kind, start, dur, lane))
+      self.events.append(Event(track, name, kind, start, dur, lane, args))
 
   def _ici_slot(self, t: float, load: dict, latency: float):
     """Queues a transfer on each directed link it uses; ``(begin, end)``.
@@ -373,9 +377,11 @@ class _Sim:
     if charge:
       self._emit("compute", ins.name, "overhead", t, self.chip.issue_s)
       t += self.chip.issue_s
+    args = {"op": ins.opcode}
     if track == "ici":
       begin, end = self._ici_slot(t, *cost)
       lane = self._lane(begin, end)
+      args["links"] = dict(cost[0])
     else:
       begin = max(t, self.free[track])
       end = begin + cost
@@ -388,6 +394,7 @@ class _Sim:
       begin,
       end - begin,
       lane,
+      **args,
     )
     key = f"{ins.name}#{next(self.seq)}"
     self.pending[ins.name] = _Transfer(key, family, begin, end)
@@ -422,7 +429,9 @@ class _Sim:
       self._emit("compute", ins.name, "wait", t, end - t)
       self.exposed += end - t
       t = end
-    self._emit("compute", ins.name, "overhead", t, self.chip.done_s)
+    self._emit(
+      "compute", ins.name, "overhead", t, self.chip.done_s, awaits=names
+    )
     return t + self.chip.done_s
 
   def run(self, comp: str, t: float) -> float:
@@ -490,9 +499,19 @@ class _Sim:
         t = self._wait(comp, ins, t, family)
         continue
       if op in _SYNC_COLLECTIVES:
-        begin, end = self._ici_slot(t, *self._collective_dur(op, ins, comp))
+        load, latency = self._collective_dur(op, ins, comp)
+        begin, end = self._ici_slot(t, load, latency)
         lane = self._lane(begin, end)
-        self._emit("ici", ins.name, "collective", begin, end - begin, lane)
+        self._emit(
+          "ici",
+          ins.name,
+          "collective",
+          begin,
+          end - begin,
+          lane,
+          op=op,
+          links=dict(load),
+        )
         self._emit("compute", ins.name, "wait", t, end - t)
         self.exposed += end - t
         self.transfers += 1
@@ -502,7 +521,7 @@ class _Sim:
       if op == "custom-call" and target.strip('"') in _FREE_TARGETS:
         continue
       cost = self._op_cost(comp, ins)
-      self._emit("compute", ins.name, "compute", t, cost)
+      self._emit("compute", ins.name, "compute", t, cost, op=op)
       self.compute += cost
       t += cost
     return t

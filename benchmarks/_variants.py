@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops import _jax_compat as jc
 
 AXIS = "y"
 
@@ -129,7 +130,7 @@ def _ppermute_reducescatter(lhs, rhs, *, precision=None):
 
 def _ppermute_allreduce(lhs, rhs, *, precision=None):
   block = _ppermute_reducescatter(lhs, rhs, precision=precision)
-  return jax.lax.all_gather(block, AXIS, axis=1, tiled=True, to="invarying")
+  return jc.all_gather_invariant(block, AXIS, axis=1, tiled=True)
 
 
 def _ppermute_mlp(x, w_in, w_out, *, precision=None):

@@ -14,7 +14,8 @@ emulation runs both transfer points (``asyncops.emulation("start")`` and
 ``("done")``).
 """
 
-import argparse
+import contextlib
+import json
 import os
 import statistics
 import sys
@@ -34,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncops  # noqa: E402
+from asyncops import _cli  # noqa: E402
 from benchmarks import _variants  # noqa: E402
 
 
@@ -44,17 +46,20 @@ def _once(fn, args) -> float:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = _cli.parser("python -m benchmarks.cpu_walltime", __doc__.split("\n")[0])
   p.add_argument("--shape", default="512,1024,2048", help="B,D,F (global)")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--rounds", type=int, default=6)
   a = p.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", 8)
-  b, d, f = (int(s) for s in a.shape.split(","))
+  b, d, f = _cli.parse_ints(a.shape, 3, flag="--shape")
+  try:
+    dtype = jnp.dtype(a.dtype)
+  except TypeError:
+    raise _cli.UsageError(f"--dtype: unknown dtype {a.dtype!r}") from None
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
   key_a, key_w = jax.random.split(jax.random.key(0))
-  dtype = jnp.dtype(a.dtype)
   lhs = jax.device_put(
     jax.random.normal(key_a, (b, d), dtype),
     NamedSharding(mesh, P("x", "y")),
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
   # Each emulated variant is traced under its transfer point; the compiled
   # executable keeps it.
   runs = {("ppermute (lax)", "-"): ref}
-  for v in names:
+  for v in _cli.progress(names, "compile"):
     for point in ("start", "done"):
       with asyncops.emulation(point):
         fn = _variants.build(v, mesh).trace(lhs, rhs).lower().compile()
@@ -85,10 +90,23 @@ def main(argv=None) -> int:
     for _ in range(2):
       jax.block_until_ready(fn(lhs, rhs))
   keys = list(runs)
-  for r in range(a.rounds):
+  for r in _cli.progress(range(a.rounds), "time rounds"):
     order = keys[r % len(keys) :] + keys[: r % len(keys)]
     for k in order:
       times[k] += [_once(runs[k], (lhs, rhs)) for _ in range(a.repeats)]
+  with contextlib.redirect_stdout(sys.stderr if a.json else sys.stdout):
+    _table(a, times, keys, (b, d, f), dtype)
+  if a.json:
+    rows = [
+      {"variant": v, "point": pt, "times_s": ts}
+      for (v, pt), ts in times.items()
+    ]
+    print(json.dumps({"shape": [b, d, f], "dtype": dtype.name, "rows": rows}))
+  return 0
+
+
+def _table(a, times, keys, shape, dtype) -> None:
+  b, d, f = shape
   base = times[keys[0]]
   bmin, bmed = min(base), statistics.median(base)
   total = a.rounds * a.repeats
@@ -108,8 +126,7 @@ def main(argv=None) -> int:
       f"| {v} | {point} | {tmin * 1e3:.2f} | {tmed * 1e3:.2f} | "
       f"{tmin / bmin:.3f} | {tmed / bmed:.3f} |"
     )
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli.run(main, prog="python -m benchmarks.cpu_walltime"))

@@ -17,8 +17,8 @@ simulates its scheduled HLO with :mod:`benchmarks._timeline` and prints one
 markdown table per shape and config. Traces and PNGs go to ``--out``.
 """
 
-import argparse
 import contextlib
+import json
 import math
 import os
 import pathlib
@@ -29,6 +29,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from asyncops import _cli
 from benchmarks import _chips, _hlo, _timeline, _trace, _variants
 
 
@@ -214,7 +215,7 @@ def table(rows, bound_us) -> str:
 
 def _run_table(label, variants, mesh, shape, config, text, chip, a, out):
   rows = []
-  for v in variants:
+  for v in _cli.progress(variants, f"{a.current} {label} {text}"):
     row, tl = measure(v, mesh, shape, config, chip, a.prefetch)
     rows.append(row)
     stem = f"{v.replace(':', '_')}_{text.replace(':', '-')}_{a_topo(a)}"
@@ -222,6 +223,9 @@ def _run_table(label, variants, mesh, shape, config, text, chip, a, out):
       tl, out, stem, f"{v} {text} {a.current}: {row['step_us']:.1f} us"
     )
   print(f"## {label} {text}\n\n{table(rows, rows[0]['step_us'])}\n", flush=True)
+  a.results.append(
+    dict(topology=a.current, family=label, config=text, rows=rows)
+  )
 
 
 def a_topo(a) -> str:
@@ -229,7 +233,7 @@ def a_topo(a) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = _cli.parser("python -m benchmarks.run", __doc__.split("\n")[0])
   p.add_argument("--topology", default="v5e:2x4", help="comma list")
   p.add_argument("--shape", default="1024,2048,8192", help="B,D,F (global)")
   p.add_argument(
@@ -248,8 +252,18 @@ def main(argv=None) -> int:
   p.add_argument("--out", default="out/bench")
   p.add_argument("--prefetch", default="free", choices=("free", "charged"))
   a = p.parse_args(argv)
-  shape = tuple(int(s) for s in a.shape.split(","))
-  out = pathlib.Path(a.out)
+  shape = _cli.parse_ints(a.shape, 3, flag="--shape")
+  out, a.results = pathlib.Path(a.out), []
+  for topology in a.topology.split(","):
+    _cli.check_topology(topology)
+  with contextlib.redirect_stdout(sys.stderr if a.json else sys.stdout):
+    _tables(a, shape, out)
+  if a.json:
+    print(json.dumps(a.results, indent=1))
+  return 0
+
+
+def _tables(a, shape, out) -> None:
   for topology in a.topology.split(","):
     a.current = topology
     chip = _chips.chip_for(topology)
@@ -278,8 +292,7 @@ def main(argv=None) -> int:
         _run_table(fam, fv, mesh, shape, config, text, chip, a, out)
   print("(*) contains custom calls without estimated_cycles (bytes model).")
   print(f"traces and PNGs: {out}/")
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli.run(main, prog="python -m benchmarks.run"))

@@ -45,8 +45,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncops  # noqa: E402
+from asyncops import _cli, inspect  # noqa: E402
 from asyncops import collective_matmul as cm  # noqa: E402
-from asyncops import inspect  # noqa: E402
 from asyncops.futures import check_futures  # noqa: E402
 
 N = 8
@@ -231,7 +231,7 @@ def value_versus_ref() -> None:
   section("5. value API versus Ref API on the same patterns (v5e:2x4)")
   from asyncops.compare import _table  # noqa: PLC0415
 
-  _table.main("v5e:2x4")
+  print(_table.format_table("v5e:2x4", _table.rows("v5e:2x4")))
 
 
 # 6. Modelled timeline -------------------------------------------------------
@@ -266,14 +266,37 @@ def timeline(topology: str = "v5e:2x4") -> None:
   print(f"   timeline picture: {png} (Perfetto trace beside it)")
 
 
-def main() -> None:
-  ring_numerics()
-  ring_on_tpu()
-  flagship_numerics()
-  flagship_on_tpu()
-  value_versus_ref()
-  timeline()
+SECTIONS = (
+  "ring_numerics",
+  "ring_on_tpu",
+  "flagship_numerics",
+  "flagship_on_tpu",
+  "value_versus_ref",
+  "timeline",
+)
+
+
+def main(argv=None) -> int:
+  p = _cli.parser("python examples/demo.py", __doc__.split("\n")[0])
+  p.add_argument(
+    "--sections",
+    default=",".join(SECTIONS),
+    help="comma list of sections to run (default: all, in order)",
+  )
+  a = p.parse_args(argv)
+  names = [s for s in a.sections.split(",") if s]
+  for s in names:
+    if s not in SECTIONS:
+      raise _cli.UsageError(
+        f"--sections: unknown section {s!r}; choose from {', '.join(SECTIONS)}"
+      )
+  with _cli.human_output(a.json):
+    for s in _cli.progress(names, "demo", unit="section"):
+      globals()[s]()
+  if a.json:
+    _cli.print_json({"sections": names, "ok": True})
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(_cli.run(main, prog="python examples/demo.py"))

@@ -26,7 +26,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncops  # noqa: E402
-from asyncops import inspect  # noqa: E402
+from asyncops import (
+  _cli,  # noqa: E402
+  inspect,  # noqa: E402
+)
 
 
 def f(x):
@@ -39,7 +42,17 @@ def program(mesh):
   return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
 
 
-def main() -> None:
+def main(argv=None) -> int:
+  p = _cli.parser("python examples/futures_layout.py", __doc__.split("\n")[0])
+  a = p.parse_args(argv)
+  with _cli.human_output(a.json):
+    lines = _show()
+  if a.json:
+    _cli.print_json({"kernels": lines})
+  return 0
+
+
+def _show() -> list[str]:
   mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
   x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
   print(jax.make_jaxpr(program(mesh))(x))
@@ -48,16 +61,17 @@ def main() -> None:
     (64, 128), jnp.float32, sharding=NamedSharding(tpu, P("i"))
   )
   text = inspect.analyze(program(tpu), xs).hlo_text
-  for line in text.splitlines():
-    if re.search(r"%asyncops_[\w.]+ = ", line):
-      print(
-        re.sub(
-          r", (metadata|backend_config|frontend_attributes)=.*",
-          "",
-          line.strip(),
-        )
-      )
+  lines = [
+    re.sub(
+      r", (metadata|backend_config|frontend_attributes)=.*", "", line.strip()
+    )
+    for line in text.splitlines()
+    if re.search(r"%asyncops_[\w.]+ = ", line)
+  ]
+  for line in lines:
+    print(line)
+  return lines
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(_cli.run(main, prog="python examples/futures_layout.py"))

@@ -23,6 +23,7 @@ from asyncops.collective_matmul import (
   mlp_block,
 )
 from asyncops.inspect import analyze, tpu_mesh
+from asyncops.testing import assert_copy_free
 
 B, D, F = 1024, 2048, 8192
 TOPOLOGIES = {
@@ -123,8 +124,7 @@ def check_overlap(
   ring step summed over the stages (default ``stages * directions``: one
   permute per direction; a bidirectional kernel moves both halves).
   """
-  report.assert_no_defensive_copies()
-  report.assert_no_inflight_copies()
+  assert_copy_free(report)
   kernels = stages * directions if kernels is None else kernels
   pairs = report.pairs_for("asyncops.ppermute") + report.pairs_for(
     "asyncops.bidirectional"

@@ -12,12 +12,13 @@ from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops.futures import check_futures
+from asyncops.testing import cpu_mesh
 
 N = 8
 
 
 def _mesh():
-  return jax.make_mesh((N,), ("i",))
+  return cpu_mesh((N,), ("i",))
 
 
 def _trace(body, dtype=jnp.float32, shape=(N * 2, 4)):
@@ -167,17 +168,17 @@ def test_recv_done_before_send_done():
     _trace(body)
 
 
-def test_never_awaited_warns_for_dropped_future():
+@pytest.mark.filterwarnings("ignore::asyncops.NeverAwaitedWarning")
+def test_never_awaited_raises_at_trace_time():
   def body(x):
     x, fut = asyncops.ppermute_start(x, "i", shift=1)
     return x
 
-  with pytest.warns(
-    asyncops.NeverAwaitedWarning,
-    match=r"test_errors.py:\d+ in body was never awaited",
+  with pytest.raises(
+    asyncops.FutureError,
+    match=r"started at .*test_errors.py:\d+ .*never awaited",
   ):
     _trace(body)
-    gc.collect()
 
 
 @pytest.mark.parametrize("loop", ["fori", "while", "jit"])
@@ -295,3 +296,68 @@ def test_check_accepts_good_program():
     return asyncops.recv_done(fut) + np.float32(2) * x2
 
   _check(body)
+
+
+# Argument types: each refused with the argument named ------------------------
+
+
+@pytest.mark.parametrize(
+  "start",
+  [
+    lambda r: asyncops.ppermute_start(r, "i", shift=1),
+    lambda r: asyncops.all_gather_start(r, "i"),
+    lambda r: asyncops.copy_start(r),
+    lambda r: asyncops.bidirectional_start(r, "i"),
+  ],
+  ids=["ppermute", "all_gather", "copy", "bidirectional"],
+)
+def test_ref_passed_to_the_value_api(start):
+  def body(x):
+    start(jax.new_ref(x))
+    return x
+
+  with pytest.raises(
+    TypeError, match=r"x is a jax.Ref.*asyncops.stateful\.\w+_start"
+  ):
+    _trace(body)
+
+
+@pytest.mark.parametrize(
+  "kw,pattern",
+  [
+    ({"axis": "0"}, r"axis must be an int, got '0'"),
+    ({"axis": True}, r"axis must be an int, got True"),
+    ({"axis": 1.0}, r"axis must be an int, got 1.0"),
+    ({"tiled": "yes"}, r"tiled must be True or False, got 'yes'"),
+    ({"tiled": 1}, r"tiled must be True or False, got 1"),
+  ],
+)
+def test_all_gather_argument_types(kw, pattern):
+  with pytest.raises(TypeError, match=pattern):
+    _trace(lambda x: asyncops.all_gather_start(x, "i", **kw)[0])
+
+
+def test_all_gather_axis_out_of_range_names_the_range():
+  with pytest.raises(ValueError, match=r"axis=5 is out of range.*\[-3, 3\)"):
+    _trace(lambda x: asyncops.all_gather_start(x, "i", axis=5)[0])
+
+
+@pytest.mark.parametrize("shift", [True, False, 1.0, "1"])
+def test_shift_must_be_int_not_bool(shift):
+  with pytest.raises(TypeError, match=r"shift must be a Python int"):
+    _trace(lambda x: asyncops.ppermute_start(x, "i", shift=shift)[0])
+
+
+def test_perm_entries_must_not_be_bools():
+  with pytest.raises(TypeError, match=r"perm entries must be pairs of ints"):
+    _trace(lambda x: asyncops.ppermute_start(x, "i", perm=[(True, 0)])[0])
+
+
+def test_numpy_ints_are_accepted():
+  def body(x):
+    x, fut = asyncops.all_gather_start(x, "i", axis=np.int64(0))
+    y = asyncops.all_gather_done(fut)
+    x, fut = asyncops.ppermute_start(x, "i", shift=np.int32(1))
+    return asyncops.ppermute_done(fut) + 0 * y.sum()
+
+  _trace(body)

@@ -13,13 +13,14 @@ from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops.futures import check_futures
+from asyncops.testing import cpu_mesh
 
 MODES = ("start", "done")
 N = 8
 
 
 def _mesh():
-  return jax.make_mesh((N,), ("i",))
+  return cpu_mesh((N,), ("i",))
 
 
 def _run(body, mode, x):

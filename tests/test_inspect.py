@@ -166,7 +166,7 @@ def test_other_topologies_smoke(reports, topology):
 
 
 def test_command_line_report(capsys):
-  assert cli.main(["tests.util:pattern_staggered_unroll1"]) == 0
+  assert cli.main(["tests.util:pattern_staggered_unroll1"]) == 1  # hazard
   out = capsys.readouterr().out
   assert "IN FLIGHT" in out and "DANGER" in out
   assert "util.py:" in out and "next iteration of %while" in out

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import asyncops
 from asyncops import scheduling as sch
 from asyncops.inspect import analyze, tpu_mesh
+from asyncops.testing import assert_copy_free, assert_overlapped
 
 AXES = ("x", "y")
 MESH_SHAPE = (2, 4)
@@ -200,11 +201,9 @@ def _report(name, topology):
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("name", list(PATTERNS))
 def test_compiles_clean_and_overlapped(name, topology):
-  r = _report(name, topology)
-  r.assert_no_defensive_copies()
-  r.assert_no_inflight_copies()
+  r = assert_copy_free(_report(name, topology))
   pairs = PATTERNS[name][3]
-  r.assert_overlapped(min_pairs=pairs, op="asyncops.ppermute_start")
+  assert_overlapped(r, min_pairs=pairs, op="asyncops.ppermute_start")
   assert all(p.source_live for p in r.pairs_for("asyncops.ppermute_start"))
 
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops import _jax_compat as jc
 from asyncops.inspect import tpu_mesh, tpu_topology
 
 MESH_AXES = ("x", "y")
@@ -57,8 +58,8 @@ def ppermute_start(x, axis_name="y", shift=1):
   x, out, s, r = pl.pallas_call(
     kernel,
     out_shape=(
-      jax.ShapeDtypeStruct.like(x),
-      jax.ShapeDtypeStruct.like(x),
+      jc.shape_like(x),
+      jc.shape_like(x),
       pltpu.SemaphoreType.DMA(()),
       pltpu.SemaphoreType.DMA(()),
     ),
@@ -85,7 +86,7 @@ def ppermute_done(fut):
   sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
   return pl.pallas_call(
     kernel,
-    out_shape=jax.ShapeDtypeStruct.like(out),
+    out_shape=jc.shape_like(out),
     in_specs=[any_spec, any_spec, sem_spec, sem_spec],
     out_specs=any_spec,
     input_output_aliases={1: 0},

@@ -15,6 +15,7 @@ columns to a multiple of ``n`` and the padding is sliced off the result.
 import jax
 import jax.numpy as jnp
 
+from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import _reducescatter, _validate
 
 
@@ -71,7 +72,5 @@ def matmul_allreduce(
       return block[:, :f]
     # "invarying": the result is the same on every device of the axis (as
     # psum's), so out_specs may leave the axis out.
-    out = jax.lax.all_gather(
-      block, axis_name, axis=1, tiled=True, to="invarying"
-    )
+    out = jc.all_gather_invariant(block, axis_name, axis=1, tiled=True)
     return out[:, :f]

@@ -50,36 +50,47 @@ def lines_of_code(fn) -> int:
   return sum(1 for s in src[1:] if s.strip() and not s.strip().startswith("#"))
 
 
-def rows(topology: str = "v5e:2x4"):
-  """One dict per pattern: ``{"pattern", "value": {...}, "ref": {...}}``."""
-  out = []
-  for p in PATTERNS:
-    row = {"pattern": p.name}
-    for side in ("value", "ref"):
-      r = _report(topology, p, side)
-      pairs = r.pairs_for(f"asyncops_{p.op}_")
-      row[side] = dict(
-        defensive=len(r.defensive_copies),
-        inflight=len(r.inflight_copies),
-        overlapped=f"{sum(q.overlapped for q in pairs)}/{len(pairs)}",
-        peak_mib=r.memory.get("peak_memory_in_bytes", -1) / 2**20,
-        loc=lines_of_code(getattr(p, side)),
-      )
-    out.append(row)
+def row(topology: str, p) -> dict:
+  """``{"pattern", "value": {...}, "ref": {...}}`` for one pattern."""
+  out = {"pattern": p.name}
+  for side in ("value", "ref"):
+    r = _report(topology, p, side)
+    pairs = r.pairs_for(f"asyncops_{p.op}_")
+    out[side] = dict(
+      defensive=len(r.defensive_copies),
+      inflight=len(r.inflight_copies),
+      overlapped=f"{sum(q.overlapped for q in pairs)}/{len(pairs)}",
+      peak_mib=r.memory.get("peak_memory_in_bytes", -1) / 2**20,
+      loc=lines_of_code(getattr(p, side)),
+    )
   return out
 
 
-def main(topology: str = "v5e:2x4") -> None:
-  print(
+def rows(topology: str = "v5e:2x4", patterns=None, progress=None):
+  """One dict per pattern: ``{"pattern", "value": {...}, "ref": {...}}``.
+
+  Args:
+    topology: the TPU topology to compile for (8 devices, a 2x4 mesh).
+    patterns: the patterns to compare (default: all of ``PATTERNS``).
+    progress: optional ``progress(iterable, desc)`` wrapper (a bar).
+  """
+  ps = list(PATTERNS if patterns is None else patterns)
+  it = progress(ps, "compare") if progress else ps
+  return [row(topology, p) for p in it]
+
+
+def format_table(topology: str, table: list[dict]) -> str:
+  """The rows as the text table ``python -m asyncops.compare`` prints."""
+  out = [
     f"value API (scheduling helpers) vs Ref API, {topology}, mesh 2x4, "
     f"x: {SHARD[0]}x{SHARD[1]} f32 per device"
-  )
+  ]
   cols = ("defensive", "in-flight", "overlapped", "peak MiB", "lines")
   head = f"{'pattern':<18}|" + "|".join(f"{c:^15}" for c in cols)
-  print(head)
-  print(f"{'':<18}|" + "|".join(f"{'val':>7}{'ref':>7} " for _ in cols))
-  print("-" * len(head))
-  for r in rows(topology):
+  out.append(head)
+  out.append(f"{'':<18}|" + "|".join(f"{'val':>7}{'ref':>7} " for _ in cols))
+  out.append("-" * len(head))
+  for r in table:
     v, f = r["value"], r["ref"]
     cells = [
       (v["defensive"], f["defensive"]),
@@ -88,6 +99,7 @@ def main(topology: str = "v5e:2x4") -> None:
       (f"{v['peak_mib']:.1f}", f"{f['peak_mib']:.1f}"),
       (v["loc"], f["loc"]),
     ]
-    print(
+    out.append(
       f"{r['pattern']:<18}|" + "|".join(f"{a!s:>7}{b!s:>7} " for a, b in cells)
     )
+  return "\n".join(out)

@@ -8,6 +8,8 @@ insert a defensive copy (and lets it schedule that code before the start).
 import jax
 import jax.numpy as jnp
 
+from asyncops import _jax_compat as jc
+from asyncops.futures import _check as _lifecycle
 from asyncops.futures import _emulation, _primitives, _validate
 from asyncops.futures._future import Future, FutureError, _user_frame
 from asyncops.futures._spec import MemorySpace, OpSpec
@@ -18,6 +20,8 @@ def _start(x, spec: OpSpec):
   _registry.get(spec.kind).validate(spec)
   with jax.named_scope(f"asyncops.{spec.kind}_start"):
     x, dst, *sems = _primitives.start_p.bind(x, spec=spec)
+  if sems:
+    jc.mark_frame(sems[0])  # the life-cycle check runs when tracing ends
   return x, Future(tuple(sems), x, dst, spec, origin=_user_frame())
 
 
@@ -50,6 +54,10 @@ def _wait_all(fut: Future, fn: str, kind: str | None):
     else:
       y = _primitives.done_p.bind(fut.src, fut.dst, *fut.sems, spec=spec)
   return _finalize(y, spec)
+
+
+# Importing the life-cycle check installs it on every trace we take part in.
+del _lifecycle
 
 
 def collective_spec(kind, x, axis_name, fn, perm=(), **kw) -> OpSpec:
@@ -182,14 +190,18 @@ def all_gather_start(x, axis_name: str, *, axis: int = 0, tiled: bool = False):
     ``(x, future)`` for :func:`all_gather_done`.
 
   Raises:
+    TypeError: ``axis`` is not an int, or ``tiled`` not a bool.
     ValueError: ``axis`` out of range.
   """
   fn = "all_gather_start"
   _validate.array(x, fn)
+  axis = _validate.integer(axis, fn, "axis")
+  tiled = _validate.boolean(tiled, fn, "tiled")
   ndim = len(x.shape) if tiled else len(x.shape) + 1
-  if not isinstance(axis, int) or not -ndim <= axis < ndim:
+  if not -ndim <= axis < ndim:
     raise ValueError(
-      f"{fn}: axis={axis!r} is out of range for a result of rank {ndim}."
+      f"{fn}: axis={axis!r} is out of range for a result of rank {ndim}; "
+      f"pass an int in [{-ndim}, {ndim})."
     )
   size = _validate.axis(axis_name, fn)
   pairs = tuple((i, j) for i in range(size) for j in range(size) if i != j)

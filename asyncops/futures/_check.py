@@ -21,6 +21,16 @@ Rules it enforces (each is a way to corrupt data or hang on TPU):
 * all branches of a ``cond`` treat the futures alike;
 * a future does not escape the checked function (a TPU program cannot hand
   its DMA semaphores to another program).
+
+**The same analysis runs by default** on every program asyncops traces
+something into (``default_check``, run when JAX finishes tracing a jaxpr):
+a start never awaited, awaited twice, awaited in only some branches of a
+``cond``, dropped in a loop body or captured by one raises at trace time.
+That check is lenient where a jaxpr cannot know the whole story: futures
+that come in from an enclosing trace are checked by the enclosing trace,
+and futures may be returned (the enclosing trace follows them). Only
+:func:`check_futures` requires that nothing escapes the checked function
+and that semaphores are never used by other primitives.
 """
 
 import dataclasses
@@ -35,7 +45,44 @@ from asyncops.futures import _primitives as prims
 from asyncops.futures._future import FutureError
 
 # Primitives that hand each operand to the same-position output unchanged.
-_FORWARDING = frozenset({"pvary", "copy", "copy_p", "optimization_barrier"})
+_FORWARDING = frozenset(
+  {"pvary", "copy", "copy_p", "optimization_barrier", "asyncops_tie"}
+)
+
+# How each primitive takes part: a start defines semaphores (the positions
+# of its outputs that are semaphores; where its user code is); a wait
+# consumes them (the position of its first semaphore operand and how many
+# of them it awaits; the rest are only checked).
+_STARTS: dict[Any, Callable[[Any], Sequence[int]]] = {}
+_ORIGINS: dict[Any, Callable[[Any], str]] = {}
+_WAITS: dict[Any, Callable[[Any], tuple[int, int]]] = {}
+
+
+def register_start(
+  prim, sem_outputs: Callable[[Any], Sequence[int]], origin=None
+) -> None:
+  """Declares ``prim`` a start: ``sem_outputs(eqn)`` are its semaphores."""
+  _STARTS[prim] = sem_outputs
+  if origin is not None:
+    _ORIGINS[prim] = origin
+
+
+def register_wait(prim, sems: Callable[[Any], tuple[int, int]]) -> None:
+  """Declares ``prim`` a wait: ``sems(eqn) = (first, n_awaited)``."""
+  _WAITS[prim] = sems
+
+
+def _value_done(eqn) -> tuple[int, int]:
+  first = 1 if eqn.primitive is prims.recv_done_p else 2
+  n = len(eqn.invars) - first
+  if eqn.primitive is prims.send_done_p:
+    n = prims.n_send(eqn.params["spec"])
+  return first, n
+
+
+register_start(prims.start_p, lambda eqn: range(2, len(eqn.outvars)))
+for _p in (prims.done_p, prims.send_done_p, prims.recv_done_p):
+  register_wait(_p, _value_done)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +97,8 @@ def _where(sem: _Sem) -> str:
   return f"the future of {sem.what} started at {sem.origin}"
 
 
-def _fail(msg: str) -> None:
-  raise FutureError(f"check_futures: {msg}")
+def _fail(msg: str, prefix: str = "check_futures") -> None:
+  raise FutureError(f"{prefix}: {msg}")
 
 
 def _open(j) -> Any:
@@ -59,17 +106,42 @@ def _open(j) -> Any:
 
 
 class _Flow:
-  """Semaphore flow through one jaxpr."""
+  """Semaphore flow through one jaxpr.
 
-  def __init__(self, jaxpr, in_sems: Sequence[_Sem | None]):
+  ``lenient``: the default check on one finished trace. Semaphores that come
+  in from an enclosing trace are unknown here (``None``), so waiting on an
+  unknown semaphore is not an error, and uses the analysis cannot follow
+  (a primitive computing with a semaphore, a scanned input or output) end
+  the tracking instead of failing.
+  """
+
+  def __init__(
+    self,
+    jaxpr,
+    in_sems: Sequence[_Sem | None],
+    lenient: bool = False,
+    note: str = "",
+  ):
+    self.lenient = lenient
+    self.note = note
+    self.prefix = "asyncops" if lenient else "check_futures"
     self.jaxpr = _open(jaxpr)
     self.sems: dict[Any, _Sem] = {}
     self.uses: dict[Any, int] = {}
     self.local: list[Any] = []
+    # Outputs of forwarding primitives (barriers) are the same semaphore:
+    # a use of either is a use of the original.
+    self.alias: dict[Any, Any] = {}
     for v, s in zip(self.jaxpr.invars, in_sems, strict=True):
       if s is not None:
         self.sems[v] = s
         self.uses[v] = 0
+
+  def sub(self, jaxpr, in_sems) -> "_Flow":
+    return _Flow(jaxpr, in_sems, self.lenient, self.note)
+
+  def fail(self, msg: str) -> None:
+    _fail(msg, self.prefix)
 
   def sem_of(self, v) -> _Sem | None:
     if isinstance(v, jex.Literal):
@@ -77,11 +149,11 @@ class _Flow:
     return self.sems.get(v)
 
   def consume(self, v) -> None:
-    self.uses[v] += 1
+    self.uses[self.alias.get(v, v)] += 1
 
   def define(self, v, sem: _Sem) -> None:
-    if isinstance(v, jex.DropVar):
-      _fail(f"{_where(sem)} is dropped: its semaphores are never awaited.")
+    if jc.is_drop_var(v):
+      self.fail(f"{_where(sem)} is dropped: its semaphores are never awaited.")
     self.sems[v] = sem
     self.uses[v] = 0
     self.local.append(v)
@@ -98,17 +170,19 @@ class _Flow:
       outs.append(s)
     for v in self.local:
       self.check_once(v, "")
-    return outs, [self.uses.get(v, 0) for v in self.jaxpr.invars]
+    return outs, [
+      self.uses.get(self.alias.get(v, v), 0) for v in self.jaxpr.invars
+    ]
 
   def check_once(self, v, where: str) -> None:
     n, sem = self.uses[v], self.sems[v]
     if n == 0:
-      _fail(
-        f"{_where(sem)} is never awaited{where}. Pass it to the matching "
-        "*_done (or return it from the loop body as a carry)."
+      self.fail(
+        f"{_where(sem)} is never awaited{where}{self.note}. Pass it to the "
+        "matching *_done (or return it from the loop body as a carry)."
       )
     if n > 1:
-      _fail(
+      self.fail(
         f"{_where(sem)} is awaited or handed on {n} times{where}. Await "
         "each future exactly once: do not await a future and a copy of it "
         "(jax.tree.map, a second capture), and do not return it twice."
@@ -119,24 +193,25 @@ class _Flow:
   def eqn(self, eqn) -> None:
     p = eqn.primitive
     in_sems = [self.sem_of(v) for v in eqn.invars]
-    if p is prims.start_p:
-      spec = eqn.params["spec"]
-      sem = _Sem(jc.user_frame(eqn), spec.short())
-      for v in eqn.outvars[2:]:
-        self.define(v, sem)
+    if p in _STARTS:
+      what = eqn.params["spec"].short()
+      origin = _ORIGINS.get(p, jc.user_frame)(eqn)
+      sem = _Sem(origin, what)
+      for k in _STARTS[p](eqn):
+        self.define(eqn.outvars[k], sem)
       return
-    if p in (prims.done_p, prims.send_done_p, prims.recv_done_p):
+    if p in _WAITS:
       self.wait(eqn, in_sems)
       return
     name = p.name
-    has_sub = any(True for _ in jex.jaxprs_in_params(eqn.params))
+    has_sub = any(True for _ in jc.jaxprs_in_params(eqn.params))
     if not any(in_sems) and not has_sub:
       return
     if name in _FORWARDING:
       for v, o, s in zip(eqn.invars, eqn.outvars, in_sems, strict=False):
-        if s is not None:
-          self.consume(v)
-          self.define(o, s)
+        if s is not None and not jc.is_drop_var(o):
+          self.sems[o] = s
+          self.alias[o] = self.alias.get(v, v)
       return
     if name == "while":
       self.while_loop(eqn, in_sems)
@@ -147,24 +222,32 @@ class _Flow:
     elif (call := self.call_jaxpr(eqn)) is not None:
       self.call(eqn, call, in_sems)
     elif any(in_sems):
-      sem = next(s for s in in_sems if s is not None)
-      _fail(
-        f"{_where(sem)} has its semaphores used by `{name}`. Semaphores "
-        "may only be awaited (passed to a *_done) or carried; do not "
-        "compute with a future's children."
-      )
+      self.untracked(eqn.invars, in_sems, f"used by `{name}`")
+
+  def untracked(self, invars, in_sems, how: str) -> None:
+    """Semaphores the analysis cannot follow any further."""
+    if self.lenient:
+      for v, s in zip(invars, in_sems, strict=True):
+        if s is not None:
+          self.consume(v)
+      return
+    sem = next(s for s in in_sems if s is not None)
+    self.fail(
+      f"{_where(sem)} has its semaphores {how}. Semaphores may only be "
+      "awaited (passed to a *_done) or carried; do not compute with a "
+      "future's children."
+    )
 
   def wait(self, eqn, in_sems) -> None:
     spec = eqn.params["spec"]
-    first = 1 if eqn.primitive is prims.recv_done_p else 2
-    n_consume = len(eqn.invars) - first
-    if eqn.primitive is prims.send_done_p:
-      n_consume = prims.n_send(spec)
+    first, n_consume = _WAITS[eqn.primitive](eqn)
     for k, (v, s) in enumerate(
       zip(eqn.invars[first:], in_sems[first:], strict=True)
     ):
       if s is None:
-        _fail(
+        if self.lenient:  # from an enclosing trace: it checks this wait
+          continue
+        self.fail(
           f"a {eqn.primitive.name} of {spec.short()} at "
           f"{jc.user_frame(eqn)} waits on a semaphore no start produced. "
           "Pass the Future a *_start returned; do not build one by hand."
@@ -173,7 +256,7 @@ class _Flow:
         self.consume(v)
 
   def call(self, eqn, jaxpr, in_sems) -> None:
-    outs, uses = _Flow(jaxpr, in_sems).run()
+    outs, uses = self.sub(jaxpr, in_sems).run()
     for v, s, n in zip(eqn.invars, in_sems, uses, strict=True):
       if s is not None:
         self.consume(v)
@@ -182,12 +265,14 @@ class _Flow:
       if s is not None:
         self.define(o, s)
 
-  @staticmethod
-  def expect(sem: _Sem, n: int, where: str) -> None:
+  def expect(self, sem: _Sem, n: int, where: str) -> None:
     if n == 0:
-      _fail(f"{_where(sem)} is never awaited{where}.")
+      self.fail(
+        f"{_where(sem)} is never awaited{where}{self.note}. Await it (or "
+        "return it) on every path."
+      )
     if n > 1:
-      _fail(f"{_where(sem)} is awaited {n} times{where}.")
+      self.fail(f"{_where(sem)} is awaited {n} times{where}.")
 
   @staticmethod
   def call_jaxpr(eqn):
@@ -202,13 +287,12 @@ class _Flow:
           found.append(val)
     return found[0] if len(found) == 1 else None
 
-  @staticmethod
-  def unused_consts(sems, uses, what: str) -> None:
+  def unused_consts(self, sems, uses, what: str) -> None:
     """Loop constants may hold futures (JAX hoists untouched carries) only
     if the body never awaits them."""
     for s, n in zip(sems, uses, strict=False):
       if s is not None and n:
-        _fail(
+        self.fail(
           f"{_where(s)} is captured by a {what} body as a constant: the "
           "body would await it on every iteration. Pass the future in as a "
           "loop carry instead (await it in the body, start the next one, "
@@ -218,7 +302,7 @@ class _Flow:
   def loop_body(self, body, const_sems, carry_sems, n_extra_in, what):
     """Analyses a loop body; returns the carry's output semaphores."""
     ins = list(const_sems) + list(carry_sems) + [None] * n_extra_in
-    outs, uses = _Flow(body, ins).run()
+    outs, uses = self.sub(body, ins).run()
     n_c = len(const_sems)
     self.unused_consts(const_sems, uses[:n_c], what)
     for k, s in enumerate(carry_sems):
@@ -226,13 +310,13 @@ class _Flow:
       if s is not None:
         self.expect(s, uses[n_c + k], f" in a {what} body (carry {k})")
         if out is None:
-          _fail(
+          self.fail(
             f"{_where(s)} is carried into a {what} (carry {k}) but the "
             "body does not carry a future out. Each iteration that awaits "
             "the carried future must start the next one and return it."
           )
-      elif out is not None:
-        _fail(
+      elif out is not None and not self.lenient:
+        self.fail(
           f"{_where(out)} is returned as {what} carry {k}, whose initial "
           "value is not a future. Start the first transfer before the loop "
           "and carry its future."
@@ -242,10 +326,12 @@ class _Flow:
   def while_loop(self, eqn, in_sems) -> None:
     nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     carry = in_sems[nc + nb :]
-    _, cond_uses = _Flow(eqn.params["cond_jaxpr"], in_sems[:nc] + carry).run()
+    _, cond_uses = self.sub(
+      eqn.params["cond_jaxpr"], in_sems[:nc] + carry
+    ).run()
     for s, n in zip(in_sems[:nc] + carry, cond_uses, strict=True):
       if s is not None and n:
-        _fail(f"{_where(s)} is used by a while_loop's condition.")
+        self.fail(f"{_where(s)} is used by a while_loop's condition.")
     outs = self.loop_body(
       eqn.params["body_jaxpr"], in_sems[nc : nc + nb], carry, 0, "while_loop"
     )
@@ -254,16 +340,18 @@ class _Flow:
   def scan(self, eqn, in_sems) -> None:
     nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
     carry = in_sems[nc : nc + ncarry]
-    for s in in_sems[nc + ncarry :]:
-      if s is not None:
-        _fail(f"{_where(s)} is passed to a scan as a scanned input (xs).")
+    xs = in_sems[nc + ncarry :]
+    if any(xs):
+      self.untracked(
+        eqn.invars[nc + ncarry :], xs, "passed to a scan as scanned inputs"
+      )
     n_xs = len(eqn.invars) - nc - ncarry
     outs = self.loop_body(
       eqn.params["jaxpr"], in_sems[:nc], carry, n_xs, "scan/fori_loop"
     )
     for s in outs[ncarry:]:
-      if s is not None:
-        _fail(
+      if s is not None and not self.lenient:
+        self.fail(
           f"{_where(s)} is returned as a scan output (ys): the stacked "
           "semaphores cannot be awaited. Await it inside the body."
         )
@@ -274,20 +362,31 @@ class _Flow:
   def cond(self, eqn, in_sems) -> None:
     branches = eqn.params["branches"]
     ops = in_sems[1:]
-    results = [_Flow(b, ops).run() for b in branches]
+    results = [self.sub(b, ops).run() for b in branches]
     for k, s in enumerate(ops):
       if s is not None:
         for i, (_, uses) in enumerate(results):
-          self.expect(s, uses[k], f" in branch {i} of a cond")
+          hint = (
+            f" ({'false_fun' if i == 0 else 'true_fun'} of lax.cond)"
+            if len(results) == 2
+            else ""
+          )
+          self.expect(s, uses[k], f" in branch {i} of a cond{hint}")
     outs0 = results[0][0]
     for outs, _ in results[1:]:
       if [o is None for o in outs] != [o is None for o in outs0]:
-        _fail(
+        if self.lenient:  # a branch may return a future from outside
+          continue
+        self.fail(
           "the branches of a cond return futures in different positions "
           f"(started at {[o.origin for o in outs if o]} vs "
           f"{[o.origin for o in outs0 if o]})."
         )
-    self.hand_over(eqn.invars, eqn.outvars, in_sems, outs0)
+    outs = [
+      next((r[0][k] for r in results if r[0][k] is not None), None)
+      for k in range(len(outs0))
+    ]
+    self.hand_over(eqn.invars[1:], eqn.outvars, ops, outs)
 
   def hand_over(self, invars, outvars, in_sems, outs) -> None:
     for v, s in zip(invars, in_sems, strict=True):
@@ -296,6 +395,31 @@ class _Flow:
     for o, s in zip(outvars, outs, strict=False):
       if s is not None:
         self.define(o, s)
+
+
+def default_check(jaxpr, consts=()) -> None:
+  """The life-cycle check run on every finished trace asyncops is part of.
+
+  Raises:
+    FutureError: a start never awaited or awaited twice on some path, in
+      this jaxpr (futures from an enclosing trace are checked there).
+  """
+  del consts
+  jaxpr = _open(jaxpr)
+  _Flow(jaxpr, [None] * len(jaxpr.invars), lenient=True).run()
+  # What is compiled: a done whose result nothing uses is dead code.
+  live = jc.without_dead_code(jaxpr)
+  _Flow(live, [None] * len(live.invars), lenient=True, note=_DEAD).run()
+
+
+_DEAD = (
+  " in the compiled program: its done's result is never used, so JAX "
+  "removes the done as dead code before compiling and the DMA is never "
+  "waited for. Use the done's result (e.g. add 0 * result to an output)"
+)
+
+
+jc.on_jaxpr_traced(default_check)
 
 
 def check_futures(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

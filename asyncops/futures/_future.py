@@ -19,13 +19,13 @@ being handed to a transformation, e.g. as a loop carry) warns when it is
 garbage collected.
 """
 
-import traceback
 import warnings
 import weakref
 from typing import Any, Literal
 
 import jax
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 
 State = Literal["inflight", "sent"]
@@ -61,13 +61,8 @@ class NeverAwaitedWarning(RuntimeWarning):
 
 
 def _user_frame() -> str:
-  """``file:line in fn`` of the first frame outside asyncops and JAX."""
-  for frame in reversed(traceback.extract_stack()):
-    f = frame.filename
-    if "/asyncops/" in f or "/jax/" in f or "/contextlib" in f:
-      continue
-    return f"{f}:{frame.lineno} in {frame.name}"
-  return "<unknown>"
+  """``file:line in fn`` of the user code calling asyncops (not our frames)."""
+  return jc.user_source_frame()
 
 
 @jax.tree_util.register_pytree_node_class
@@ -79,13 +74,17 @@ class Future:
 
   Example:
     >>> import asyncops, jax, jax.numpy as jnp
-    >>> mesh = jax.make_mesh((8,), ("i",))
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
     >>> @jax.jit
     ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
     ... def f(x):
     ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
-    ...   z = x * 2  # overlaps the transfer on TPU
+    ...   # pinned between start and done: overlaps the transfer on TPU
+    ...   z, fut = asyncops.scheduling.overlap(fut, lambda x: x * 2, x)
     ...   return asyncops.ppermute_done(fut) + z
+    >>> f(jnp.arange(8.0))
+    Array([ 7.,  2.,  5.,  8., 11., 14., 17., 20.], dtype=float32)
   """
 
   __slots__ = (
@@ -135,6 +134,8 @@ class Future:
   def tree_unflatten(cls, aux, children):
     spec, state = aux
     sems, src, dst = children
+    if sems:  # a future enters a trace: check that trace when it ends
+      jc.mark_frame(sems[0])
     fut = cls(sems, src, dst, spec, state)
     # Futures made by transformations (loop bodies, jit) are tracked from
     # here on but never warn: their origin owns the obligation to await.

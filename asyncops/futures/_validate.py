@@ -5,12 +5,20 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from asyncops import _jax_compat as jc
 from asyncops.kernels import _common
 
 
 def array(x, fn: str, name: str = "x"):
   """Checks ``x`` is an array a TPU DMA can move."""
+  if jc.is_ref(x):
+    raise TypeError(
+      f"{fn}: {name} is a jax.Ref; the value API (asyncops.{fn}) takes "
+      f"arrays. Transfer between Refs with asyncops.stateful.{fn}(src_ref, "
+      f"dst_ref, ...), or pass the Ref's value ({name}[...])."
+    )
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(
       f"{fn}: {name} must be a JAX array, got {type(x).__name__}. "
@@ -29,6 +37,20 @@ def array(x, fn: str, name: str = "x"):
       "index the result with [0]."
     )
   return x
+
+
+def integer(value, fn: str, name: str) -> int:
+  """Checks ``value`` is a Python (or NumPy) int, not a bool; returns it."""
+  if isinstance(value, bool) or not hasattr(value, "__index__"):
+    raise TypeError(f"{fn}: {name} must be an int, got {value!r}.")
+  return operator.index(value)
+
+
+def boolean(value, fn: str, name: str) -> bool:
+  """Checks ``value`` is a bool (Python or NumPy); returns it."""
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(f"{fn}: {name} must be True or False, got {value!r}.")
+  return bool(value)
 
 
 def axis(axis_name, fn: str) -> int:
@@ -76,12 +98,9 @@ def perm(perm, shift, axis_size: int, fn: str) -> tuple[tuple[int, int], ...]:
       "sends to index + shift, modulo the axis size)."
     )
   if shift is not None:
-    try:
-      shift = operator.index(shift)
-    except TypeError:
-      raise TypeError(
-        f"{fn}: shift must be a Python int, got {shift!r}."
-      ) from None
+    if isinstance(shift, bool) or not hasattr(shift, "__index__"):
+      raise TypeError(f"{fn}: shift must be a Python int, got {shift!r}.")
+    shift = operator.index(shift)
     return tuple((i, (i + shift) % axis_size) for i in range(axis_size))
   if not isinstance(perm, Sequence) or isinstance(perm, str):
     raise TypeError(
@@ -91,6 +110,8 @@ def perm(perm, shift, axis_size: int, fn: str) -> tuple[tuple[int, int], ...]:
   pairs = []
   for p in perm:
     try:
+      if any(isinstance(v, bool) for v in p):
+        raise TypeError
       s, d = (operator.index(v) for v in p)
     except (TypeError, ValueError):
       raise TypeError(

@@ -398,12 +398,15 @@ def analyze_module(
     for key, why in _inflight(m, g, s, d, srcs, dsts, between).items():
       inflight.setdefault(
         key,
-        f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
-        + (f" [{', '.join(crossing)}]" if crossing else ""),
+        (
+          f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
+          + (f" [{', '.join(crossing)}]" if crossing else ""),
+          "destination" in why or not pairs[-1].source_live,
+        ),
       )
 
   copies = [
-    _classify(m, uf, i, out_idx, k, inflight.get((i.name, out_idx), ""))
+    _classify(m, uf, i, out_idx, k, *inflight.get((i.name, out_idx), ("", 0)))
     for c in m.computations.values()
     for i in c.instrs
     for out_idx, k in copy_ops(m, i)
@@ -538,7 +541,7 @@ def _inflight(
   its result reaches ``d`` in an operand slot that carries the transfer's
   buffers (so the done would alias a buffer the DMA never touched).
   """
-  window = {i.name for i in between}
+  window = {i.name for i in _nested(m, between)}
   seeds = {
     "source": [_resolve(m, p) for p in srcs]
     + [(s.name, out_idx) for out_idx, _, _ in s.aliasing],
@@ -576,6 +579,22 @@ def _inflight(
   return found
 
 
+def _nested(m: Module, instrs) -> list[Instr]:
+  """``instrs`` and everything the computations they call run (a
+  conditional or loop inside a window runs its branches there too)."""
+  out, todo, seen = [], list(instrs), set()
+  while todo:
+    i = todo.pop()
+    out.append(i)
+    if i.computation in _fused(m):
+      continue
+    for c in i.called:
+      if c in m.computations and c not in seen and c not in _fused(m):
+        seen.add(c)
+        todo.extend(m.computations[c].instrs)
+  return out
+
+
 def _resolve(m: Module, pos: Pos) -> Pos:
   """Follows get-tuple-element/tuple/bitcast back to the defining value."""
   name, idx = pos
@@ -608,7 +627,11 @@ def _classify(
   out_idx: tuple[int, ...],
   k: int,
   inflight: str,
+  hazard: bool = False,
 ) -> Copy:
+  """Classifies one copy; an in-flight one is graded by what it can break:
+  a ``hazard`` when it touches the destination or the source's buffer does
+  not live until the done, else a ``cost`` (a read of a live source)."""
   operand = i.operands[k]
   src = m.instr(operand)
   out_leaf = i.leaf(out_idx)
@@ -644,6 +667,7 @@ def _classify(
     instr=i,
     opcode=i.opcode,
     output_index=out_idx if i.opcode != "copy-start" else (),
+    grade=("hazard" if hazard else "cost") if inflight else "",
   )
 
 

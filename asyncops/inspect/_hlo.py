@@ -25,7 +25,29 @@ import json
 import re
 from typing import Any
 
-MEMORY_SPACES = {0: "HBM", 1: "VMEM", 2: "SEM", 3: "SMEM", 5: "HOST"}
+# The memory space numbers of TPU layouts (``S(n)``), one table for v4, v5e,
+# v5p and v6e. Sources: jax/_src/tpu_custom_call.py (``MemorySpace.color``:
+# HBM 0, VMEM 1, semaphores 2, SMEM 4, host 5) and compiles of this
+# project's programs for each generation (design/inspect.md):
+# - S(1) VMEM: v5e/v5p/v6e put whole buffers there (128/64/128 MiB); v4
+#   rejects it for buffers ("Invalid memory space: 1", VMEM is 16 MiB);
+# - S(2) semaphores (sync flags): every DMA semaphore;
+# - S(3) CMEM, v4's 128 MiB common memory: the same 4 MiB buffers that sit
+#   in S(1) on the other chips sit in S(3) on v4, and compiling with
+#   ``xla_tpu_cmem_memory_space_assignment=False`` removes every S(3); the
+#   other generations have no CMEM (jax/_src/pallas/mosaic/tpu_info.py) and
+#   never show S(3);
+# - S(6): scalars of the scalar unit (loop counters, slot indices, s32/pred
+#   of one element), on every generation.
+MEMORY_SPACES = {
+  0: "HBM",
+  1: "VMEM",
+  2: "SEM",
+  3: "CMEM",
+  4: "SMEM",
+  5: "HOST",
+  6: "SCALAR",
+}
 
 # Bits per element of XLA's array element types; other leaves (``token``,
 # ``opaque``) hold no array data.

@@ -25,7 +25,9 @@ _WHY = {
     "copy insertion: XLA saw a buffer aliased by an in-place op while "
     "another user still needed the old value (costs a full read+write)"
   ),
-  "memory_space": "a move between memory spaces (e.g. HBM <-> VMEM)",
+  "memory_space": (
+    "a move between memory spaces (e.g. HBM <-> VMEM, or CMEM on v4)"
+  ),
   "output": "an entry parameter copied into a non-donated output",
   "scalar": "a scalar (loop counter or similar); harmless",
 }
@@ -56,6 +58,11 @@ class Copy:
     opcode: ``copy``, ``copy-start``, or the op hiding a whole-buffer copy
       (``fusion``, ``dynamic-update-slice``).
     output_index: which output of a multi-output fusion is the copy.
+    grade: what an in-flight copy can break: ``"hazard"`` (it reads or
+      replaces a destination the DMA is writing, or reads a source whose
+      buffer XLA may free or reuse before the done: wrong results),
+      ``"cost"`` (it only reads a source that stays live until the done:
+      right values, extra memory traffic) or ``""`` (not in flight).
   """
 
   name: str
@@ -70,6 +77,7 @@ class Copy:
   instr: Instr = dataclasses.field(repr=False, compare=False)
   opcode: str = "copy"
   output_index: tuple[int, ...] = ()
+  grade: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +167,21 @@ class Report:
     return [c for c in self.copies if c.inflight]
 
   @property
+  def hazardous_copies(self) -> list[Copy]:
+    """In-flight copies that can give wrong results (``grade="hazard"``)."""
+    return [c for c in self.copies if c.grade == "hazard"]
+
+  @property
+  def unawaited_starts(self) -> list[Instr]:
+    """Kernel starts that reach no done: their DMA is never waited for."""
+    paired = {p.start for p in self.pairs}
+    return [
+      s
+      for s in self.starts
+      if s.name not in paired and s.opcode == "custom-call"
+    ]
+
+  @property
   def kernel_pairs(self) -> list[Pair]:
     return [p for p in self.pairs if p.kind == "kernel"]
 
@@ -185,6 +208,23 @@ class Report:
       raise AssertionError(
         "copies of buffers that a transfer is reading or writing:\n"
         + "\n".join(_copy_line(c) for c in self.inflight_copies)
+      )
+
+  def assert_no_hazards(self) -> None:
+    """Raises AssertionError on what can corrupt data: a copy graded
+    ``hazard`` or a start with no done (read-only copies of a live source
+    only cost time and pass)."""
+    lines = [_copy_line(c) for c in self.hazardous_copies]
+    lines += [_orphan_line(s) for s in self.unawaited_starts]
+    if lines:
+      raise AssertionError("hazards found:\n" + "\n".join(lines))
+
+  def assert_all_awaited(self) -> None:
+    """Raises AssertionError listing kernel starts that reach no done."""
+    if self.unawaited_starts:
+      raise AssertionError(
+        "starts with no done:\n"
+        + "\n".join(_orphan_line(s) for s in self.unawaited_starts)
       )
 
   def assert_overlapped(self, min_pairs: int = 1, op: str | None = None):
@@ -228,8 +268,23 @@ def _copy_line(c: Copy) -> str:
     f"{op}copy of %{c.operand}{where} (in %{c.computation})"
   )
   if c.inflight:
-    line += f"\n      IN FLIGHT: {c.inflight}"
+    tag = "HAZARD" if c.grade == "hazard" else "COST"
+    line += f"\n      IN FLIGHT ({tag}): {c.inflight}"
   return line
+
+
+def _orphan_line(s: Instr) -> str:
+  where = f" from {s.where}" if s.where else ""
+  return f"  %{s.name} ({_label(s)}){where}: NO DONE"
+
+
+def _label(i: Instr) -> str:
+  parts = [
+    p
+    for p in i.op_name.split("/")
+    if p and not p.startswith("jit(") and p not in ("shard_map",)
+  ]
+  return "/".join(parts) or i.opcode
 
 
 def _pair_line(p: Pair) -> str:
@@ -247,23 +302,36 @@ def _summary(r: Report) -> str:
   out.append(
     "Copies: "
     + ", ".join(f"{n} {k}" for k, n in counts.items())
-    + f"; {len(r.inflight_copies)} of in-flight buffers"
+    + f"; {len(r.inflight_copies)} of in-flight buffers "
+    f"({len(r.hazardous_copies)} hazards)"
   )
   for c in r.copies:
     if c.kind == "scalar":
       continue
     out.append(_copy_line(c))
     out.append(f"      why: {_WHY[c.kind]}")
-    if c.inflight:
+    if c.grade == "hazard":
       out.append(
-        "      DANGER: the DMA is still reading/writing this buffer; the "
-        "copy reads a partial value or the transfer outlives the buffer "
-        "the program uses afterwards -> wrong results"
+        "      DANGER: the copy reads or replaces a buffer the DMA is "
+        "writing, or the source buffer may be freed before the DMA has "
+        "read it -> wrong results"
+      )
+    elif c.grade == "cost":
+      out.append(
+        "      cost only: a read-only copy of a source that stays live "
+        "until the done; values are right, the copy costs memory traffic"
       )
   kp = r.kernel_pairs
   out.append(
     f"Start/done pairs: {len(kp)} kernel, {len(r.pairs) - len(kp)} XLA async"
   )
+  orphans = r.unawaited_starts
+  if orphans:
+    out.append(
+      f"Starts with no done: {len(orphans)} (DANGER: the DMA is never "
+      "waited for; its buffers may be reused while it runs)"
+    )
+    out.extend(_orphan_line(s) for s in orphans)
   for p in r.pairs:
     out.append(_pair_line(p))
     if p.start_source or p.done_source:

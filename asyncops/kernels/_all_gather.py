@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
@@ -104,7 +105,7 @@ def start(x, *, spec: OpSpec):
   return pl.pallas_call(
     functools.partial(all_gather_start_kernel, spec=spec),
     out_shape=(
-      jax.ShapeDtypeStruct.like(x),
+      jc.shape_like(x),
       c.shape_like(x, dst_shape(spec)),
       c.DMA,
       c.DMA,

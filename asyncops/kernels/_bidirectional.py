@@ -51,6 +51,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
@@ -159,7 +160,7 @@ def start(x, *, spec: OpSpec):
   return pl.pallas_call(
     functools.partial(bidirectional_start_kernel, spec=spec),
     out_shape=(
-      jax.ShapeDtypeStruct.like(x),
+      jc.shape_like(x),
       c.shape_like(x),
       c.DMA,
       c.DMA,

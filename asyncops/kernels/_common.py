@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from asyncops import _jax_compat as jc
+
 # Dtypes a TPU DMA moves as-is. 64-bit and boolean types are not DMA-able.
 MOVABLE_DTYPES = (
   "float32",
@@ -130,18 +132,14 @@ def wait_dma(ref, sem) -> None:
   pltpu.make_async_copy(ref, ref, sem).wait()
 
 
-ANY = pl.BlockSpec(memory_space=pl.ANY)
-SEM = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+ANY = pl.BlockSpec(memory_space=jc.ANY)
+SEM = pl.BlockSpec(memory_space=jc.SEMAPHORE)
 DMA = pltpu.SemaphoreType.DMA(())
 
 
 def params(*, collective_id: int | None = None) -> pltpu.CompilerParams:
   """Compiler params: kernels are never dead code, they move data."""
-  if collective_id is None:
-    return pltpu.CompilerParams(has_side_effects=True)
-  return pltpu.CompilerParams(
-    collective_id=collective_id, has_side_effects=True
-  )
+  return jc.tpu_compiler_params(collective_id=collective_id)
 
 
 def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
@@ -150,5 +148,5 @@ def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(
     aval.shape if shape is None else tuple(shape),
     aval.dtype if dtype is None else dtype,
-    manual_axis_type=aval.manual_axis_type,
+    **jc.manual_axes_kwargs(aval),
   )

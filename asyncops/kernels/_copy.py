@@ -25,7 +25,6 @@ tens of MiB shared with the program's other VMEM buffers.
 
 import functools
 
-import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -75,7 +74,7 @@ def start(x, *, spec: OpSpec):
     dst_spec = c.ANY
   return pl.pallas_call(
     functools.partial(copy_start_kernel, spec=spec),
-    out_shape=(jax.ShapeDtypeStruct.like(x), dst_shape, c.DMA),
+    out_shape=(jc.shape_like(x), dst_shape, c.DMA),
     in_specs=[c.ANY],
     out_specs=(c.ANY, dst_spec, c.SEM),
     input_output_aliases={0: 0},

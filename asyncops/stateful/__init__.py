@@ -9,3 +9,4 @@ from asyncops.stateful._api import ppermute_start as ppermute_start
 from asyncops.stateful._double_buffer import DoubleBuffer as DoubleBuffer
 from asyncops.stateful._double_buffer import double_buffer as double_buffer
 from asyncops.stateful._future import RefFuture as RefFuture
+from asyncops.stateful._hazards import assume_disjoint as assume_disjoint

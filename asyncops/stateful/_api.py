@@ -8,7 +8,8 @@ kept between them too (two optimization barriers tie it to the start's
 semaphores), so it overlaps the DMA on TPU.
 
 **Between a start and its done, do not write the source or touch the
-destination**: the trace-time hazard check raises if you do.
+destination**: the trace-time hazard check raises if you do, also through
+a traced slot index it cannot prove different, and across loop carries.
 """
 
 import jax
@@ -16,14 +17,32 @@ import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
 from asyncops.futures import _api as _futures_api
-from asyncops.futures import _emulation, _validate
+from asyncops.futures import _check, _emulation, _validate
 from asyncops.futures._future import FutureError, _user_frame
 from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _registry
-from asyncops.stateful import _future, _hazards
+from asyncops.stateful import _future, _hazards, _slots
 from asyncops.stateful._future import RefFuture
 from asyncops.stateful._layout import Layout, RefView, same_base, view
-from asyncops.stateful._primitives import ref_done_p, ref_start_p
+from asyncops.stateful._primitives import n_sems, ref_done_p, ref_start_p
+
+# The life-cycle check follows Ref futures too; the hazard check runs on
+# every finished trace that holds a Ref transfer.
+_check.register_start(
+  ref_start_p,
+  lambda eqn: range(len(eqn.outvars)),
+  origin=lambda eqn: (
+    _hazards.origins.get(eqn.params["token"]) or jc.user_frame(eqn)
+  ),
+)
+_check.register_wait(
+  ref_done_p,
+  lambda eqn: (
+    eqn.params["layout"].n_bufs + 2,
+    n_sems(eqn.params["spec"]),
+  ),
+)
+jc.on_jaxpr_traced(_hazards.check_jaxpr)
 
 
 def _operands(src: RefView, dst: RefView):
@@ -47,19 +66,30 @@ def _check_dst(src: RefView, dst: RefView, spec: OpSpec, fn: str):
       f"writes {src.aval.dtype}{list(want)}. Make it with "
       f"jax.empty_ref(jax.ShapeDtypeStruct({want}, {src.aval.dtype}))."
     )
-  if (
-    same_base(src, dst)
-    and src.static_slot is not None
-    and (src.static_slot == dst.static_slot)
-  ):
-    raise ValueError(
-      f"{fn}: src_ref and dst_ref are the same slot {src.static_slot}; a "
-      "DMA needs a separate receive buffer. Use the other slot."
-    )
-  if dst.slot is None and src.slot is None and same_base(src, dst):
+  if not same_base(src, dst):
+    return
+  if dst.slot is None or src.slot is None:
     raise ValueError(
       f"{fn}: src_ref and dst_ref are the same Ref; a DMA needs a "
       "separate receive buffer (see asyncops.stateful.double_buffer)."
+    )
+  a, b = _hazards.trace_slots(src), _hazards.trace_slots(dst)
+  if _hazards.may_alias(a, b):
+    same = _slots.must_overlap(a, b)
+    raise ValueError(
+      f"{fn}: src_ref and dst_ref are "
+      + (
+        f"the same {a.describe()} of one Ref"
+        if same
+        else (
+          "slots of one Ref whose indices are not proven different "
+          f"(source {a.describe()}, destination {b.describe()})"
+        )
+      )
+      + "; a DMA needs a separate receive buffer. Use two slots the "
+      "program proves different, e.g. buf.at[i % 2] and buf.at[1 - i % 2] "
+      "(asyncops.stateful.double_buffer), or, if you know they differ, "
+      "start the transfer inside asyncops.stateful.assume_disjoint()."
     )
 
 
@@ -73,11 +103,13 @@ def _start(src_ref, dst_ref, fn: str, make_spec) -> RefFuture:
   operands, layout = _operands(src, dst)
   origin = _user_frame()
   token = _future.new_token()
+  _hazards.origins[token] = origin
   with jax.named_scope(f"asyncops.{spec.kind}_ref_start"):
     sems = ref_start_p.bind(*operands, spec=spec, layout=layout, token=token)
   fut = RefFuture(sems, spec, layout, origin=origin, token=token)
   frame = jc.current_frame(sems[0]) if sems else None
   if frame is not None:
+    jc.mark_frame(sems[0])  # the checks run when this trace ends
     fut._track = (jc.live_eqns(frame)[-1], src, dst)
   return fut
 
@@ -102,8 +134,8 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
     if not (
       same_base(s0, src)
       and same_base(d0, dst)
-      and _hazards.maybe_same_slot(s0.slot, src.slot)
-      and _hazards.maybe_same_slot(d0.slot, dst.slot)
+      and _same_slots(s0, src)
+      and _same_slots(d0, dst)
     ):
       raise FutureError(
         f"asyncops.stateful.{fn}: done without a start: no transfer "
@@ -120,10 +152,19 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
   fut.consume(fn, here)
   sems = list(fut.sems)
   if fut._track is not None:
-    _hazards.check(fut, fn, here)
     sems = jc.tie_between(fut._track[0], sems)
   with jax.named_scope(f"asyncops.{fut.spec.kind}_ref_done"):
     ref_done_p.bind(*operands, *sems, spec=fut.spec, layout=layout)
+
+
+def _same_slots(a: RefView, b: RefView) -> bool:
+  """False when the two views provably select different slots."""
+  if (a.slot is None) != (b.slot is None):
+    return False
+  if a.slot is None:
+    return True
+  sa, sb = _hazards.trace_slots(a), _hazards.trace_slots(b)
+  return _slots.may_overlap(sa, sb)
 
 
 def _collective(kind, aval, axis_name, fn, perm=(), **kw) -> OpSpec:
@@ -156,10 +197,19 @@ def ppermute_start(src_ref, dst_ref, axis_name: str, perm=None, *, shift=None):
     ValueError: shapes differ; source and destination are one buffer.
 
   Example:
-    >>> x_ref, y_ref = jax.new_ref(x), jax.empty_ref(jax.typeof(x))
-    >>> fut = ppermute_start(x_ref, y_ref, "i", shift=1)  # doctest: +SKIP
-    >>> z = a @ b  # overlaps the DMA                     # doctest: +SKIP
-    >>> ppermute_done(fut, x_ref, y_ref)                  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from asyncops import stateful
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    ... def shift(x):
+    ...   x_ref, y_ref = jax.new_ref(x), jax.new_ref(jnp.zeros_like(x))
+    ...   fut = stateful.ppermute_start(x_ref, y_ref, "i", shift=1)
+    ...   stateful.ppermute_done(fut, x_ref, y_ref)
+    ...   return y_ref[...]
+    >>> shift(jnp.arange(8.0))
+    Array([7., 0., 1., 2., 3., 4., 5., 6.], dtype=float32)
   """
   fn = "ppermute_start"
 

@@ -6,31 +6,38 @@ into slot ``(i + 1) % 2``; the next iteration swaps them. Both slots live in
 one buffer, so the loop carries nothing and needs no unrolling: the kernels
 take the buffer once (one alias) and the slot indices in SMEM.
 
-The hazard check knows that ``send_slot(i)`` and ``recv_slot(i)`` of one
-``i`` are different slots; any other pair of traced slots is assumed
-distinct.
+The hazard check proves that ``send_slot(i)`` (``i % 2``) and
+``recv_slot(i)`` (``1 - i % 2``) differ for every ``i``, from the
+arithmetic itself (``asyncops.stateful._slots``).
 """
 
 import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.stateful import _hazards
 
 
 class DoubleBuffer:
   """Two slots of one Ref that alternate as send and receive buffers.
 
   Example:
-    >>> buf = asyncops.stateful.double_buffer(x)        # doctest: +SKIP
-    >>> def body(i, c):                                 # doctest: +SKIP
-    ...   fut = ppermute_start(buf.send_slot(i), buf.recv_slot(i), "i",
-    ...                        shift=1)
-    ...   out[...] += buf.send_slot(i)[...]
-    ...   ppermute_done(fut, buf.send_slot(i), buf.recv_slot(i))
-    ...   return c
-    >>> jax.lax.fori_loop(0, n, body, 0)                # doctest: +SKIP
-    >>> y = buf.read(n)  # what the last transfer received
+    >>> import jax, jax.numpy as jnp
+    >>> from asyncops import stateful
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    ... def ring(x):
+    ...   buf = stateful.double_buffer(x)
+    ...   def body(i, c):
+    ...     send, recv = buf.send_slot(i), buf.recv_slot(i)
+    ...     fut = stateful.ppermute_start(send, recv, "i", shift=1)
+    ...     stateful.ppermute_done(fut, send, recv)
+    ...     return c
+    ...   jax.lax.fori_loop(0, 3, body, 0)
+    ...   return buf.read(3)  # what the last transfer received
+    >>> ring(jnp.arange(8.0))
+    Array([5., 6., 7., 0., 1., 2., 3., 4.], dtype=float32)
   """
 
   __slots__ = ("ref", "_slots")
@@ -40,13 +47,13 @@ class DoubleBuffer:
     self._slots = {}
 
   def _pair(self, i):
+    # One (send, receive) pair of index values per loop index object, so
+    # a start and its done name the very same slot values.
     key = id(i)
     if key not in self._slots or self._slots[key][0] is not i:
-      i = jnp.asarray(i, jnp.int32)
-      s = i % 2
-      r = 1 - s
-      _hazards.mark_distinct(s, r)
-      self._slots[key] = (i, s, r)
+      j = jnp.asarray(i, jnp.int32)
+      s = j % 2
+      self._slots[key] = (i, s, 1 - s)
     return self._slots[key][1:]
 
   def send_slot(self, i):

@@ -17,6 +17,7 @@ import warnings
 
 import jax
 
+from asyncops import _jax_compat as jc
 from asyncops.futures._future import FutureError, NeverAwaitedWarning
 from asyncops.futures._spec import OpSpec
 from asyncops.stateful._layout import Layout
@@ -48,8 +49,20 @@ class RefFuture:
   """A transfer between Refs in flight; await it once with the done.
 
   Example:
-    >>> fut = asyncops.stateful.ppermute_start(x_ref, y_ref, "i", shift=1)
-    >>> asyncops.stateful.ppermute_done(fut, x_ref, y_ref)  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from asyncops import stateful
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    ... def f(x):
+    ...   x_ref, y_ref = jax.new_ref(x), jax.new_ref(jnp.zeros_like(x))
+    ...   fut = stateful.ppermute_start(x_ref, y_ref, "i", shift=1)
+    ...   print(type(fut).__name__, fut.spec.kind)
+    ...   stateful.ppermute_done(fut, x_ref, y_ref)
+    ...   return y_ref[...]
+    >>> _ = f(jnp.arange(8.0))
+    RefFuture ppermute
   """
 
   __slots__ = (
@@ -89,6 +102,8 @@ class RefFuture:
 
   @classmethod
   def tree_unflatten(cls, aux, children):
+    if children[0]:  # entering a trace: check it when it ends
+      jc.mark_frame(children[0][0])
     fut = cls(children[0], *aux)
     fut._status = "handed_off"
     return fut

@@ -9,7 +9,6 @@ indices are traced ``int32`` scalars.
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
@@ -64,12 +63,9 @@ class RefView:
     return inner.update(shape=inner.shape[1:])
 
   @property
-  def static_slot(self) -> int | None:
-    """The slot as a Python int when it is known at trace time."""
-    try:
-      return int(jax.core.concrete_or_error(None, self.slot))
-    except Exception:  # noqa: BLE001 (traced: unknown)
-      return None
+  def base_shape(self) -> tuple[int, ...]:
+    """The shape of the whole Ref (its leading axis holds the slots)."""
+    return tuple(jc.ref_inner_aval(self.base).shape)
 
 
 def view(ref, fn: str, name: str) -> RefView:

@@ -1,0 +1,203 @@
+"""The command-line convention shared by asyncops' tools.
+
+Every command (``python -m asyncops.inspect``, ``python -m
+asyncops.compare``, ``python -m benchmarks.run``, the examples) is an
+``argparse`` parser with ``--help`` and ``--json`` and exits with
+
+* 0: ran, nothing to report;
+* 1: ran and found something (a hazard, a refused program);
+* 2: a usage error: one line on stderr naming the bad argument and the fix,
+  never a traceback.
+
+Long commands show a ``tqdm`` progress bar on the terminal (stderr, so
+``--json`` output on stdout stays clean). ``ASYNCOPS_PROGRESS=0`` hides it,
+``=1`` shows it even when stderr is not a terminal.
+
+Example:
+
+  >>> def main(argv):
+  ...   raise UsageError("--topology: unknown topology 'v9'")
+  >>> run(main, [], prog="demo")  # stderr: demo: error: --topology: ...
+  2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+EXIT_OK, EXIT_FINDING, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+  """A user mistake: the message names the argument and the fix."""
+
+
+def describe(doc: str) -> str:
+  """A module docstring for ``--help``: without its ``Usage::`` block
+  (argparse prints the usage) and without RST double backquotes."""
+  paras = [
+    p.strip("\n")
+    for p in doc.split("\n\n")
+    if p.strip() and not p.strip().startswith(("Usage::", "python "))
+  ]
+  return "\n\n".join(paras).replace("``", "")
+
+
+def parser(prog: str, description: str) -> argparse.ArgumentParser:
+  """An ``ArgumentParser`` with the shared ``--json`` flag."""
+  p = argparse.ArgumentParser(
+    prog=prog,
+    description=describe(description),
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument(
+    "--json",
+    action="store_true",
+    help="print the result as JSON on stdout (progress stays on stderr)",
+  )
+  return p
+
+
+def run(
+  main: Callable[[Sequence[str] | None], int | None],
+  argv: Sequence[str] | None = None,
+  *,
+  prog: str,
+) -> int:
+  """Calls ``main(argv)`` and turns a :class:`UsageError` into exit 2.
+
+  ``argparse`` already exits 2 with a one-line message for a bad flag; this
+  does the same for mistakes found later (a topology libtpu does not know,
+  a module that does not import), so the user never sees a traceback for
+  them.
+  """
+  try:
+    code = main(argv)
+  except UsageError as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+  except KeyboardInterrupt:
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return 130
+  return EXIT_OK if code is None else int(code)
+
+
+def check_topology(topology: str, *, flag: str = "--topology") -> None:
+  """Raises :class:`UsageError` unless libtpu knows ``topology``."""
+  from asyncops.inspect import tpu_topology
+
+  try:
+    tpu_topology(topology)
+  except Exception as e:  # libtpu raises plain RuntimeErrors/XlaErrors
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e)
+    raise UsageError(
+      f"{flag}: cannot build TPU topology {topology!r} ({first}); "
+      "expected e.g. v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x4"
+    ) from None
+
+
+def parse_ints(text: str, n: int, *, flag: str) -> tuple[int, ...]:
+  """``"1024,2048,8192"`` -> ``(1024, 2048, 8192)``, or a UsageError."""
+  try:
+    out = tuple(int(s) for s in text.split(","))
+  except ValueError:
+    out = ()
+  if len(out) != n or any(v <= 0 for v in out):
+    raise UsageError(
+      f"{flag}: expected {n} positive integers separated by commas, "
+      f"got {text!r}"
+    )
+  return out
+
+
+@contextlib.contextmanager
+def human_output(as_json: bool) -> Iterator[None]:
+  """Under ``--json``, sends the human-readable prints to stderr, so
+  stdout carries only the JSON document."""
+  if not as_json:
+    yield
+    return
+  with contextlib.redirect_stdout(sys.stderr):
+    yield
+
+
+def print_json(data: Any) -> None:
+  """Prints ``data`` as one JSON document on stdout."""
+  import json
+
+  print(json.dumps(data, indent=1, default=str))
+
+
+def _progress_enabled(stream: Any) -> bool:
+  forced = os.environ.get("ASYNCOPS_PROGRESS", "")
+  if forced in ("0", "1"):
+    return forced == "1"
+  isatty = getattr(stream, "isatty", None)
+  return bool(isatty and isatty())
+
+
+@contextlib.contextmanager
+def _terminal() -> Iterator[io.TextIOBase]:
+  """A stream on a duplicate of fd 2, so the bar survives libtpu's
+  start-up, which sends fd 2 to /dev/null for a moment."""
+  try:
+    fd = os.dup(sys.stderr.fileno())
+  except (OSError, ValueError, AttributeError):  # no real fd (captured)
+    yield sys.stderr
+    return
+  stream = os.fdopen(fd, "w", buffering=1)
+  try:
+    yield stream
+  finally:
+    stream.close()
+
+
+@contextlib.contextmanager
+def progress_bar(total: int | None, desc: str, unit: str = "step"):
+  """A ``tqdm`` bar on the terminal (or a no-op object when hidden).
+
+  Yields an object with ``update(n=1)`` and ``set_postfix_str(text)``.
+  """
+  from tqdm import tqdm
+
+  with _terminal() as stream:
+    bar = tqdm(
+      total=total,
+      desc=desc,
+      unit=unit,
+      file=stream,
+      disable=not _progress_enabled(stream),
+      leave=False,
+      dynamic_ncols=True,
+    )
+    try:
+      yield bar
+    finally:
+      bar.close()
+
+
+def progress(
+  items: Iterable[T], desc: str, total: int | None = None, unit: str = "step"
+) -> Iterator[T]:
+  """Iterates ``items`` with a progress bar on the terminal.
+
+  Example:
+
+    >>> [x for x in progress(range(3), "demo")]
+    [0, 1, 2]
+  """
+  if total is None and hasattr(items, "__len__"):
+    total = len(items)  # type: ignore[arg-type]
+  with progress_bar(total, desc, unit) as bar:
+    for item in items:
+      bar.set_postfix_str(str(item)[:40], refresh=False)
+      yield item
+      bar.update(1)
