@@ -11,9 +11,7 @@ copies::
 Exit status 0 when every program is copy-free, 1 otherwise, 2 for bad usage.
 """
 
-import argparse
 import functools
-import json
 import os
 import sys
 
@@ -25,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import asyncops  # noqa: E402
-from asyncops import stateful  # noqa: E402
+from asyncops import _cli, stateful  # noqa: E402
 from asyncops.inspect import analyze, tpu_mesh  # noqa: E402
 from asyncops.scheduling import fori_loop, staggered  # noqa: E402
 
@@ -119,15 +117,16 @@ def measure(topology: str, name: str, remat: bool) -> dict:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = _cli.parser("python examples/grad_windows.py", __doc__)
   p.add_argument(
     "--topology",
     action="append",
     help="TPU topology, e.g. v5e:2x4 (repeatable; default v5e:2x4)",
   )
-  p.add_argument("--json", action="store_true", help="print JSON rows")
   args = p.parse_args(argv)
   topologies = args.topology or ["v5e:2x4"]
+  for t in topologies:
+    _cli.check_topology(t)
   jobs = [
     (t, name, remat)
     for t in topologies
@@ -136,17 +135,12 @@ def main(argv=None) -> int:
       (False, True) if name in ("ppermute", "fori_loop ring") else (False,)
     )
   ]
-  rows = []
-  for k, (t, name, remat) in enumerate(jobs, 1):
-    print(f"\r[{k}/{len(jobs)}] {t} {name}".ljust(60), end="", file=sys.stderr)
-    try:
-      rows.append(measure(t, name, remat))
-    except ValueError as e:
-      print(f"\ngrad_windows: {e}", file=sys.stderr)
-      return 2
-  print(file=sys.stderr)
+  rows = [
+    measure(t, name, remat)
+    for t, name, remat in _cli.progress(jobs, "compiling", unit="program")
+  ]
   if args.json:
-    print(json.dumps(rows, indent=1))
+    _cli.print_json(rows)
   else:
     print(
       f"{'topology':9s} {'program':28s} {'fwd overlapped':>15s} "
@@ -159,8 +153,9 @@ def main(argv=None) -> int:
         f"{r['bwd_overlapped']:>8d}/{r['bwd_pairs']:<6d} "
         f"{r['defensive']:9d} {r['inflight']:9d}"
       )
-  return 1 if any(r["defensive"] or r["inflight"] for r in rows) else 0
+  bad = any(r["defensive"] or r["inflight"] for r in rows)
+  return _cli.EXIT_FINDING if bad else _cli.EXIT_OK
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli.run(main, prog="python examples/grad_windows.py"))
