@@ -166,6 +166,19 @@ jc.register_lowering(
 )
 
 
+_TRANSFERS = ("asyncops_start", "asyncops_done")
+
+
+def _transfers_since(eqn, sem) -> bool:
+  """Whether a start or done was traced after ``eqn`` in ``sem``'s jaxpr."""
+  frame = jc.current_frame(sem)
+  eqns = jc.live_eqns(frame) if frame is not None else []
+  at = next((i for i, e in enumerate(eqns) if e is eqn), None)
+  if at is None:
+    return True
+  return any(e.primitive.name in _TRANSFERS for e in eqns[at + 1 :])
+
+
 def _lin_start_transpose(ct, t, *, spec, pair):
   rev = reverse(spec)
   entry = pair.pop() if pair is not None else _MISSING
@@ -176,7 +189,9 @@ def _lin_start_transpose(ct, t, *, spec, pair):
   if entry is None:  # the done's cotangent was zero
     return [ad.Zero(t.aval)]
   src, dst, sems, eqn = entry
-  if eqn is not None:
+  if eqn is not None and not _transfers_since(eqn, sems[0]):
+    # Only a window with no other transfer started or awaited in it: the
+    # ties of overlapping windows would sweep each other's transfers in.
     sems = jc.tie_between(eqn, list(sems))
   if type(ct) is not ad.Zero and jc.same_value(ct, src):
     # ``ct`` is the reverse source after every barrier of the backward
