@@ -321,20 +321,21 @@ def test_non_movable_dtype():
 
 
 def test_rank():
+  """Leading batch dimensions of lhs are fine; a weight must be a matrix."""
   mesh = _mesh("2x4")
   x = jax.ShapeDtypeStruct(
     (2, 16, 32), F32, sharding=NamedSharding(mesh, P(None, "x", "y"))
   )
   w = jax.ShapeDtypeStruct(
-    (32, 24), F32, sharding=NamedSharding(mesh, P(None, "y"))
+    (2, 32, 24), F32, sharding=NamedSharding(mesh, P(None, None, "y"))
   )
   f = jax.shard_map(
     functools.partial(allgather_matmul, axis_name="y"),
     mesh=mesh,
-    in_specs=(P(None, "x", "y"), P(None, "y")),
+    in_specs=(P(None, "x", "y"), P(None, None, "y")),
     out_specs=P(None, "x", "y"),
   )
-  with pytest.raises(ValueError, match="lhs must be a matrix"):
+  with pytest.raises(ValueError, match="rhs must be a matrix"):
     jax.jit(f).trace(x, w)
 
 

@@ -15,7 +15,6 @@ columns to a multiple of ``n`` and the padding is sliced off the result.
 import jax
 import jax.numpy as jnp
 
-from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import _reducescatter, _validate
 
 
@@ -34,7 +33,8 @@ def matmul_allreduce(
   overlapped with the chunk matmuls; the all-gather half is not.
 
   Args:
-    lhs: ``[m, k]``, this device's slice of the contracting dimension.
+    lhs: ``[..., k]``, any rank >= 1, this device's slice of the
+      contracting dimension (last); leading dimensions are batch.
     rhs: ``[k, f]``, the matching rows; any ``f`` (padded internally to a
       multiple of the axis size). Same dtype as ``lhs``.
     axis_name: the mesh axis to reduce over.
@@ -43,7 +43,8 @@ def matmul_allreduce(
     bidirectional: reduce-scatter half the rows each way (``m`` even).
 
   Returns:
-    ``[m, f]`` in ``lhs.dtype``, identical on every device of the axis.
+    ``lhs.shape[:-1] + (f,)`` in ``lhs.dtype``, identical on every device
+    of the axis.
 
   Raises:
     ValueError, TypeError, NameError: as
@@ -57,7 +58,7 @@ def matmul_allreduce(
   """
   fn = "matmul_allreduce"
   _validate.api(api, fn)
-  _validate.operand(lhs, fn, "lhs")
+  _validate.operand(lhs, fn, "lhs", matrix=False)
   _validate.operand(rhs, fn, "rhs")
   n = _validate.axis(axis_name, fn)
   f = rhs.shape[1]
@@ -69,8 +70,10 @@ def matmul_allreduce(
       lhs, rhs, axis_name, api=api, bidirectional=bidirectional
     )
     if n == 1:
-      return block[:, :f]
+      return block[..., :f]
     # "invarying": the result is the same on every device of the axis (as
     # psum's), so out_specs may leave the axis out.
-    out = jc.all_gather_invariant(block, axis_name, axis=1, tiled=True)
-    return out[:, :f]
+    out = jax.lax.all_gather(
+      block, axis_name, axis=block.ndim - 1, tiled=True, to="invarying"
+    )
+    return out[..., :f]

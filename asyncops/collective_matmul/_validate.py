@@ -14,18 +14,27 @@ from asyncops.kernels import _common
 Api = Literal["value", "ref"]
 
 
-def operand(x, fn: str, name: str) -> None:
-  """Checks ``x`` is a rank-2 array of a dtype a TPU DMA can move."""
+def operand(x, fn: str, name: str, *, matrix: bool = True) -> None:
+  """Checks ``x`` is an array of a dtype a TPU DMA can move.
+
+  ``matrix``: rank exactly 2 (a weight); else rank at least 1 (an
+  activation with leading batch dimensions).
+  """
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(
       f"{fn}: {name} must be a JAX array, got {type(x).__name__}. "
       f"Convert it with jnp.asarray({name})."
     )
-  if len(x.shape) != 2:
+  if matrix and len(x.shape) != 2:
     raise ValueError(
       f"{fn}: {name} must be a matrix (rank 2, per device), got shape "
-      f"{tuple(x.shape)}. Reshape batch dimensions into the rows first, "
-      f"e.g. {name}.reshape(-1, {name}.shape[-1])."
+      f"{tuple(x.shape)}. Batched weights are not supported: loop over "
+      "them, or fold the batch into the activations."
+    )
+  if not matrix and len(x.shape) < 1:
+    raise ValueError(
+      f"{fn}: {name} must have at least one dimension (the contracting "
+      f"one, last), got a scalar. Use {name}.reshape(1, -1)."
     )
   if jnp.dtype(x.dtype).name not in _common.MOVABLE_DTYPES:
     raise TypeError(
@@ -72,14 +81,60 @@ def axis(axis_name, fn: str) -> int:
 def matmul_operands(lhs, rhs, axis_name, api_value, fn: str) -> int:
   """The checks every two-operand collective matmul starts with.
 
+  ``lhs`` is an activation (rank >= 1, contracting dimension last), ``rhs``
+  a weight matrix.
+
   Returns:
     The size of ``axis_name``.
   """
   api(api_value, fn)
-  operand(lhs, fn, "lhs")
+  operand(lhs, fn, "lhs", matrix=False)
   operand(rhs, fn, "rhs")
   same_dtype(lhs, rhs, fn)
   return axis(axis_name, fn)
+
+
+def weights(rhs, lhs, fn: str) -> tuple[tuple, tuple[str, ...], bool]:
+  """``rhs`` as a tuple of weight matrices of ``lhs``'s dtype.
+
+  Returns:
+    ``(ws, names, single)``: the weights, their names for messages
+    (``"rhs"`` or ``"rhs[i]"``) and whether ``rhs`` was one array.
+  """
+  if hasattr(rhs, "shape"):
+    ws, names, single = (rhs,), ("rhs",), True
+  elif isinstance(rhs, (list, tuple)):
+    if not rhs:
+      raise ValueError(
+        f"{fn}: rhs is an empty sequence. Pass one weight matrix or a "
+        "non-empty list of them (one result per weight)."
+      )
+    ws = tuple(rhs)
+    names = tuple(f"rhs[{i}]" for i in range(len(ws)))
+    single = False
+  else:
+    raise TypeError(
+      f"{fn}: rhs must be a JAX array or a list/tuple of arrays (one result "
+      f"per weight), got {type(rhs).__name__}."
+    )
+  for w, name in zip(ws, names, strict=True):
+    operand(w, fn, name)
+    same_dtype(lhs, w, fn, ("lhs", name))
+  return ws, names, single
+
+
+def dim(value, rank: int, fn: str, name: str, hint: str) -> int:
+  """Checks ``value`` is an axis of a rank-``rank`` array; normalizes it."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(
+      f"{fn}: {name} must be an int (an axis), got {value!r}. {hint}"
+    )
+  if not -rank <= value < rank:
+    raise ValueError(
+      f"{fn}: {name} = {value} is not an axis of a rank-{rank} lhs (valid: "
+      f"{-rank} .. {rank - 1}). {hint}"
+    )
+  return value % rank
 
 
 def contracting(lhs, rhs, fn: str, k_lhs: int, names=("lhs", "rhs")) -> None:
@@ -93,11 +148,23 @@ def contracting(lhs, rhs, fn: str, k_lhs: int, names=("lhs", "rhs")) -> None:
     )
 
 
-def even_rows(x, fn: str, name: str) -> None:
-  """Bidirectional variants send half the rows each way."""
-  if x.shape[0] % 2:
+def even_rows(m: int, fn: str, name: str) -> None:
+  """Bidirectional contracting/column forms send half the rows each way."""
+  if m % 2:
     raise ValueError(
       f"{fn}: bidirectional=True sends half of {name}'s rows each way, but "
-      f"{name}.shape[0] = {x.shape[0]} is odd. Pad {name} to an even number "
-      "of rows, or pass bidirectional=False."
+      f"{name} has {m} rows (the product of its leading dimensions), an "
+      f"odd number. Pad {name} to an even number of rows, or pass "
+      "bidirectional=False."
+    )
+
+
+def halvable(p: int, r: int, fn: str, name: str, dim_name: str) -> None:
+  """Bidirectional row forms halve the outer batch or each chunk's rows."""
+  if p % 2 and r % 2:
+    raise ValueError(
+      f"{fn}: bidirectional=True sends half of every chunk each way, "
+      f"halving either the dimensions before {dim_name} ({p} in all) or "
+      f"the rows of one chunk ({r}); both are odd. Pad {name} so one of "
+      "them is even, or pass bidirectional=False."
     )

@@ -1,0 +1,242 @@
+"""All-gather matmul rings on the canonical shapes.
+
+Both rings move the local chunk of ``x`` around a ring of ``n`` devices
+(``n - 1`` transfers) and consume every chunk as it arrives, inside the
+window of the next transfer; the last chunk is consumed after the last
+transfer. Nothing is gathered in full unless ``return_gathered`` asks for
+it. Several weights share one ring: each arriving chunk is multiplied by
+every weight inside the same window, so a gated MLP's gate and up
+projections pay for one gather.
+
+:func:`contracting` (the scaling book's collective matmul, Wang et al.
+2023): ``x [M, k]`` is this device's slice of the contracting dimension and
+``w [n k, f]`` holds every contracting row. Chunk ``c`` meets rows
+``c k:(c + 1) k`` of ``w``; the products **accumulate** in an f32
+``[M, f]`` (floating inputs) that rounds once at the end.
+
+:func:`rows` (sequence parallelism; the row-gather of vLLM's
+tpu-inference kernel): ``x [P, R, k]`` holds ``R`` rows (tokens) of each of
+``P`` outer batches and ``w [k, f]`` is whole along ``k``. Chunk ``c``
+**produces** output rows ``[:, c R:(c + 1) R]`` of ``[P, n R, f]``:
+nothing accumulates, each product is written in place into its block
+(``dynamic_update_slice``), and every output row is computed exactly as the
+reference computes it.
+
+Direction. Unidirectional rings send to ``index - 1`` and hold chunk
+``(index + s) mod n`` at step ``s``. Bidirectional rings split every chunk
+in two halves: the first travels to ``index + 1`` (holding chunk
+``index - s``), the second to ``index - 1`` (chunk ``index + s``), so each
+link carries half the bytes per step in each direction. With ``api="value"``
+one ``bidirectional_start`` kernel moves both halves (its first half of axis
+0 each way); with ``api="ref"`` two half buffers move with two permutes.
+The contracting ring halves ``x``'s rows and accumulates into
+``[2, M/2, f]`` (a free reshape of ``[M, f]``); the rows ring halves where
+``_layout.RowSplit`` says.
+
+``return_gathered``: each chunk is also written into the gathered ``x``
+(read from the transfer's source, which a transfer may read while in
+flight), so the caller gets ``all_gather(x)`` without a second gather.
+
+Limits. One mesh axis; ``n`` static (the loop is unrolled).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from asyncops.collective_matmul import _layout, _ring
+
+
+def accumulator_dtype(dtype) -> jnp.dtype:
+  """float32 for floating inputs (one rounding at the end), else ``dtype``."""
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
+  return dtype
+
+
+def chunks(me, s: int, n: int, bidirectional: bool):
+  """The chunk index held by each travelling buffer at step ``s``."""
+  if not bidirectional:
+    return (jax.lax.rem(me + s, n),)
+  return jax.lax.rem(me + n - s, n), jax.lax.rem(me + s, n)
+
+
+def run(bufs, bidirectional: bool, axis_name: str, n: int, api: str, consume):
+  """Runs an all-gather ring.
+
+  Args:
+    bufs: the travelling buffer(s): one array (unidirectional, or a
+      bidirectional value ring whose axis 0 holds the two halves) or two
+      halves (bidirectional Ref ring).
+    bidirectional: whether halves travel both ways.
+    axis_name, n, api: the ring.
+    consume: ``consume(s, sent, carry) -> carry``, the work on the chunks
+      held at step ``s`` (``sent``: the buffers as the transfer sees them;
+      **read these**, never ``bufs``).
+
+  Returns:
+    A function ``carry -> carry`` running the ``n`` steps.
+  """
+  if not bidirectional:
+    shifts = (-1,)
+  elif api == "value":
+    shifts = ("both",)
+  else:
+    shifts = (1, -1)
+
+  def go(operands, carry):
+    ring = _ring.Ring(bufs, shifts, axis_name, api)
+    for s in range(n - 1):
+
+      def compute(sent, operands, carry, s=s):
+        return consume(s, sent, operands, carry)
+
+      with jax.named_scope(f"chunk{s}"):
+        carry = ring.step(compute, operands, carry)
+    with jax.named_scope(f"chunk{n - 1}"):
+      return consume(n - 1, ring.values(), operands, carry)
+
+  return go
+
+
+def _empty(shape, dtype):
+  """An uninitialized buffer (``AllocateBuffer`` on TPU, no fill): only
+  for buffers whose every element the ring writes before reading."""
+  return jax.lax.empty(shape, dtype)
+
+
+def _rows_of(w, c, k: int):
+  return jax.lax.dynamic_slice_in_dim(w, c * k, k, axis=0)
+
+
+def contracting(
+  x,
+  ws: tuple,
+  axis_name: str,
+  *,
+  n: int,
+  api: str,
+  bidirectional: bool,
+  return_gathered: bool,
+):
+  """``[all_gather(x, axis=1, tiled) @ w for w in ws]`` on a ring.
+
+  Args:
+    x: ``[M, k]`` (``M`` even if bidirectional).
+    ws: weights ``[n k, f_i]``, dtype of ``x``.
+    axis_name: the ring axis (size ``n`` > 1).
+    n: its size.
+    api: ``"value"`` or ``"ref"``.
+    bidirectional: halves of ``x``'s rows travel both ways.
+    return_gathered: also build ``all_gather(x, axis=1, tiled)``.
+
+  Returns:
+    ``(outs, gathered)``: a tuple of ``[M, f_i]`` in ``x.dtype``, and
+    ``[M, n k]`` or None.
+  """
+  (m, k), dt = x.shape, x.dtype
+  acc_dt = accumulator_dtype(dt)
+  me = jax.lax.axis_index(axis_name)
+  h = m // 2
+  # Accumulators start at the first chunk's product: no zero fill (a
+  # unidirectional one is that product; bidirectional halves are written
+  # into an uninitialized [2, M/2, f] buffer).
+  if bidirectional:
+    accs = tuple(_empty((2, h, w.shape[1]), acc_dt) for w in ws)
+    g = _empty((2, h, n * k), dt) if return_gathered else None
+    bufs = (x,) if api == "value" else (x[:h], x[h:])
+  else:
+    accs = tuple(None for _ in ws)
+    g = _empty((m, n * k), dt) if return_gathered else None
+    bufs = (x,)
+
+  def consume(s, sent, ws, carry):
+    accs, g = carry
+    accs = list(accs)
+    if bidirectional and len(sent) == 1:
+      sent = (sent[0][:h], sent[0][h:])
+    for j, (xj, c) in enumerate(
+      zip(sent, chunks(me, s, n, bidirectional), strict=True)
+    ):
+      for i, w in enumerate(ws):
+        y = jnp.dot(xj, _rows_of(w, c, k), preferred_element_type=acc_dt)
+        if not bidirectional:
+          accs[i] = y if s == 0 else accs[i] + y
+        elif s == 0:
+          accs[i] = accs[i].at[j].set(y)
+        else:
+          accs[i] = accs[i].at[j].add(y)
+      if g is not None:
+        if bidirectional:
+          g = jax.lax.dynamic_update_slice(
+            g, xj[None], (jnp.int32(j), jnp.int32(0), c * k)
+          )
+        else:
+          g = jax.lax.dynamic_update_slice(g, xj, (jnp.int32(0), c * k))
+    return tuple(accs), g
+
+  accs, g = run(bufs, bidirectional, axis_name, n, api, consume)(ws, (accs, g))
+  outs = tuple(a.reshape(m, a.shape[-1]).astype(dt) for a in accs)
+  return outs, (None if g is None else g.reshape(m, n * k))
+
+
+def rows(
+  x,
+  ws: tuple,
+  axis_name: str,
+  *,
+  n: int,
+  api: str,
+  bidirectional: bool,
+  return_gathered: bool,
+):
+  """``[all_gather(x, axis=1, tiled) @ w for w in ws]`` for ``x [P, R, k]``.
+
+  Args:
+    x: ``[P, R, k]``: ``R`` rows of each of ``P`` outer batches (``P`` or
+      ``R`` even if bidirectional).
+    ws: weights ``[k, f_i]``, dtype of ``x``.
+    axis_name: the ring axis (size ``n`` > 1).
+    n: its size.
+    api: ``"value"`` or ``"ref"``.
+    bidirectional: halves of every chunk travel both ways.
+    return_gathered: also build ``all_gather(x, axis=1, tiled)``.
+
+  Returns:
+    ``(outs, gathered)``: a tuple of ``[P, n R, f_i]`` in ``x.dtype``, and
+    ``[P, n R, k]`` or None.
+  """
+  p, r, k = x.shape
+  dt = x.dtype
+  split = _layout.choose_split(p, r, bidirectional)
+  lay = _layout.RowSplit(p, r, n, split)
+  me = jax.lax.axis_index(axis_name)
+  # Every block is written once: no zero fill.
+  outs = tuple(_empty(lay.expanded(w.shape[1]), dt) for w in ws)
+  g = _empty(lay.expanded(k), dt) if return_gathered else None
+  if bidirectional:
+    b = lay.halves(x)
+    bufs = (b,) if api == "value" else (b[0], b[1])
+  else:
+    bufs = (x,)
+
+  def consume(s, sent, ws, carry):
+    outs, g = carry
+    outs = list(outs)
+    if bidirectional and len(sent) == 1:
+      sent = (sent[0][0], sent[0][1])
+    for j, (xj, c) in enumerate(
+      zip(sent, chunks(me, s, n, bidirectional), strict=True)
+    ):
+      for i in range(xj.shape[0]):  # one contiguous [R', k] piece per batch
+        piece = xj[i]
+        for o, w in enumerate(ws):
+          y = jnp.dot(piece, w, preferred_element_type=dt)
+          outs[o] = lay.write(outs[o], y, j, i, c)
+        if g is not None:
+          g = lay.write(g, piece, j, i, c)
+    return tuple(outs), g
+
+  outs, g = run(bufs, bidirectional, axis_name, n, api, consume)(ws, (outs, g))
+  outs = tuple(o.reshape(p, n * r, o.shape[-1]) for o in outs)
+  return outs, (None if g is None else g.reshape(p, n * r, k))
