@@ -111,6 +111,15 @@ def manual_axes_kwargs(aval: Any) -> dict[str, Any]:
   return {"vma": getattr(aval, "vma", frozenset())}  # jax 0.9
 
 
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` (a value or an aval) varies over."""
+  aval = x if isinstance(x, _core.AbstractValue) else jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:  # jax >= 0.10
+    return frozenset(getattr(mat, "varying", ()) or ())
+  return frozenset(getattr(aval, "vma", ()) or ())  # jax 0.9
+
+
 def shape_like(x: Any, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
   """``jax.ShapeDtypeStruct.like(x)``, optionally with another shape/dtype.
 
