@@ -8,7 +8,7 @@ export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
 
-.PHONY: demo test doctest docs lint bench clean
+.PHONY: demo test fuzz doctest docs lint bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -23,6 +23,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# Many generated loop programs (tests/test_loop_fuzz.py), each compiled for
+# a TPU topology and run on CPU; prints how many programs, copies and
+# refusals it saw. FUZZ_EXAMPLES=200 make fuzz for a longer run.
+FUZZ_EXAMPLES ?= 60
+fuzz: $(STAMP)
+	ASYNCOPS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_loop_fuzz.py -q -s
 
 # Docstring examples of the package (run in CI too).
 doctest: $(STAMP)

@@ -25,6 +25,7 @@ from asyncops import inspect as inspect
 from asyncops import kernels as kernels
 from asyncops import scheduling as scheduling
 from asyncops import stateful as stateful
+from asyncops._jit import jit as jit
 from asyncops.futures import Emulation as Emulation
 from asyncops.futures import Future as Future
 from asyncops.futures import FutureError as FutureError

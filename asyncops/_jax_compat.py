@@ -17,6 +17,7 @@ uses the names defined there.
 
 import contextlib
 import contextvars
+import inspect as _inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -242,6 +243,15 @@ def sem_like(aval: Any) -> Any:
   return _core.ShapedArray((), jax.numpy.int32)
 
 
+# ``cacheable`` is a keyword of ``mlir.register_lowering`` since the
+# per-module lowering cache exists; older versions lower inline anyway.
+_UNCACHED = (
+  {"cacheable": False}
+  if "cacheable" in _inspect.signature(_mlir.register_lowering).parameters
+  else {}
+)
+
+
 def register_lowering(
   prim: Primitive,
   fn: Callable[..., Any],
@@ -279,10 +289,12 @@ def register_lowering(
     with _lowering_for(ctx):
       return lowered(ctx, *args, **params)
 
-  if platform is None:
-    _mlir.register_lowering(prim, rule)
-  else:
-    _mlir.register_lowering(prim, rule, platform=platform)
+  # ``cacheable=False``: JAX's per-module lowering cache would emit the
+  # first equation's lowering (with that equation's source location) as a
+  # function and call it for every equal equation, so a start in a loop
+  # body would be attributed to the prologue's start line in the HLO
+  # metadata. Lowering each equation inline keeps its own call site.
+  _mlir.register_lowering(prim, rule, platform=platform, **_UNCACHED)
 
 
 def module_scope(ctx) -> dict:

@@ -3,17 +3,20 @@
 Every number is per chip and comes from Google's Cloud TPU documentation
 (``cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}``) unless marked otherwise:
 
-====  ========  ===========  =========  ======================  =====
-gen   bf16 TF/s HBM GB/s     ICI ports  ICI GB/s bidi per chip  clock
-====  ========  ===========  =========  ======================  =====
-v4    275       1200         6 (3D)     (not in docs; 45/link)  1.05
-v5e   197       819          4 (2D)     400                     1.50
-v5p   459       2765         6 (3D)     1200                    1.75
-v6e   918       1640         4 (2D)     800                     1.75
-====  ========  ===========  =========  ======================  =====
+====  ========  ========  ===========  =========  ======================  =====
+gen   bf16 TF/s int8 TOPS HBM GB/s     ICI ports  ICI GB/s bidi per chip  clock
+====  ========  ========  ===========  =========  ======================  =====
+v4    275       275       1200         6 (3D)     (not in docs; 45/link)  1.05
+v5e   197       394       819          4 (2D)     400                     1.50
+v5p   459       918       2765         6 (3D)     1200                    1.75
+v6e   918       1836      1640         4 (2D)     800                     1.75
+====  ========  ========  ===========  =========  ======================  =====
 
 The per-link one-way bandwidth is the bidirectional per-chip figure divided
-by (2 x ports): v5e 50 GB/s, v5p 100 GB/s, v6e 100 GB/s. The v4 docs give no
+by (2 x ports): v5e 50 GB/s, v5p 100 GB/s, v6e 100 GB/s nominal, times
+``LINK_EFFICIENCY`` (0.92: a public Pallas study measured about 92 GB/s
+per link with pipelined remote DMAs on a 2x2 v5p): v5e 46, v5p 92, v6e 92,
+v4 41.4 GB/s used. The v4 docs give no
 ICI figure; we use 45 GB/s one-way per link, the value "How to Scale Your
 Model" (the book the chapter belongs to) tabulates for v4 (it tabulates
 45 GB/s for v5e too, 10% under the Cloud figure we use).
@@ -52,7 +55,7 @@ class Chip:
 
   Example:
     >>> CHIPS["v5e"].ici_link_bytes_per_s
-    50000000000.0
+    46000000000.0
   """
 
   name: str
@@ -60,9 +63,31 @@ class Chip:
   bf16_flops: float
   hbm_bytes_per_s: float
   ici_link_bytes_per_s: float
+  int8_flops: float = 0.0
   ici_hop_s: float = 1e-6
   issue_s: float = 1e-6
   done_s: float = 0.5e-6
+
+  def peak_flops(self, dtype: str) -> float:
+    """Peak FLOP/s for matmul operands of ``dtype`` (HLO name, e.g. bf16).
+
+    8-bit integer and float operands run at the int8 peak where the chip
+    has one; every other type at the bf16 peak, a loose but valid upper
+    bound (f32 and int32 matmuls are several bf16 passes or not on the
+    MXU at all).
+    """
+    if dtype in ("s8", "u8", "f8e4m3fn", "f8e5m2") and self.int8_flops:
+      return self.int8_flops
+    return self.bf16_flops
+
+  def scaled_latency(self, factor: float) -> "Chip":
+    """This chip with hop, issue and done latencies times ``factor``."""
+    return dataclasses.replace(
+      self,
+      ici_hop_s=self.ici_hop_s * factor,
+      issue_s=self.issue_s * factor,
+      done_s=self.done_s * factor,
+    )
 
   def __post_init__(self):
     for f in ("clock_hz", "bf16_flops", "hbm_bytes_per_s"):
@@ -72,11 +97,20 @@ class Chip:
       raise ValueError("Chip.ici_link_bytes_per_s must be positive.")
 
 
+# Achievable over nominal link bandwidth: a public Pallas study measured
+# about 92 GB/s per link with pipelined remote DMAs on v5p (nominal 100).
+LINK_EFFICIENCY = 0.92
+_E = LINK_EFFICIENCY
+
 CHIPS: dict[str, Chip] = {
-  "v4": Chip("v4", 1.05e9, 275e12, 1200e9, 45e9),
-  "v5e": Chip("v5e", 1.5e9, 197e12, 819e9, 400e9 / 8),
-  "v5p": Chip("v5p", 1.75e9, 459e12, 2765e9, 1200e9 / 12),
-  "v6e": Chip("v6e", 1.75e9, 918e12, 1640e9, 800e9 / 8),
+  "v4": Chip("v4", 1.05e9, 275e12, 1200e9, _E * 45e9, int8_flops=275e12),
+  "v5e": Chip("v5e", 1.5e9, 197e12, 819e9, _E * 400e9 / 8, int8_flops=394e12),
+  "v5p": Chip(
+    "v5p", 1.75e9, 459e12, 2765e9, _E * 1200e9 / 12, int8_flops=918e12
+  ),
+  "v6e": Chip(
+    "v6e", 1.75e9, 918e12, 1640e9, _E * 800e9 / 8, int8_flops=1836e12
+  ),
 }
 
 

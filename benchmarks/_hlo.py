@@ -8,8 +8,15 @@ instructions`` plus the entry's name.
 """
 
 import dataclasses
+import re
 
 from asyncops.inspect import Instr, parse_module
+
+# A scalar literal: ``%c = u32[]{:T(128)} constant(4)``. The inspect parser
+# keeps no literal values; the model needs scalar ones for loop bounds.
+_SCALAR = re.compile(
+  r"%([\w.\-]+) = [a-z]+\d*\[\][^ ]* constant\((-?[\d.]+|true|false)\)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,10 +26,13 @@ class Module:
   Attributes:
     computations: computation name -> its instructions.
     entry: the name of the ENTRY computation.
+    constants: scalar constant instruction name -> its value (instruction
+      names are unique in a module).
   """
 
   computations: dict[str, tuple[Instr, ...]]
   entry: str
+  constants: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def parse(text: str) -> Module:
@@ -45,7 +55,12 @@ def parse(text: str) -> Module:
   module = parse_module(text)
   if not module.entry.is_entry:
     raise ValueError("parse: no ENTRY computation in the HLO text.")
+  constants = {
+    name: float({"true": 1, "false": 0}.get(value, value))
+    for name, value in _SCALAR.findall(text)
+  }
   return Module(
     {name: c.instrs for name, c in module.computations.items()},
     module.entry_name,
+    constants,
   )

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -111,6 +111,14 @@ class Timeline:
     compute_s: sum of compute boxes.
     transfers: number of transfers modelled.
     unmodelled: custom calls without an ``estimated_cycles`` (not ours).
+    flags: why the step may not be fully costed (empty when it is): a
+      custom call on the bytes model, a loop of unknown trip count, a
+      collective without link time.
+    floored_s: compute time added where an op's own roofline (FLOPs at
+      peak, HBM bytes at HBM bandwidth) exceeds XLA's estimate.
+    twin_s: time charged to Pallas kernels from their jnp twins.
+    flops: matmul FLOPs of every op executed (loop bodies once per trip).
+    loops: ``(while name, trips, "known" | "inferred" | "unknown")``.
   """
 
   events: list[Event]
@@ -119,6 +127,11 @@ class Timeline:
   compute_s: float
   transfers: int
   unmodelled: list[str]
+  flags: list[str] = dataclasses.field(default_factory=list)
+  floored_s: float = 0.0
+  twin_s: float = 0.0
+  flops: float = 0.0
+  loops: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
 
 
 def _iota_groups(spec: str) -> list[list[int]]:
@@ -134,17 +147,91 @@ def _iota_groups(spec: str) -> list[list[int]]:
   return [list(map(int, g)) for g in ids]
 
 
+_MESH = re.compile(
+  r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}"
+)
+_AXIS = re.compile(r"'?([\w.\-]+)'?(?::\((\d+)\)(\d+))?$")
+
+
+def _mesh_groups(spec: str) -> list[list[int]]:
+  """Groups of the newer spelling ``mesh['a'=2,'b'=4] {'b'}``.
+
+  The mesh lists its axes (major first) and, unless it is an iota, its
+  device ids; the braces list the axes a group spans, in the group's order.
+  A sub-axis ``'b':(pre)size`` is the ``size`` factor of axis ``b`` after
+  its major factor ``pre``. A group is every device that shares the
+  coordinates of all the other (sub-)axes.
+  """
+  m = _MESH.match(spec)
+  if not m:
+    return []
+  names, sizes = [], []
+  for item in m.group(1).split(","):
+    name, _, size = item.strip().rpartition("=")
+    names.append(name.strip("'\""))
+    sizes.append(int(size))
+  ids = np.arange(int(np.prod(sizes)))
+  if m.group(2):
+    ids = np.array([int(x) for x in re.findall(r"\d+", m.group(2))])
+  refs = []
+  for item in filter(None, (x.strip() for x in m.group(3).split(","))):
+    a = _AXIS.match(item)
+    if not a or a.group(1) not in names:
+      return []
+    axis = names.index(a.group(1))
+    pre, size = (int(a.group(2)), int(a.group(3))) if a.group(2) else (1, 0)
+    refs.append((axis, pre, size or sizes[axis]))
+  # Split every axis at the cut points of its sub-axes (major first).
+  dims, where = [], {}
+  for axis, n in enumerate(sizes):
+    cuts = {1, n}
+    for ax, pre, size in refs:
+      if ax == axis:
+        cuts |= {pre, pre * size}
+    for lo, hi in itertools.pairwise(sorted(cuts)):
+      where[(axis, lo)] = len(dims)
+      dims.append(hi // lo)
+  grouped = []
+  for axis, pre, size in refs:
+    k = where[(axis, pre)]
+    while size > 1:
+      grouped.append(k)
+      size //= dims[k]
+      k += 1
+  rest = [d for d in range(len(dims)) if d not in grouped]
+  gsize = int(np.prod([dims[d] for d in grouped]))
+  arr = ids.reshape(dims).transpose(rest + grouped).reshape(-1, gsize)
+  return [list(map(int, g)) for g in arr]
+
+
 def replica_groups(ins: Instr, n: int) -> list[list[int]]:
-  """The device groups of a collective (all devices when absent/empty)."""
+  """The device groups of a collective (all devices when absent/empty).
+
+  Three spellings: explicit ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]``, and
+  mesh axes ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``.
+
+  Raises:
+    ValueError: a spelling the model cannot read (never guessed).
+  """
   text = ins.attr("replica_groups")
   if not text or text in ("{}", "{{}}"):
     return [list(range(n))]
+  at = ins.attrs[ins.attrs.find("replica_groups=") + 15 :]
   if text.startswith("["):
-    return _iota_groups(ins.attrs[ins.attrs.find("replica_groups=") + 15 :])
-  return [
-    [int(x) for x in g.split(",") if x.strip()]
-    for g in re.findall(r"\{([\d,\s]*)\}", text)
-  ]
+    groups = _iota_groups(at)
+  elif text.startswith("mesh"):
+    groups = _mesh_groups(at)
+  else:
+    groups = [
+      [int(x) for x in g.split(",") if x.strip()]
+      for g in re.findall(r"\{([\d,\s]*)\}", text)
+    ]
+  if not groups or not all(groups):
+    raise ValueError(
+      f"{ins.name}: cannot read replica_groups={at[:80]!r}; teach "
+      "benchmarks/_timeline.replica_groups this spelling."
+    )
+  return groups
 
 
 def source_target_pairs(ins: Instr) -> list[tuple[int, int]]:
@@ -196,6 +283,8 @@ def link_loads(
     links = set()
     for dst in dsts:
       p = list(_path(coords[src], coords[dst]))
+      if not p and dst != src:  # two cores of one chip: an on-chip copy
+        p = [("chip", tuple(coords[src]))]
       hops = max(hops, len(p))
       links.update(p)
     for link in links:
@@ -213,6 +302,12 @@ def ring_sends(rings: Sequence[Sequence[int]], shift: int) -> dict:
   return out
 
 
+def _colors(ins: Instr) -> int:
+  """Ring directions XLA chose (``StrategyRing{colors:N``), default 1."""
+  m = re.search(r"colors:(\d+)", ins.attrs)
+  return int(m.group(1)) if m else 1
+
+
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
 
 
@@ -224,10 +319,71 @@ class _Transfer:
   end: float
 
 
+# Kernel-cost hook: (kernel instruction, module) -> seconds, or None when no
+# jnp twin is registered for it (see benchmarks/_kernel_costs.py).
+KernelCost = Callable[[Instr, Module], "float | None"]
+
+_CMP = {
+  "LT": lambda a, b: a < b,
+  "LE": lambda a, b: a <= b,
+  "GT": lambda a, b: a > b,
+  "GE": lambda a, b: a >= b,
+  "NE": lambda a, b: a != b,
+}
+
+
+def _window(attrs: str, rank: int) -> tuple[list[int], ...]:
+  """``(stride, pad_lo, pad_hi, lhs_dilate, rhs_dilate)`` per spatial dim."""
+  m = re.search(r"window=\{([^}]*)\}", attrs)
+  text = m.group(1) if m else ""
+
+  def field(name, default):
+    f = re.search(rf"\b{name}=([\dx_]+)", text)
+    return [int(v) for v in f.group(1).split("x")] if f else [default] * rank
+
+  pads = re.search(r"\bpad=([\d_x]+)", text)
+  lo, hi = [0] * rank, [0] * rank
+  if pads:
+    for n, p in enumerate(pads.group(1).split("x")):
+      lo[n], hi[n] = (int(v) for v in p.split("_"))
+  return (
+    field("stride", 1),
+    lo,
+    hi,
+    field("lhs_dilate", 1),
+    field("rhs_dilate", 1),
+  )
+
+
+def _valid_taps(size, window, out, stride, lo, hi, lhs_dil, rhs_dil) -> float:
+  """(output position, window position) pairs that read real input, not
+  padding: a convolution XLA pads to place two products side by side does
+  half the multiply-adds its window suggests."""
+  del hi
+  if out * window > 1_000_000:
+    return float(out * window)
+  span = (size - 1) * lhs_dil + 1
+  n = 0
+  for o in range(out):
+    for w in range(window):
+      pos = o * stride + w * rhs_dil - lo
+      n += 0 <= pos < span and pos % lhs_dil == 0
+  return float(n)
+
+
+_FLIP = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE", "NE": "NE"}
+_MAX_TRIPS = 1_000_000
+
+
 class _Sim:
-  def __init__(self, m, chip, coords, rings, prefetch):
+  def __init__(
+    self, m, chip, coords, rings, prefetch, kernel_cost=None, collectives="ring"
+  ):
     self.m, self.chip, self.coords = m, chip, coords
+    self.collectives = collectives
+    self._rings: dict = {}
     self.rings, self.prefetch = rings, prefetch
+    self.kernel_cost = kernel_cost
     self.ring_size = max(len(r) for r in rings)
     self.events: list[Event] = []
     self.free = {"dma": 0.0}
@@ -236,19 +392,144 @@ class _Sim:
     self.pending: dict[str, _Transfer] = {}
     self.exposed = 0.0
     self.compute = 0.0
+    self.floored = 0.0
+    self.twin = 0.0
+    self.flops = 0.0
     self.transfers = 0
     self.unmodelled: list[str] = []
+    self.flags: list[str] = []
+    self.loops: list[tuple[str, int, str]] = []
     self.seq = itertools.count()
+    self._index: dict = {}
+
+  def _flag(self, text: str) -> None:
+    if text not in self.flags:
+      self.flags.append(text)
+
+  def _table(self, comp: str) -> dict[str, Instr]:
+    table = self._index.get(comp)
+    if table is None:
+      table = {i.name: i for i in self.m.computations.get(comp, ())}
+      self._index[comp] = table
+    return table
 
   # costs -------------------------------------------------------------------
 
-  def _bytes_of(self, comp: str, names: list[str]) -> int:
-    table = self._index.setdefault(
-      comp, {i.name: i for i in self.m.computations[comp]}
-    )
+  def _bytes_of(self, comp: str, names) -> int:
+    table = self._table(comp)
     return sum(table[n].nbytes for n in names if n in table)
 
-  _index: dict = {}
+  def _dot_flops(self, comp: str, ins: Instr) -> tuple[float, str]:
+    """FLOPs of one ``dot``/``convolution`` and its lhs element type."""
+    table = self._table(comp)
+    if len(ins.operands) < 2 or not ins.arrays:
+      return 0.0, ""
+    lhs, rhs = (table.get(n) for n in ins.operands[:2])
+    if lhs is None or rhs is None or not lhs.arrays or not rhs.arrays:
+      return 0.0, ""
+    ldims, rdims = lhs.arrays[0].dims, rhs.arrays[0].dims
+    if ins.opcode == "dot":
+      m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+      k = (
+        np.prod([ldims[int(i)] for i in m.group(1).split(",") if i]) if m else 1
+      )
+    else:
+      m = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+      if not m or "i" not in m.group(2) or len(m.group(2)) != len(rdims):
+        return 0.0, ""
+      lab_l, lab_r, lab_o = m.groups()
+      k = rdims[lab_r.index("i")]
+      odims = ins.arrays[0].dims
+      spatial = sorted(c for c in lab_r if c.isdigit())
+      win = _window(ins.attrs, len(spatial))
+      taps = 1.0
+      for n, c in enumerate(spatial):
+        out_size = odims[lab_o.index(c)] if c in lab_o else 1
+        taps *= _valid_taps(
+          ldims[lab_l.index(c)] if c in lab_l else 1,
+          rdims[lab_r.index(c)],
+          out_size,
+          *(w[n] for w in win),
+        ) / max(out_size, 1)
+      k *= taps
+    return 2.0 * ins.arrays[0].num_elements * float(k), lhs.arrays[0].dtype
+
+  def _flops_s(self, ins: Instr) -> float:
+    return self._flops(ins)[1]
+
+  def _flops(self, ins: Instr) -> tuple[float, float]:
+    """The op's matmul FLOPs (fusions too), and their seconds at peak."""
+    total, secs, stack, seen = 0.0, 0.0, [(self._comp, ins)], set()
+    while stack:
+      comp, i = stack.pop()
+      if i.opcode in ("dot", "convolution"):
+        flops, dtype = self._dot_flops(comp, i)
+        total += flops
+        secs += flops / self.chip.peak_flops(dtype)
+      if i.opcode in ("fusion", "call", "custom-call"):
+        for c in i.called:
+          if c not in seen and c in self.m.computations:
+            seen.add(c)
+            stack.extend((c, j) for j in self.m.computations[c])
+    return total, secs
+
+  def _param_read(self, fused: str, k: int, nbytes: int, depth=0) -> int:
+    """HBM bytes a fusion reads of its operand ``k``: slices read only
+    the slice (through bitcasts and nested fusions), an in-place
+    dynamic-update-slice reads nothing, anything else reads it all."""
+    instrs = self.m.computations.get(fused, ())
+    param = next((i for i in instrs if i.parameter_number == k), None)
+    if param is None or param.opcode != "parameter" or depth > 8:
+      return nbytes
+    return min(nbytes, self._reads(fused, instrs, param.name, nbytes, depth))
+
+  def _reads(self, comp, instrs, name, nbytes, depth) -> int:
+    users = [i for i in instrs if name in i.operands]
+    if not users:
+      return nbytes
+    total = 0
+    for u in users:
+      if u.opcode in ("slice", "dynamic-slice"):
+        total += u.nbytes
+      elif u.opcode == "dynamic-update-slice" and u.operands[0] == name:
+        continue
+      elif u.opcode == "bitcast":
+        total += self._reads(comp, instrs, u.name, nbytes, depth + 1)
+      elif u.opcode == "fusion" and u.called:
+        k = u.operands.index(name)
+        total += self._param_read(u.called[0], k, nbytes, depth + 1)
+      else:
+        return nbytes
+    return total
+
+  def _hbm_bytes(self, comp: str, ins: Instr) -> float:
+    """Bytes the op must move to or from HBM (memory space 0)."""
+    table = self._table(comp)
+    fused = ins.called[0] if ins.opcode == "fusion" and ins.called else None
+    out = sum(lf.nbytes for lf in ins.arrays if lf.memory_space == 0)
+    if fused:
+      root = next(
+        (i for i in self.m.computations.get(fused, ()) if i.is_root), None
+      )
+      if root is not None and root.opcode == "dynamic-update-slice":
+        upd = self._table(fused).get(root.operands[1])
+        out = min(out, upd.nbytes if upd is not None else out)
+    reads = 0
+    for k, name in enumerate(ins.operands):
+      src = table.get(name)
+      if src is None:
+        continue
+      nb = sum(lf.nbytes for lf in src.arrays if lf.memory_space == 0)
+      if fused and nb:
+        nb = self._param_read(fused, k, nb)
+      reads += nb
+    return float(out + reads)
+
+  def _floor(self, comp: str, ins: Instr) -> float:
+    """The op's own roofline: FLOPs at peak, HBM bytes at HBM bandwidth."""
+    return max(
+      self._flops_s(ins), self._hbm_bytes(comp, ins) / self.chip.hbm_bytes_per_s
+    )
 
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
@@ -257,14 +538,41 @@ class _Sim:
     # (s32[2] iota or broadcast: a stateful kernel's slot indices); such
     # ops are scalar bookkeeping, free like every small op.
     small = ins.nbytes < _SMALL_BYTES and not ins.estimate_is_valid
+    mosaic = ins.opcode == "custom-call" and ins.target == "tpu_custom_call"
+    if mosaic:
+      # Never the kernel's own figure: its jnp twin, else the bytes model.
+      twin = self._twin_cost(ins)
+      if twin is not None:
+        return twin
+      cycles = None
     if cycles is not None and (ins.estimate_is_valid or in_vmem) and not small:
-      return cycles / self.chip.clock_hz
-    if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
-      self.unmodelled.append(ins.name)
-    moved = ins.nbytes + self._bytes_of(comp, ins.operands)
-    if ins.nbytes < _SMALL_BYTES:
-      return 0.0
-    return moved / self.chip.hbm_bytes_per_s
+      base = cycles / self.chip.clock_hz
+    else:
+      if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
+        self.unmodelled.append(ins.name)
+        self._flag(f"{ins.name}: custom call without a cost (bytes model)")
+      moved = ins.nbytes + self._bytes_of(comp, ins.operands)
+      base = (
+        0.0 if ins.nbytes < _SMALL_BYTES else moved / self.chip.hbm_bytes_per_s
+      )
+    if ins.nbytes < _SMALL_BYTES and not ins.called:
+      return base  # scalar bookkeeping: no roofline worth the name
+    floor = self._floor(comp, ins)
+    if floor > base:
+      self.floored += floor - base
+      return floor
+    return base
+
+  def _twin_cost(self, ins: Instr) -> float | None:
+    """A Pallas kernel's cost from its registered jnp twin (or None)."""
+    if self.kernel_cost is None:
+      return None
+    cost = self.kernel_cost(ins, self.m)
+    if cost is None:
+      return None
+    cost = max(cost, self._floor(self._comp, ins))
+    self.twin += cost
+    return cost
 
   def _ici(self, sends, nbytes, scale: float = 1.0):
     """An ICI transfer: ``(bytes per directed link, hop latency)``."""
@@ -274,29 +582,136 @@ class _Sim:
   def _n(self) -> int:
     return len(self.coords)
 
-  def _collective_dur(self, op: str, ins: Instr, comp: str):
-    n = self._n()
-    arrays = ins.arrays
-    operand = self._bytes_of(comp, ins.operands[:1]) or ins.nbytes
+  def _collective_load(self, op, groups, operand, out, pairs=(), colors=1):
+    """``(link load, latency)`` of one collective over ``groups``.
+
+    ``collectives="ring"`` (default): XLA's TPU emitters run a ring
+    (``StrategyRing{colors:1 ...}`` in their backend config): the group's
+    devices in a physical cycle, ``n - 1`` steps, each step moving one
+    shard to the next device, in ``colors`` directions (each carrying
+    ``1 / colors`` of every shard). ``"multicast"``: every shard crosses
+    each link towards its destinations at most once (a lower bound, the
+    model before calibration).
+    """
     if op == "collective-permute":
       sends = {}
-      for s, t in source_target_pairs(ins):
+      for s, t in pairs:
         sends.setdefault(s, []).append(t)
       return self._ici(sends, operand)
-    groups = replica_groups(ins, n)
     gsize = max(len(g) for g in groups)
-    multicast = {s: [d for d in g if d != s] for g in groups for s in g}
-    if op == "all-gather":
-      return self._ici(multicast, operand)
-    out = arrays[-1].nbytes if arrays else operand
-    if op == "reduce-scatter":
-      return self._ici(multicast, out)
-    if op == "all-reduce":
-      load, lat = self._ici(multicast, operand / gsize, 2.0)
-      return load, 2 * lat
-    if op == "all-to-all":
-      return self._ici(multicast, operand / gsize, gsize - 1.0)
-    return self._ici(multicast, operand)
+    if gsize <= 1:
+      return {}, 0.0
+    shard = {
+      "all-gather": operand,
+      "reduce-scatter": out,
+      "all-reduce": operand / gsize,
+      "all-to-all": operand / gsize,
+    }.get(op, operand)
+    steps = {"all-reduce": 2 * (gsize - 1)}.get(op, gsize - 1)
+    if self.collectives == "multicast":
+      multicast = {s: [d for d in g if d != s] for g in groups for s in g}
+      load, lat = self._ici(multicast, shard, 2.0 if op == "all-reduce" else 1)
+      return load, (2 * lat if op == "all-reduce" else lat)
+    rings = [self._ring_order(g) for g in groups]
+    load, hops = {}, 0
+    directions = (1, -1)[: max(1, min(colors, 2))]
+    for shift in directions:
+      part, h = link_loads(
+        ring_sends(rings, shift), shard * steps / len(directions), self.coords
+      )
+      hops = max(hops, h)
+      for k, v in part.items():
+        load[k] = load.get(k, 0.0) + v
+    return load, steps * hops * self.chip.ici_hop_s
+
+  def _ring_order(self, group: list[int]) -> list[int]:
+    """The group's devices in a physical cycle when one exists (XLA
+    reorders its ring: ``has_reordering_map``), else as given."""
+    key = tuple(group)
+    if key not in self._rings:
+      by = {}
+      for d in group:
+        by.setdefault(tuple(self.coords[d]), []).append(d)
+      order = list(group)
+      if all(len(v) == 1 for v in by.values()) and len(by) > 2:
+        from benchmarks._mesh import _cycles  # noqa: PLC0415
+
+        cyc = _cycles(sorted(by), len(by))
+        if cyc:
+          order = [by[c][0] for c in cyc[0]]
+      self._rings[key] = order
+    return self._rings[key]
+
+  def _collective_dur(self, op: str, ins: Instr, comp: str):
+    operand = self._bytes_of(comp, ins.operands[:1]) or ins.nbytes
+    out = ins.arrays[-1].nbytes if ins.arrays else operand
+    groups = (
+      [] if op == "collective-permute" else replica_groups(ins, self._n())
+    )
+    return self._checked(
+      ins,
+      op,
+      self._collective_load(
+        op, groups, operand, out, source_target_pairs(ins), _colors(ins)
+      ),
+      groups,
+    )
+
+  def _checked(self, ins, op, cost, groups):
+    """Guard: a collective among several devices never moves for free."""
+    load, _ = cost
+    many = any(len(g) > 1 for g in groups) or op == "collective-permute"
+    if (
+      many
+      and not load
+      and (op != "collective-permute" or source_target_pairs(ins))
+    ):
+      self._flag(f"{ins.name}: {op} with no link time")
+    return cost
+
+  def _inner_collective(self, ins: Instr):
+    """``(computation, collective)`` inside a fusion, or None."""
+    stack, seen = list(ins.called), set()
+    while stack:
+      c = stack.pop()
+      if c in seen or c not in self.m.computations:
+        continue
+      seen.add(c)
+      for i in self.m.computations[c]:
+        base = i.opcode.removesuffix("-start")
+        if base in _SYNC_COLLECTIVES:
+          return c, i
+        stack.extend(i.called)
+    return None
+
+  def _fused_collective(self, comp: str, ins: Instr, found, t: float) -> float:
+    """A fusion around a collective (e.g. XLA's all-reduce-scatter fusion):
+    a synchronous collective on the links, never free compute."""
+    inner_comp, inner = found
+    op = inner.opcode.removesuffix("-start")
+    operand = self._bytes_of(inner_comp, inner.operands[:1]) or inner.nbytes
+    groups = (
+      [] if op == "collective-permute" else replica_groups(inner, self._n())
+    )
+    out = ins.nbytes
+    if op == "all-reduce" and out < operand:
+      op = "reduce-scatter"  # all-reduce then keep this device's slice
+    cost = self._checked(
+      inner,
+      op,
+      self._collective_load(
+        op, groups, operand, out, source_target_pairs(inner), _colors(ins)
+      ),
+      groups,
+    )
+    begin, end = self._ici_slot(t, *cost)
+    end = max(end, t + self._hbm_bytes(comp, ins) / self.chip.hbm_bytes_per_s)
+    lane = self._lane(begin, end)
+    self._emit("ici", ins.name, "collective", begin, end - begin, lane)
+    self._emit("compute", ins.name, "wait", t, end - t)
+    self.exposed += end - t
+    self.transfers += 1
+    return end
 
   def _kernel_dur(self, ins: Instr):
     """``(track, bytes per link or DMA seconds, latency)`` of our kernel.
@@ -321,6 +736,15 @@ class _Sim:
     if kind == "all_gather":
       multicast = {s: [d for d in r if d != s] for r in self.rings for s in r}
       return "ici", *self._ici(multicast, nbytes)
+    if kind == "all_to_all":  # its source (n, ...): slot p goes to peer p
+      n = self.ring_size
+      load, lat = {}, 0.0
+      for k in range(1, n):
+        part, lk = self._ici(ring_sends(self.rings, k), nbytes / n)
+        lat = max(lat, lk)
+        for key, v in part.items():
+          load[key] = load.get(key, 0.0) + v
+      return "ici", load, lat
     m = _SHIFT.search(ins.attrs)
     shift = int(m.group(1)) if m else -1
     return "ici", *self._ici(ring_sends(self.rings, shift), nbytes)
@@ -341,6 +765,82 @@ class _Sim:
     src = self._bytes_of(self._comp, bufs[:1]) or dst_bytes
     return min(src, dst_bytes)
 
+  # loops -------------------------------------------------------------------
+
+  def _scalar(self, table: dict, name: str):
+    """``("const", v)``, ``("gte", index)`` of the loop state, or None."""
+    seen = 0
+    while name in table and seen < 16:
+      i = table[name]
+      if name in self.m.constants:
+        return "const", self.m.constants[name]
+      if i.opcode == "get-tuple-element":
+        src = table.get(i.operands[0])
+        if src is not None and src.opcode == "parameter":
+          return "gte", i.tuple_index
+        return None
+      if i.opcode not in ("copy", "bitcast", "convert") or not i.operands:
+        return None
+      name, seen = i.operands[0], seen + 1
+    if name in self.m.constants:
+      return "const", self.m.constants[name]
+    return None
+
+  def _infer_trips(self, comp: str, ins: Instr) -> int | None:
+    """Trip count from the loop condition ``i <cmp> limit``, the initial
+    ``i`` in the while operand and the body's ``i + step``."""
+    cond = self.m.computations.get(ins.condition or "")
+    body = self.m.computations.get(ins.body or "")
+    if not cond or not body:
+      return None
+    ctab, btab = self._table(ins.condition), self._table(ins.body)
+    root = next(i for i in cond if i.is_root)
+    m = re.search(r"direction=(\w+)", root.attrs)
+    if root.opcode != "compare" or not m or m.group(1) not in _CMP:
+      return None
+    a, b = (self._scalar(ctab, o) for o in root.operands[:2])
+    direction = m.group(1)
+    if a and b and a[0] == "const" and b[0] == "gte":
+      a, b, direction = b, a, _FLIP[direction]
+    if not (a and b and a[0] == "gte" and b[0] == "const"):
+      return None
+    idx, limit = a[1], b[1]
+    init_t = self._table(comp).get(ins.operands[0])
+    if init_t is None or init_t.opcode != "tuple":
+      return None
+    init = self._scalar(self._table(comp), init_t.operands[idx])
+    broot = next(i for i in body if i.is_root)
+    if broot.opcode != "tuple" or init is None or init[0] != "const":
+      return None
+    upd = btab.get(broot.operands[idx])
+    while upd is not None and upd.opcode in ("copy", "bitcast"):
+      upd = btab.get(upd.operands[0])
+    if upd is None or upd.opcode not in ("add", "subtract"):
+      return None
+    x, y = (self._scalar(btab, o) for o in upd.operands[:2])
+    if upd.opcode == "add" and x and x[0] == "const":
+      x, y = y, x
+    if not (x == ("gte", idx) and y and y[0] == "const") or y[1] == 0:
+      return None
+    step = y[1] if upd.opcode == "add" else -y[1]
+    i, n = init[1], 0
+    while _CMP[direction](i, limit) and n < _MAX_TRIPS:
+      i, n = i + step, n + 1
+    return n if n < _MAX_TRIPS else None
+
+  def _trips(self, comp: str, ins: Instr) -> int:
+    known = ins.backend_config.get("known_trip_count", {}).get("n")
+    if known is not None:
+      self.loops.append((ins.name, int(known), "known"))
+      return int(known)
+    n = self._infer_trips(comp, ins)
+    if n is None:
+      self._flag(f"{ins.name}: while loop of unknown trip count (run once)")
+      self.loops.append((ins.name, 1, "unknown"))
+      return 1
+    self.loops.append((ins.name, n, "inferred"))
+    return n
+
   # walking -----------------------------------------------------------------
 
   def _emit(self, track, name, kind, start, dur, lane=0, **args):
@@ -352,11 +852,14 @@ class _Sim:
 
     Each link is a FIFO: its share of the bytes starts when the link is
     free. Transfers on disjoint links (e.g. the two directions of a ring)
-    run concurrently; transfers sharing a link queue on it.
+    run concurrently; transfers sharing a link queue on it. An on-chip
+    "link" (two cores of one chip) moves at HBM bandwidth.
     """
-    bw = self.chip.ici_link_bytes_per_s
     begin, end = None, t
     for link, nbytes in load.items():
+      bw = self.chip.ici_link_bytes_per_s
+      if link and link[0] == "chip":
+        bw = self.chip.hbm_bytes_per_s
       b = max(t, self.link_free.get(link, 0.0))
       self.link_free[link] = b + nbytes / bw
       begin = b if begin is None else min(begin, b)
@@ -402,9 +905,7 @@ class _Sim:
     return t
 
   def _sources(self, comp: str, ins: Instr) -> list[str]:
-    table = self._index.setdefault(
-      comp, {i.name: i for i in self.m.computations[comp]}
-    )
+    table = self._table(comp)
     found, stack, seen = [], list(ins.operands), set()
     while stack:
       n = stack.pop()
@@ -434,6 +935,13 @@ class _Sim:
     )
     return t + self.chip.done_s
 
+  def _compute(self, comp: str, ins: Instr, t: float) -> float:
+    cost = self._op_cost(comp, ins)
+    self.flops += self._flops(ins)[0]
+    self._emit("compute", ins.name, "compute", t, cost, op=ins.opcode)
+    self.compute += cost
+    return t + cost
+
   def run(self, comp: str, t: float) -> float:
     for ins in self.m.computations[comp]:
       self._comp = comp
@@ -441,11 +949,8 @@ class _Sim:
       if op in _FREE:
         continue
       if op == "while":
-        cfg = ins.backend_config.get("known_trip_count", {})
-        trips = int(cfg.get("n", 1))
-        body = re.search(r"body=%?([\w.\-]+)", ins.attrs).group(1)
-        for _ in range(trips):
-          t = self.run(body, t)
+        for _ in range(self._trips(comp, ins)):
+          t = self.run(ins.body, t)
         continue
       if op == "call":
         for c in ins.called:
@@ -456,12 +961,18 @@ class _Sim:
         t = max(ends, default=t)
         continue
       if ins.name.startswith("asyncops_") and op == "custom-call":
+        twin = self._twin_cost(ins)
+        if twin is not None:  # a kernel that also computes
+          self.flops += self._flops(ins)[0]
+          self._emit("compute", ins.name, "compute", t, twin)
+          self.compute += twin
+          t += twin
         if "_start" in ins.name:
           track, *cost = self._kernel_dur(ins)
           family = ins.name.split("_start")[0]
           cost = cost[0] if track == "dma" else tuple(cost)
           t = self._launch(ins, track, cost, t, family)
-        else:
+        elif "_done" in ins.name or "_recv" in ins.name or "_send" in ins.name:
           family = ins.name.split("_done")[0].split("_recv")[0]
           family = family.split("_send")[0]
           t = self._wait(comp, ins, t, family)
@@ -517,13 +1028,14 @@ class _Sim:
         self.transfers += 1
         t = end
         continue
-      target = ins.attr("custom_call_target") or ""
-      if op == "custom-call" and target.strip('"') in _FREE_TARGETS:
+      if op == "custom-call" and ins.target in _FREE_TARGETS:
         continue
-      cost = self._op_cost(comp, ins)
-      self._emit("compute", ins.name, "compute", t, cost, op=op)
-      self.compute += cost
-      t += cost
+      if op == "fusion":
+        found = self._inner_collective(ins)
+        if found is not None:
+          t = self._fused_collective(comp, ins, found, t)
+          continue
+      t = self._compute(comp, ins, t)
     return t
 
 
@@ -535,6 +1047,8 @@ def simulate(
   ring_size: int | None = None,
   rings: Sequence[Sequence[int]] | None = None,
   prefetch: Literal["free", "charged"] = "free",
+  kernel_cost: KernelCost | None = None,
+  collectives: Literal["ring", "multicast"] = "ring",
 ) -> Timeline:
   """Simulates one device's step of a scheduled TPU HLO module.
 
@@ -550,9 +1064,19 @@ def simulate(
       our kernels run over), e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``.
     prefetch: whether XLA's cross-program prefetch is ``"free"`` (issued
       before the step) or ``"charged"`` from time 0.
+    kernel_cost: seconds for a Pallas kernel from its jnp twin (see
+      :mod:`benchmarks._kernel_costs`), or None when it has none.
+    collectives: how XLA's all-gather, reduce-scatter and all-reduce use
+      the links: ``"ring"`` (its emitters' ring, ``n - 1`` steps; the
+      calibrated default) or ``"multicast"`` (each shard crosses a link at
+      most once; a lower bound).
 
   Returns:
     The :class:`Timeline`.
+
+  Raises:
+    ValueError: ``prefetch`` is not one of the two choices, or a
+      collective's replica groups cannot be read.
 
   Example:
     >>> tl = simulate(_hlo.parse(text), CHIPS["v5e"])  # doctest: +SKIP
@@ -566,9 +1090,30 @@ def simulate(
     rings = [
       list(range(i, i + size)) for i in range(0, len(coords) - size + 1, size)
     ]
-  sim = _Sim(module, chip, coords, [list(r) for r in rings], prefetch)
-  sim._index = {}
+  if collectives not in ("ring", "multicast"):
+    raise ValueError(
+      f"collectives must be 'ring' or 'multicast', got {collectives!r}"
+    )
+  sim = _Sim(
+    module,
+    chip,
+    coords,
+    [list(r) for r in rings],
+    prefetch,
+    kernel_cost,
+    collectives,
+  )
   step = sim.run(module.entry, 0.0)
   return Timeline(
-    sim.events, step, sim.exposed, sim.compute, sim.transfers, sim.unmodelled
+    sim.events,
+    step,
+    sim.exposed,
+    sim.compute,
+    sim.transfers,
+    sim.unmodelled,
+    flags=sim.flags,
+    floored_s=sim.floored,
+    twin_s=sim.twin,
+    flops=sim.flops,
+    loops=sim.loops,
   )

@@ -28,6 +28,7 @@ global ``(B, D, F)``:
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 
 import jax
@@ -95,11 +96,49 @@ def _library(name: str):
   return getattr(cm, name, None)
 
 
+# Variants other engineers add without touching this file's logic:
+# name -> (build(mesh, precision) -> jitted fn, args(mesh, shape, dtype)).
+_REGISTERED: dict[str, tuple[Callable, Callable]] = {}
+
+
+def register(name: str, build_fn: Callable, args_fn: Callable) -> None:
+  """Adds variant ``name`` (``<family>:<kind>``, or a bare all-gather name).
+
+  Args:
+    name: e.g. ``"rowgather:asyncops"``; it then appears in
+      :func:`family_variants` (or :func:`available` without a colon).
+    build_fn: ``(mesh, precision) -> jitted function``.
+    args_fn: ``(mesh, (B, D, F), dtype) -> ShapeDtypeStructs``.
+
+  Raises:
+    ValueError: ``name`` is already a built-in variant.
+  """
+  if name in ("unsharded", "jit", "ppermute") or name.endswith(
+    (":unsharded", ":jit")
+  ):
+    raise ValueError(f"register: {name!r} is built in; choose another name.")
+  _REGISTERED[name] = (build_fn, args_fn)
+
+
+def _has_method(name: str) -> bool:
+  """Whether the library's ``name`` takes ``method=`` (auto dispatch)."""
+  fn = _library(name)
+  if fn is None:
+    return False
+  try:
+    return "method" in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
 def available() -> list[str]:
   """Variant names of the flagship (all-gather) runnable here."""
   out = ["unsharded", "jit", "ppermute", "asyncops_manual"]
   if _library("allgather_matmul") is not None:
     out += ["allgather_matmul", "allgather_matmul_bidi"]
+  if _has_method("allgather_matmul"):
+    out.append("allgather_matmul_auto")
+  out += [n for n in _REGISTERED if ":" not in n and n not in out]
   return out
 
 
@@ -211,9 +250,12 @@ KINDS_REF = ("asyncops_ref",)
 
 
 def family_variants(family: str, ref: bool = False) -> list[str]:
-  """``<family>:<kind>`` names (the bound first)."""
+  """``<family>:<kind>`` names (the bound first), registered ones last."""
   kinds = KINDS + (KINDS_REF if ref else ())
-  return [f"{family}:{k}" for k in kinds]
+  if family in FAMILIES and _has_method(FAMILIES[family].library):
+    kinds += ("asyncops_auto",)
+  out = [f"{family}:{k}" for k in kinds] if family in FAMILIES else []
+  return out + [n for n in _REGISTERED if n.startswith(f"{family}:")]
 
 
 def _build_family(name: str, mesh, precision):
@@ -229,6 +271,7 @@ def _build_family(name: str, mesh, precision):
     "asyncops": _lib_fn(fam.library, precision),
     "asyncops_bidi": _lib_fn(fam.library, precision, bidirectional=True),
     "asyncops_ref": _lib_fn(fam.library, precision, api="ref"),
+    "asyncops_auto": _lib_fn(fam.library, precision, method="auto"),
   }
   if kind not in fns:
     raise ValueError(
@@ -248,6 +291,8 @@ def build(name: str, mesh, *, precision=None):
   Raises:
     ValueError: unknown variant; lists the available ones.
   """
+  if name in _REGISTERED:
+    return _REGISTERED[name][0](mesh, precision)
   if ":" in name:
     return _build_family(name, mesh, precision)
   in_specs = (P("x", AXIS), P(None, AXIS))
@@ -273,6 +318,7 @@ def build(name: str, mesh, *, precision=None):
     fns["allgather_matmul_ref_bidi"] = functools.partial(
       _lib, api="ref", bidirectional=True
     )
+    fns["allgather_matmul_auto"] = functools.partial(_lib, method="auto")
   if name not in fns:
     raise ValueError(
       f"variant {name!r} is not available; choose from {available()}."
@@ -284,6 +330,8 @@ def build(name: str, mesh, *, precision=None):
 
 def abstract_args(name, mesh, shape, dtype):
   """ShapeDtypeStructs for variant ``name`` at global shape ``(B, D, F)``."""
+  if name in _REGISTERED:
+    return _REGISTERED[name][1](mesh, shape, dtype)
   b, d, f = shape
   x, y = mesh.shape["x"], mesh.shape[AXIS]
   if ":" in name:

@@ -2,164 +2,58 @@
 
 Usage::
 
-  python -m benchmarks.run [--topology v5e:2x4[,v4:2x2x1,...]]
-      [--shape 1024,2048,8192] [--layout ring|line]
-      [--configs int32,float32:highest,float32,bfloat16]
-      [--variants unsharded,jit,ppermute,...] [--ref]
-      [--families reducescatter,allreduce,mlp] [--out out/bench]
-      [--prefetch free|charged]
-
-The default run (flagship on v5e:2x4, four configs) takes about 1-2 min;
-``--families``, ``--ref`` and more topologies add tables.
+  python -m benchmarks.run                       # the default tables
+  python -m benchmarks.run --json rows.json      # also every row as JSON
+  python -m benchmarks.run --families allgather,reducescatter,allreduce,mlp
+  python -m benchmarks.run --xla-configs         # one row per XLA config
+  python -m benchmarks.run --sensitivity         # latency constants x0.5, x2
+  python -m benchmarks.run --sweep llama         # Llama-3-70B MLP sweep
+  python -m benchmarks.run --calibration         # against measured times
 
 Compiles every variant ahead of time for the topology (no TPU needed),
-simulates its scheduled HLO with :mod:`benchmarks._timeline` and prints one
-markdown table per shape and config. Traces and PNGs go to ``--out``.
+models its scheduled HLO with :mod:`benchmarks._timeline` and prints one
+markdown table per family, dtype, shape and topology. Each table gives:
+
+- ``bound``: the per-device matmul without communication (unsharded);
+- ``roofline``: FLOPs at peak, HBM bytes at HBM bandwidth, ring bytes at
+  link bandwidth, whichever is largest (:mod:`benchmarks._roofline`);
+- ``jit``, ``xla_best`` (the fastest of :data:`xla_configs.CONFIGS`, its
+  configuration named), the chapter's ``ppermute`` ring, ours (one-way,
+  two-way, ``auto`` when the library has it);
+- per row: step time (XLA's weight prefetch free, and charged), exposed
+  communication, ratios to the bound, the roofline and ``xla_best``,
+  defensive copies, peak temporary memory, and flags for rows the model
+  cannot cost fully (``!``).
+
+Compiled HLO is cached (:mod:`benchmarks._measure`), so a second run, or
+``--sensitivity``, only re-models. Exit status: 0, or 1 when a row is
+modelled below its roofline (a model bug), 2 for a usage error.
 """
 
+from __future__ import annotations
+
+import argparse
 import contextlib
 import json
-import math
-import os
 import pathlib
 import sys
 import time
-from typing import Literal
 
 import jax.numpy as jnp
-import numpy as np
 
-from asyncops import _cli
-from benchmarks import _chips, _hlo, _timeline, _trace, _variants
+from benchmarks import _chips, _measure, _mesh, _roofline, _trace, _variants
+from benchmarks import xla_configs as _xc
 
+make_mesh = _mesh.make_mesh
+mesh_rings = _mesh.mesh_rings
+peak_temp_bytes = _measure.peak_temp_bytes
+defensive_copies = _measure.defensive_copies
 
-@contextlib.contextmanager
-def _quiet_fd2():
-  """libtpu prints start-up warnings to fd 2; keep them off the terminal."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with open(os.devnull, "w") as null:
-    os.dup2(null.fileno(), 2)
-    try:
-      yield
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-
-
-Layout = Literal["ring", "line"]
-
-
-def _cycle(devs):
-  """Four devices of a 2x2 square in cycle order (every hop one link)."""
-  cx = sum(d.coords[0] for d in devs) / 4
-  cy = sum(d.coords[1] for d in devs) / 4
-  return sorted(
-    devs, key=lambda d: math.atan2(d.coords[1] - cy, d.coords[0] - cx)
-  )
-
-
-def _ring_rows(devs):
-  """Two rows of four forming physical rings, or None if impossible."""
-  chips = sorted({tuple(d.coords) for d in devs})
-  if len(devs) != 8:
-    return None
-  if len(chips) == 4:  # 2 cores per chip: x = core, y = the 2x2 chips
-    rows = [[d for d in devs if d.core_on_chip == c] for c in (0, 1)]
-  elif len(chips) == 8:  # 2x4: x = which 2x2 square along the long axis
-    long = max(range(3), key=lambda a: len({c[a] for c in chips}))
-    rows = [[d for d in devs if d.coords[long] // 2 == h] for h in (0, 1)]
-  else:
-    return None
-  if any(len({c for d in r for c in [tuple(d.coords)]}) != 4 for r in rows):
-    return None
-  return [_cycle(r) for r in rows]
-
-
-def make_mesh(topology: str, layout: Layout = "ring"):
-  """A ``("x", "y")`` mesh of the topology's devices.
-
-  Args:
-    topology: e.g. ``"v5e:2x4"``.
-    layout: ``"ring"``: each ``y`` row is a physical cycle (a 2x2 square
-      of chips, every ring hop one ICI link, both directions usable);
-      ``"line"``: ``y`` runs along the longest physical axis (an open line:
-      the ring's wrap-around message crosses ``n - 1`` links).
-
-  Returns:
-    The mesh (``x`` of size 2 when there are more than 2 devices).
-  """
-  from jax.experimental import topologies  # noqa: PLC0415
-  from jax.sharding import Mesh  # noqa: PLC0415
-
-  if layout not in ("ring", "line"):
-    raise ValueError(f"layout must be 'ring' or 'line', got {layout!r}")
-  # Several processes (tests, benchmarks) may compile for TPU at once.
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  with _quiet_fd2():
-    topo = topologies.get_topology_desc(topology, platform="tpu")
-  devs = sorted(
-    topo.devices,
-    key=lambda d: (*reversed(d.coords), getattr(d, "core_on_chip", 0)),
-  )
-  rows = _ring_rows(devs) if layout == "ring" else None
-  if rows is not None:
-    return Mesh(np.array(rows), ("x", "y"))
-  n = len(devs)
-  x = 2 if n % 2 == 0 and n > 2 else 1
-  return Mesh(np.array(devs).reshape(n // x, x).T, ("x", "y"))
-
-
-def mesh_rings(mesh) -> list[list[int]]:
-  """Partition ids of each ``y`` ring (partition id = flat mesh index)."""
-  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-  return [list(map(int, r)) for r in ids]
-
-
-def defensive_copies(text: str) -> int:
-  """Defensive copies in the HLO, from ``asyncops.inspect`` when present.
-
-  Fallback (no harness on this branch): ``copy`` ops that keep their
-  operand's memory space (a memory-space move HBM <-> VMEM is not
-  defensive).
-  """
-  try:
-    from asyncops.inspect import analyze_module, parse_module  # noqa: PLC0415
-
-    return len(analyze_module(parse_module(text)).defensive_copies)
-  except ImportError:
-    pass
-  m = _hlo.parse(text)
-  n = 0
-  for instrs in m.computations.values():
-    table = {i.name: i for i in instrs}
-    for i in instrs:
-      if i.opcode != "copy" or not i.arrays:
-        continue
-      src = table.get(i.operands[0]) if i.operands else None
-      if src is None or not src.arrays:
-        continue
-      if src.arrays[0].memory_space == i.arrays[0].memory_space:
-        n += 1
-  return n
-
-
-def peak_temp_bytes(mem) -> int:
-  """Peak bytes live beyond the program's own arguments, outputs and code.
-
-  A compile-only TPU executable reports ``temp_size_in_bytes`` as 0, but its
-  ``peak_memory_in_bytes`` counts everything live at the peak, so the
-  temporaries are what is left after the arguments, outputs (aliased ones
-  counted once) and generated code.
-  """
-  peak = getattr(mem, "peak_memory_in_bytes", 0)
-  fixed = (
-    getattr(mem, "argument_size_in_bytes", 0)
-    + getattr(mem, "output_size_in_bytes", 0)
-    - getattr(mem, "alias_size_in_bytes", 0)
-    + getattr(mem, "generated_code_size_in_bytes", 0)
-  )
-  return max(peak - fixed, getattr(mem, "temp_size_in_bytes", 0), 0)
+CHAPTER = (1024, 2048, 8192)
+PREFILL = (2048, 8192, 28672)
+LLAMA_D, LLAMA_F = 8192, 28672
+# The chapter's measurements on a TPU v5e-8 (int32, mesh 2x4).
+MEASURED = {"unsharded": 224.0, "jit": 311.0, "ppermute": 244.0}
 
 
 def parse_config(text: str):
@@ -168,131 +62,562 @@ def parse_config(text: str):
 
 
 def measure(variant, mesh, shape, config, chip, prefetch="free"):
-  """Compiles and simulates one variant; returns (row dict, timeline)."""
+  """Compiles and models one variant on ``mesh``; ``(row, timeline)``.
+
+  The simple entry point (examples use it); tables go through
+  :func:`benchmarks._measure.measure`, which caches.
+  """
+  from benchmarks import _hlo, _timeline  # noqa: PLC0415
+
   dtype, precision = config
   fn = _variants.build(variant, mesh, precision=precision)
   args = _variants.abstract_args(variant, mesh, shape, dtype)
   t0 = time.perf_counter()
-  with _quiet_fd2():
+  with _mesh.quiet_fd2():
     compiled = fn.trace(*args).lower().compile()
   compile_s = time.perf_counter() - t0
   text = compiled.as_text()
-  coords = [d.coords for d in mesh.devices.flat]
   tl = _timeline.simulate(
     _hlo.parse(text),
     chip,
-    coords=coords,
+    coords=_mesh.coords(mesh),
     rings=mesh_rings(mesh),
     prefetch=prefetch,
   )
-  mem = compiled.memory_analysis()
   return {
     "variant": variant,
     "step_us": tl.step_s * 1e6,
     "exposed_us": tl.exposed_comm_s * 1e6,
     "copies": defensive_copies(text),
-    "temp_mib": peak_temp_bytes(mem) / 2**20,
+    "temp_mib": peak_temp_bytes(compiled.memory_analysis()) / 2**20,
     "compile_s": compile_s,
-    "unmodelled": len(tl.unmodelled),
+    "unmodelled": len(tl.unmodelled) + len(tl.flags),
   }, tl
 
 
 def table(rows, bound_us) -> str:
+  """A short table of :func:`measure` rows (the examples print it)."""
   lines = [
     "| variant | step (us) | exposed comm (us) | / unsharded | defensive "
-    "copies | peak temp (MiB) | compile (s) |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    "copies | peak temp (MiB) |",
+    "|---|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
-    flag = " (*)" if r["unmodelled"] else ""
+    flag = " (!)" if r["unmodelled"] else ""
     lines.append(
       f"| {r['variant']}{flag} | {r['step_us']:.1f} | {r['exposed_us']:.1f}"
       f" | {r['step_us'] / bound_us:.3f} | {r['copies']} | "
-      f"{r['temp_mib']:.1f} | {r['compile_s']:.1f} |"
+      f"{r['temp_mib']:.1f} |"
     )
   return "\n".join(lines)
 
 
-def _run_table(label, variants, mesh, shape, config, text, chip, a, out):
-  rows = []
-  for v in _cli.progress(variants, f"{a.current} {label} {text}"):
-    row, tl = measure(v, mesh, shape, config, chip, a.prefetch)
-    rows.append(row)
-    stem = f"{v.replace(':', '_')}_{text.replace(':', '-')}_{a_topo(a)}"
-    _trace.write(
-      tl, out, stem, f"{v} {text} {a.current}: {row['step_us']:.1f} us"
+# Tables -------------------------------------------------------------------
+
+
+def _name(family: str, kind: str) -> str:
+  """Today's variant names: bare for the all-gather family."""
+  if family != "allgather":
+    return f"{family}:{kind}"
+  return {
+    "asyncops": "allgather_matmul",
+    "asyncops_bidi": "allgather_matmul_bidi",
+    "asyncops_auto": "allgather_matmul_auto",
+    "asyncops_ref": "allgather_matmul_ref",
+  }.get(kind, kind)
+
+
+def family_variants(family: str, ref: bool, extra: list[str]) -> list[str]:
+  """The rows of one table after the bound, jit and xla_best."""
+  if family == "allgather":
+    names = [v for v in _variants.available() if v not in ("unsharded", "jit")]
+    names = [v for v in names if v != "asyncops_manual" or "manual" in extra]
+    if ref:
+      names += _variants.library_ref()
+    return names
+  names = _variants.family_variants(family, ref=ref)
+  return [n for n in names if not n.endswith((":unsharded", ":jit"))]
+
+
+class Bench:
+  """Measures tables and keeps every row for ``--json``."""
+
+  def __init__(self, a):
+    self.a = a
+    self.rows: list[dict] = []
+    self.below_roofline: list[str] = []
+
+  def spec(self, variant, topology, tp, shape, config, **kw):
+    dtype, precision = config
+    return _measure.Spec(
+      variant,
+      topology,
+      tp,
+      tuple(shape),
+      dtype,
+      precision,
+      layout=kw.get("layout", self.a.layout),
+      options=kw.get("options", {}),
     )
-  print(f"## {label} {text}\n\n{table(rows, rows[0]['step_us'])}\n", flush=True)
-  a.results.append(
-    dict(topology=a.current, family=label, config=text, rows=rows)
+
+  @staticmethod
+  def guard(res, floor_us: float):
+    """XLA's cross-program prefetch is free only while that leaves the
+    program at or above its roofline: a weight too big to stay on chip is
+    read from HBM every step. Otherwise the row charges it (and says so)."""
+    row = res.row
+    res.prefetch = "free"
+    below = row["step_us"] < floor_us * (1 - 1e-6)
+    if below and row["step_charged_us"] > row["step_us"]:
+      row["step_free_us"] = row["step_us"]
+      row["step_us"] = row["step_charged_us"]
+      row["flags"] = [
+        *row["flags"],
+        f"prefetch charged (free: {row['step_free_us']:.1f} us, below "
+        "the roofline)",
+      ]
+      res.prefetch = "charged"
+    return res
+
+  def xla_best(self, family, topology, tp, shape, config, per_config, floor):
+    """``(best result, name, [all results])`` over the XLA configs."""
+    seen, results = {}, []
+    for cname, opts in _xc.CONFIGS.items():
+      spec = self.spec(
+        _name(family, "jit"), topology, tp, shape, config, options=opts
+      )
+      try:
+        res = _measure.measure(spec)
+      except Exception as e:  # noqa: BLE001 - a config libtpu refuses
+        print(f"  ({cname}: not compiled: {str(e).splitlines()[0][:120]})")
+        continue
+      if res.hlo_key in seen:
+        continue
+      self.guard(res, floor)
+      seen[res.hlo_key] = cname
+      results.append((cname, res))
+    best_name, best = min(results, key=lambda r: r[1].row["step_us"])
+    return best, best_name, results if per_config else []
+
+  def one_table(self, family, topology, tp, shape, config, variants=None):
+    a = self.a
+    chip = _chips.chip_for(topology)
+    mesh = _measure.mesh_for(topology, a.layout, tp)
+    x, y = mesh.shape["x"], mesh.shape["y"]
+    dtype, precision = config
+    roof = _roofline.roofline(family, shape, x, y, dtype, chip, precision)
+    floor = roof.total_s * 1e6
+    bound = self.guard(
+      _measure.measure(
+        self.spec(_name(family, "unsharded"), topology, tp, shape, config)
+      ),
+      max(roof.compute_s, roof.hbm_s) * 1e6,
+    )
+    jit = self.guard(
+      _measure.measure(
+        self.spec(_name(family, "jit"), topology, tp, shape, config)
+      ),
+      floor,
+    )
+    best, best_name, per = self.xla_best(
+      family, topology, tp, shape, config, a.xla_configs, floor
+    )
+    rows = [(bound, None), (jit, None), (best, best_name)]
+    rows += [(r, n) for n, r in per]
+    names = variants or family_variants(family, a.ref, a.extra)
+    for v in _measure.progress(names, f"{topology} {family} {config}"):
+      res = _measure.measure(self.spec(v, topology, tp, shape, config))
+      rows.append((self.guard(res, floor), None))
+    bound_us = bound.row["step_us"]
+    best_us = best.row["step_us"]
+    out = []
+    for k, (res, cname) in enumerate(rows):
+      row = dict(res.row)
+      if k == 2:
+        row["variant"] = _name(family, "xla_best")
+      elif cname is not None:
+        row["variant"] = f"{row['variant']}[{cname}]"
+      row.update(
+        tp=tp,
+        bound_us=bound_us,
+        roofline_us=roof.total_s * 1e6,
+        roofline={
+          "compute_us": roof.compute_s * 1e6,
+          "hbm_us": roof.hbm_s * 1e6,
+          "links_us": roof.links_s * 1e6,
+        },
+        xla_best_us=best_us,
+        vs_xla_best=row["step_us"] / best_us,
+        xla_config=(_xc.describe(cname) if cname else None),
+      )
+      if k == 0:
+        row["variant"] = _name(family, "unsharded")
+      row_floor = roof.total_s if k else max(roof.compute_s, roof.hbm_s)
+      if row["step_us"] < row_floor * 1e6 * (1 - 1e-6):
+        self.below_roofline.append(f"{topology} {family} {row['variant']}")
+        row["flags"] = [*row["flags"], "below its roofline"]
+      ours = (
+        row["variant"]
+        .split(":")[-1]
+        .startswith(("allgather_matmul", "asyncops"))
+      )
+      # Ours may hold one chunk's buffers (send and receive) beyond jit.
+      chunk = 2 * (shape[0] // x) * (shape[1] // y) * dtype.itemsize / 2**20
+      limit = jit.row["peak_temp_mib"] + chunk
+      if ours and row["peak_temp_mib"] > limit + 1e-6:
+        row["flags"] = [
+          *row["flags"],
+          f"peak temp {row['peak_temp_mib']:.1f} MiB > jit's "
+          f"{jit.row['peak_temp_mib']:.1f} + one chunk's buffers "
+          f"{chunk:.1f}",
+        ]
+      if a.sensitivity:
+        for f in (0.5, 2.0):
+          tl = _measure.simulate(
+            res.text, res.spec, chip.scaled_latency(f), prefetch=res.prefetch
+          )
+          row[f"step_latency_x{f:g}_us"] = tl.step_s * 1e6
+      out.append(row)
+      if a.pictures and k >= 1:
+        stem = "_".join(
+          [
+            row["variant"].replace(":", "_").replace("[", "_").rstrip("]"),
+            row["dtype"].replace(":", "-"),
+            topology.replace(":", "_"),
+            "x".join(map(str, shape)),
+          ]
+        )
+        _trace.write(
+          res.timeline,
+          pathlib.Path(a.out),
+          stem,
+          f"{row['variant']} {row['dtype']} {topology}: "
+          f"{row['step_us']:.1f} us",
+        )
+    self.rows.extend(out)
+    self.print_table(
+      family, topology, mesh, shape, config, roof, out, best_name
+    )
+    return out
+
+  def print_table(
+    self, family, topology, mesh, shape, config, roof, rows, best_name
+  ):
+    dtype, precision = config
+    cfg = f"{jnp.dtype(dtype).name}" + (f":{precision}" if precision else "")
+    print(
+      f"### {family} {cfg} (B, D, F) = {tuple(shape)} on {topology} "
+      f"mesh {dict(mesh.shape)}\n"
+    )
+    print(
+      f"roofline {roof.total_s * 1e6:.1f} us = max(compute "
+      f"{roof.compute_s * 1e6:.1f}, HBM {roof.hbm_s * 1e6:.1f}, links "
+      f"{roof.links_s * 1e6:.1f}); xla_best = {_xc.describe(best_name)}\n"
+    )
+    sens = self.a.sensitivity
+    head = (
+      "| variant | step (us) | prefetch charged | exposed comm | / bound | "
+      "/ roofline | / xla_best | copies | peak temp (MiB) |"
+    )
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if sens:
+      head += " latency x0.5 | latency x2 |"
+      rule += "---:|---:|"
+    lines = [head, rule]
+    for r in rows:
+      flag = " !" if r["flags"] else ""
+      line = (
+        f"| {r['variant']}{flag} | {r['step_us']:.1f} | "
+        f"{r['step_charged_us']:.1f} | {r['exposed_us']:.1f} | "
+        f"{r['step_us'] / r['bound_us']:.3f} | "
+        f"{r['step_us'] / r['roofline_us']:.3f} | {r['vs_xla_best']:.3f} | "
+        f"{r['defensive_copies']} | {r['peak_temp_mib']:.1f} |"
+      )
+      if sens:
+        line += (
+          f" {r['step_latency_x0.5_us']:.1f} | {r['step_latency_x2_us']:.1f} |"
+        )
+      lines.append(line)
+    print("\n".join(lines))
+    notes = [
+      f"- {r['variant']}: {'; '.join(r['flags'])}" for r in rows if r["flags"]
+    ]
+    if notes:
+      print(
+        "\n! notes (not fully costed, prefetch charged, memory):\n"
+        + "\n".join(notes)
+      )
+    print(flush=True)
+
+
+# Sweeps -------------------------------------------------------------------
+
+
+def llama_sweep(bench: Bench, a) -> None:
+  """The Llama-3-70B MLP shard (D 8192, F 28672) at M tokens per device."""
+  ms = [int(m) for m in a.sweep_m.split(",")]
+  for topology in a.sweep_topologies.split(","):
+    for tp in [int(t) for t in a.sweep_tp.split(",")]:
+      n = len(_measure.mesh_for(topology, a.layout, None).devices.flat)
+      x = n // tp
+      for family in a.sweep_families.split(","):
+        summary = []
+        for m in ms:
+          rows = bench.one_table(
+            family,
+            topology,
+            tp,
+            (m * x, LLAMA_D, LLAMA_F),
+            (jnp.dtype(jnp.bfloat16), None),
+          )
+          summary.append((m, rows))
+        _print_sweep(family, topology, tp, summary)
+
+
+def _print_sweep(family, topology, tp, summary) -> None:
+  print(
+    f"### sweep {family} bf16 Llama-3-70B MLP shard, {topology}, "
+    f"tp {tp}: step (us) per tokens/device M\n"
   )
+  kinds = [r["variant"] for r in summary[0][1]]
+  kinds = [k for k in kinds if "[" not in k]
+  print("| M | roofline | " + " | ".join(kinds) + " | best ours / xla_best |")
+  print("|---:|---:|" + "---:|" * len(kinds) + "---:|")
+  pays = []
+  for m, rows in summary:
+    by = {r["variant"]: r for r in rows}
+    ours = [
+      r["step_us"]
+      for r in rows
+      if r["variant"]
+      .split(":")[-1]
+      .startswith(("allgather_matmul", "asyncops"))
+    ]
+    best = by[_name(family, "xla_best")]["step_us"]
+    ratio = min(ours) / best if ours else float("nan")
+    if ours and ratio < 1.0:
+      pays.append(m)
+    cells = " | ".join(f"{by[k]['step_us']:.1f}" for k in kinds)
+    print(f"| {m} | {rows[0]['roofline_us']:.1f} | {cells} | {ratio:.3f} |")
+  where = ", ".join(map(str, pays)) if pays else "no M of the sweep"
+  print(f"\nours (best variant) beats xla_best at M = {where}\n", flush=True)
 
 
-def a_topo(a) -> str:
-  return a.current.replace(":", "_")
+def calibration(bench: Bench, a) -> None:
+  """The chapter's program on the chapter's mesh against its measurements."""
+  config = (jnp.dtype(jnp.int32), None)
+  print("### calibration: the chapter's int32 (1024, 2048, 8192) on v5e:2x4\n")
+  print("| mesh | prefetch | unsharded | jit | ppermute | jit / ppermute |")
+  print("|---|---|---:|---:|---:|---:|")
+  print(
+    f"| measured (chapter) | - | {MEASURED['unsharded']:.0f} | "
+    f"{MEASURED['jit']:.0f} | {MEASURED['ppermute']:.0f} | "
+    f"{MEASURED['jit'] / MEASURED['ppermute']:.3f} |"
+  )
+  for layout in ("chapter", "ring", "line"):
+    res = {}
+    for v in ("unsharded", "jit", "ppermute"):
+      res[v] = _measure.measure(
+        bench.spec(v, "v5e:2x4", 4, CHAPTER, config, layout=layout)
+      )
+    for pf in ("step_us", "step_charged_us"):
+      r = {v: res[v].row[pf] for v in res}
+      name = "free" if pf == "step_us" else "charged"
+      print(
+        f"| {layout} | {name} | {r['unsharded']:.1f} | {r['jit']:.1f} | "
+        f"{r['ppermute']:.1f} | {r['jit'] / r['ppermute']:.3f} |"
+      )
+      for v in r:
+        bench.rows.append(
+          dict(
+            res[v].row,
+            layout=layout,
+            prefetch=name,
+            measured_us=MEASURED[v],
+            calibration=True,
+          )
+        )
+  print(flush=True)
+
+
+# Command line -------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+    prog="python -m benchmarks.run",
+    description=__doc__.split("\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog=__doc__.split("\n", 1)[1],
+  )
+  p.add_argument("--topology", default="v5e:2x4", help="comma list")
+  p.add_argument(
+    "--shape",
+    default="1024,2048,8192",
+    help="B,D,F global; ';' separates several",
+  )
+  p.add_argument(
+    "--tp", type=int, default=None, help="devices on the ring (default 4 of 8)"
+  )
+  p.add_argument(
+    "--configs",
+    default="bfloat16",
+    help="dtype[:precision] comma list, e.g. float32:highest",
+  )
+  p.add_argument(
+    "--preset",
+    choices=("issue15",),
+    help="issue15: v5e and v6e, the chapter and prefill shapes, bf16 and "
+    "f32, all-gather, reduce-scatter and all-reduce",
+  )
+  p.add_argument(
+    "--families",
+    default="allgather,reducescatter",
+    help="allgather,reducescatter,allreduce,mlp",
+  )
+  p.add_argument(
+    "--variants", default="", help="only these (besides bound, jit, xla_best)"
+  )
+  p.add_argument("--ref", action="store_true", help="add api='ref' rows")
+  p.add_argument(
+    "--manual",
+    dest="extra",
+    action="append_const",
+    const="manual",
+    help="add the hand-written asyncops ring",
+  )
+  p.add_argument(
+    "--xla-configs",
+    action="store_true",
+    help="one row per XLA configuration tried for xla_best",
+  )
+  p.add_argument(
+    "--sensitivity",
+    action="store_true",
+    help="also model every row with latencies x0.5 and x2",
+  )
+  p.add_argument("--sweep", choices=("llama",), help="run a sweep instead")
+  p.add_argument("--sweep-m", default="16,64,256,1024,4096,16384")
+  p.add_argument("--sweep-tp", default="8,4")
+  p.add_argument("--sweep-topologies", default="v5e:2x4,v6e:2x4,v5p:2x2x2")
+  p.add_argument("--sweep-families", default="allgather,reducescatter")
+  p.add_argument(
+    "--calibration",
+    action="store_true",
+    help="the chapter's measured times against the model",
+  )
+  p.add_argument(
+    "--collectives",
+    default="ring",
+    choices=("ring", "multicast"),
+    help="how XLA's collectives use the links (see benchmarks/_timeline)",
+  )
+  p.add_argument(
+    "--layout", default="ring", choices=("ring", "line", "chapter")
+  )
+  p.add_argument(
+    "--json",
+    nargs="?",
+    const="-",
+    metavar="FILE",
+    help="write every row as a JSON list (no FILE: stdout)",
+  )
+  p.add_argument(
+    "--pictures",
+    action="store_true",
+    help="write a trace and a PNG per row to --out",
+  )
+  p.add_argument("--out", default="out/bench")
+  return p
 
 
 def main(argv=None) -> int:
-  p = _cli.parser("python -m benchmarks.run", __doc__.split("\n")[0])
-  p.add_argument("--topology", default="v5e:2x4", help="comma list")
-  p.add_argument("--shape", default="1024,2048,8192", help="B,D,F (global)")
-  p.add_argument(
-    "--configs",
-    default="int32,float32:highest,float32,bfloat16",
-    help="dtype[:precision] list",
-  )
-  p.add_argument("--variants", default=",".join(_variants.available()))
-  p.add_argument("--ref", action="store_true", help="add api='ref' rows")
-  p.add_argument(
-    "--families",
-    default="",
-    help="also benchmark: reducescatter,allreduce,mlp (comma list)",
-  )
-  p.add_argument("--layout", default="ring", choices=("ring", "line"))
-  p.add_argument("--out", default="out/bench")
-  p.add_argument("--prefetch", default="free", choices=("free", "charged"))
+  p = _parser()
   a = p.parse_args(argv)
-  shape = _cli.parse_ints(a.shape, 3, flag="--shape")
-  out, a.results = pathlib.Path(a.out), []
-  for topology in a.topology.split(","):
-    _cli.check_topology(topology)
-  with contextlib.redirect_stdout(sys.stderr if a.json else sys.stdout):
-    _tables(a, shape, out)
+  a.extra = a.extra or []
+  if a.preset == "issue15":
+    a.topology = "v5e:2x4,v6e:2x4"
+    a.shape = "1024,2048,8192;2048,8192,28672"
+    a.configs = "bfloat16,float32"
+    a.families = "allgather,reducescatter,allreduce"
+  try:
+    shapes = [
+      tuple(int(v) for v in s.split(",")) for s in a.shape.split(";") if s
+    ]
+    if any(len(s) != 3 or min(s) <= 0 for s in shapes):
+      raise ValueError
+  except ValueError:
+    p.error(f"--shape: expected B,D,F positive integers, got {a.shape!r}")
+  try:
+    configs = [parse_config(c) for c in a.configs.split(",") if c]
+  except TypeError:
+    p.error(f"--configs: unknown dtype in {a.configs!r} (e.g. bfloat16)")
+  for fam in a.families.split(",") + a.sweep_families.split(","):
+    if fam not in ("allgather", *_variants.FAMILIES):
+      p.error(
+        f"--families: unknown family {fam!r}; choose from allgather, "
+        f"{', '.join(_variants.FAMILIES)}"
+      )
+  known = set(_variants.available()) | set(_variants.library_ref())
+  for fam in _variants.FAMILIES:
+    known |= set(_variants.family_variants(fam, ref=True))
+  for v in (v for v in a.variants.split(",") if v):
+    if v not in known:
+      p.error(
+        f"--variants: unknown variant {v!r}; choose from "
+        f"{', '.join(sorted(known))}"
+      )
+  for topo in a.topology.split(","):
+    try:
+      _chips.chip_for(topo)
+    except ValueError as e:
+      p.error(f"--topology: {e}")
+  _measure.MODEL["collectives"] = a.collectives
+  bench = Bench(a)
+  sink = sys.stderr if a.json == "-" else sys.stdout
+  t0 = time.perf_counter()
+  with contextlib.redirect_stdout(sink):
+    if a.calibration:
+      calibration(bench, a)
+    elif a.sweep == "llama":
+      llama_sweep(bench, a)
+    else:
+      variants = [v for v in a.variants.split(",") if v] or None
+      for topology in a.topology.split(","):
+        for shape in shapes:
+          for config in configs:
+            for family in a.families.split(","):
+              if family == "mlp" and not jnp.issubdtype(
+                config[0], jnp.floating
+              ):
+                continue
+              fam_variants = variants and [
+                v
+                for v in variants
+                if (family == "allgather" and ":" not in v)
+                or v.startswith(f"{family}:")
+              ]
+              bench.one_table(
+                family, topology, a.tp, shape, config, fam_variants
+              )
+    print(
+      f"({len(bench.rows)} rows in {time.perf_counter() - t0:.0f} s; "
+      "! = see the notes under its table)"
+    )
   if a.json:
-    print(json.dumps(a.results, indent=1))
+    text = json.dumps(bench.rows, indent=1, default=str)
+    if a.json == "-":
+      print(text)
+    else:
+      pathlib.Path(a.json).write_text(text)
+  if bench.below_roofline:
+    print(
+      "modelled below the roofline: " + ", ".join(bench.below_roofline),
+      file=sys.stderr,
+    )
+    return 1
   return 0
 
 
-def _tables(a, shape, out) -> None:
-  for topology in a.topology.split(","):
-    a.current = topology
-    chip = _chips.chip_for(topology)
-    mesh = make_mesh(topology, a.layout)
-    variants = [v for v in a.variants.split(",") if v]
-    if a.ref:
-      variants += _variants.library_ref()
-    if "unsharded" not in variants:
-      variants = ["unsharded", *variants]
-    rings = [[tuple(d.coords) for d in r] for r in mesh.devices]
-    print(f"# {topology} mesh {dict(mesh.shape)}, (B, D, F) = {shape}")
-    print(f"layout {a.layout}: y rings (chip coords) {rings}")
-    print(
-      f"chip {chip.name}: clock {chip.clock_hz / 1e9:.2f} GHz, ICI link "
-      f"{chip.ici_link_bytes_per_s / 1e9:.0f} GB/s one-way, HBM "
-      f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s, prefetch {a.prefetch}\n"
-    )
-    for text in a.configs.split(","):
-      config = parse_config(text)
-      _run_table("allgather", variants, mesh, shape, config, text, chip, a, out)
-      for fam in filter(None, a.families.split(",")):
-        if fam == "mlp" and not jnp.issubdtype(config[0], jnp.floating):
-          print(f"## mlp {text}: skipped (gelu needs a floating dtype)\n")
-          continue
-        fv = _variants.family_variants(fam, ref=a.ref)
-        _run_table(fam, fv, mesh, shape, config, text, chip, a, out)
-  print("(*) contains custom calls without estimated_cycles (bytes model).")
-  print(f"traces and PNGs: {out}/")
-
-
 if __name__ == "__main__":
-  sys.exit(_cli.run(main, prog="python -m benchmarks.run"))
+  sys.exit(main())

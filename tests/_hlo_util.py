@@ -11,7 +11,7 @@ import re
 from asyncops.inspect import Instr, Module, parse_module
 from asyncops.inspect import tpu_mesh as tpu_mesh
 
-TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4")
+TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4", "v5p:2x2x2")
 
 
 def compile_hlo(jitted, *args) -> Module:

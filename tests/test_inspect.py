@@ -146,13 +146,16 @@ def test_barrier_on_pre_start_x_copy_in_hbm(reports):
   """jax#25399 / xla#20440 with raw kernels, buffers large enough for HBM.
 
   XLA copies the pre-start ``x`` for the start (the compute keeps the
-  original); the barrier still holds the compute inside the window.
+  original); the barrier still holds the compute inside the window. The
+  copy is a parameter entering a transfer: a ``boundary`` copy (a
+  communicating kernel's buffers live in memory XLA allocates).
   """
   r = reports("barrier_on_pre_start_x", shape=(4096, 4096))
   (pair,) = r.kernel_pairs
   start = r.module.instr(pair.start)
-  fed = [c for c in r.defensive_copies if c.name in start.operands]
+  fed = [c for c in r.copies if c.name in start.operands]
   assert len(fed) == 1 and fed[0].spaces == ("HBM", "HBM")
+  assert fed[0].kind == "boundary" and fed[0].pair == (pair.start, "")
   assert r.module.instr(fed[0].operand).opcode == "parameter"
   assert pair.overlapped
   r.assert_no_inflight_copies()

@@ -48,6 +48,8 @@ def _wait_all(fut: Future, fn: str, kind: str | None):
   _check(fut, fn, kind)
   fut._consume(fn, fut.sems)
   spec = fut.spec
+  if fut.state == "ready":  # awaited by a scheduling helper already
+    return fut.dst
   with jax.named_scope(f"asyncops.{spec.kind}_done"):
     if fut.state == "sent":
       y = _primitives.recv_done_p.bind(fut.dst, *fut.sems, spec=spec)
@@ -282,6 +284,10 @@ def send_done(fut: Future):
   """
   fn = "send_done"
   _check(fut, fn, None)
+  if fut.state == "ready" and fut.src is not None:
+    fut._consume(fn, ())
+    nxt = Future((), None, fut.dst, fut.spec, "ready", origin=fut._origin)
+    return fut.src, nxt
   if fut.state != "inflight":
     raise FutureError(f"{fn}: the sends of this future were already awaited.")
   spec = fut.spec
@@ -310,7 +316,7 @@ def recv_done(fut: Future):
   """
   fn = "recv_done"
   _check(fut, fn, None)
-  if fut.state != "sent":
+  if fut.state not in ("sent", "ready"):
     raise FutureError(
       f"{fn}: the sends of this future are still in flight. Call "
       "send_done(fut) first (it returns the future to pass here), or "

@@ -10,8 +10,16 @@ Layout. A :class:`Future` holds, as pytree children:
 - ``dst``: the destination buffer the DMA writes into,
 
 and as static structure the :class:`OpSpec` (op, axis, perm, shapes) and its
-life-cycle state (``"inflight"`` or ``"sent"``). Futures therefore travel
-through ``jit``, ``shard_map`` and loop carries like any pytree.
+life-cycle state (``"inflight"``, ``"sent"``, or ``"ready"``). Futures
+therefore travel through ``jit``, ``shard_map`` and loop carries like any
+pytree.
+
+A ``"ready"`` future holds no semaphores: a scheduling helper already
+waited for its transfer (``asyncops.scheduling.fori_loop`` awaits each
+carried future at the end of the iteration that started it, so no transfer
+crosses a loop's back edge). ``dst`` is then the finalized result, which
+every done returns as is; ``src`` is the source (``None`` if its sends were
+awaited separately), which ``send_done`` returns.
 
 Life cycle: start, then done exactly once. Awaiting a future twice is an
 error at trace time; a future dropped without being awaited (and without
@@ -28,7 +36,7 @@ import jax
 from asyncops import _jax_compat as jc
 from asyncops.futures._spec import OpSpec
 
-State = Literal["inflight", "sent"]
+State = Literal["inflight", "sent", "ready"]
 
 
 # The semaphores already awaited, by identity, while their tracers live: a

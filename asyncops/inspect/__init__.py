@@ -8,6 +8,12 @@ Example:
 
 from ._analysis import analyze as analyze
 from ._analysis import analyze_module as analyze_module
+from ._guard import CopyHazardError as CopyHazardError
+from ._guard import CopyHazardWarning as CopyHazardWarning
+from ._guard import Hazard as Hazard
+from ._guard import assert_copy_free as assert_copy_free
+from ._guard import check_hlo as check_hlo
+from ._guard import hazards as hazards
 from ._hlo import Instr as Instr
 from ._hlo import Module as Module
 from ._hlo import parse_module as parse_module

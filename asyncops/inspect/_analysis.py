@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -370,10 +371,13 @@ def analyze_module(
   start_done_names = {s.name for s in starts} | {f[1].name for f in found}
 
   pairs: list[Pair] = []
-  inflight: dict[str, str] = {}
+  inflight: dict[
+    tuple[str, tuple[int, ...]], tuple[str, tuple[str, str], bool]
+  ] = {}
   for s, d, crossing, kernel in found:
     between = _window(m, s, d, crossing)
     srcs, dsts = _buffers(m, s) if kernel else ([], [])
+    writes = _inplace_writes(m, g, s, d, srcs, between) if kernel else ()
     pairs.append(
       Pair(
         start=s.name,
@@ -391,6 +395,7 @@ def analyze_module(
         dest_live=_reaches(g, dsts, d) if kernel else True,
         start_source=s.where,
         done_source=d.where,
+        inplace_writes=writes,
       )
     )
     if not kernel:
@@ -401,12 +406,24 @@ def analyze_module(
         (
           f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
           + (f" [{', '.join(crossing)}]" if crossing else ""),
+          (s.name, d.name),
           "destination" in why or not pairs[-1].source_live,
         ),
       )
 
+  comm = _comm_classes(m, uf, starts)
+  xla_comm = _moved(m, uf, g, set(comm) | _xla_comm_classes(m, uf))
   copies = [
-    _classify(m, uf, i, out_idx, k, *inflight.get((i.name, out_idx), ("", 0)))
+    _classify(
+      m,
+      uf,
+      i,
+      out_idx,
+      k,
+      *inflight.get((i.name, out_idx), ("", (), False)),
+      comm,
+      xla_comm,
+    )
     for c in m.computations.values()
     for i in c.instrs
     for out_idx, k in copy_ops(m, i)
@@ -579,6 +596,90 @@ def _inflight(
   return found
 
 
+_IN_PLACE = {"dynamic-update-slice": 0, "scatter": 0}
+
+
+def _writes_operand(m: Module, u: Instr, k: int) -> bool:
+  """Whether ``u`` may write its result into operand ``k``'s buffer.
+
+  In-place ops (dynamic-update-slice, scatter), fusions whose root is one
+  of them on that operand, and custom calls aliasing it (other than our own
+  start and done kernels, which only read the source and wait for the
+  destination). XLA may also let an elementwise fusion reuse a dying
+  operand's buffer; buffer assignment is not printed, so that is not seen.
+  """
+  if _IN_PLACE.get(u.opcode) == k:
+    return True
+  if u.opcode == "custom-call":
+    if any(lf.memory_space == SEM for lf in u.leaves) or any(
+      lf.memory_space == SEM for o in u.operands for lf in m.instr(o).leaves
+    ):
+      return False  # a start or done kernel
+    return any(opnd == k for _, opnd, _ in u.aliasing)
+  if u.opcode != "fusion" or not u.called:
+    return False
+  fused = m.computations.get(u.called[0])
+  if fused is None:
+    return False
+  root = fused.root
+  roots = (
+    [m.instr(o) for o in root.operands] if root.opcode == "tuple" else [root]
+  )
+  for r in roots:
+    while r.opcode == "bitcast" and r.operands:
+      r = m.instr(r.operands[0])
+    slot = _IN_PLACE.get(r.opcode)
+    if slot is None or slot >= len(r.operands):
+      continue
+    p = m.instr(r.operands[slot])
+    while p.opcode == "bitcast" and p.operands:
+      p = m.instr(p.operands[0])
+    if p.opcode == "parameter" and p.parameter_number == k:
+      return True
+  return False
+
+
+def _inplace_writes(
+  m: Module,
+  g: _Graph,
+  s: Instr,
+  d: Instr,
+  srcs: list[Pos],
+  between: list[Instr],
+) -> tuple[str, ...]:
+  """Instructions in the window of ``s -> d`` writing into its buffers.
+
+  The source is the start's aliased output (what the DMA reads) and the
+  destination its other array outputs (what the DMA writes), traced
+  forward through tuples, loop carries and calls, not through aliasing.
+  """
+  window = {i.name for i in _nested(m, between)}
+  aliased = [(s.name, out_idx) for out_idx, _, _ in s.aliasing]
+  dsts = [
+    (s.name, lf.index)
+    for lf in s.leaves
+    if lf.memory_space != SEM
+    and lf.index not in {a[0] for a in s.aliasing}
+    and lf.num_elements > 1
+  ]
+  found: dict[str, str] = {}
+  seeds = {
+    "source": [_resolve(m, p) for p in srcs] + aliased,
+    "destination": dsts,
+  }
+  for role, positions in seeds.items():
+    for hit in g.trace(positions, through_aliasing=False):
+      u = hit.user
+      if u.name not in window or hit.index != () or u.name == d.name:
+        continue
+      if _writes_operand(m, u, hit.operand):
+        where = f" at {u.where}" if u.where else ""
+        found.setdefault(
+          u.name, f"%{u.name} ({u.opcode}) writes into the {role}{where}"
+        )
+  return tuple(found.values())
+
+
 def _nested(m: Module, instrs) -> list[Instr]:
   """``instrs`` and everything the computations they call run (a
   conditional or loop inside a window runs its branches there too)."""
@@ -620,6 +721,92 @@ def _producer_source(m: Module, name: str, depth: int = 0) -> str:
   return ""
 
 
+def _layout(shape_text: str) -> str:
+  """The layout of an array shape, without its memory space.
+
+  ``f32[8,128]{0,1:T(8,128)S(1)}`` gives ``0,1:T(8,128)``.
+  """
+  start = shape_text.find("{")
+  if start < 0:
+    return ""
+  inner = shape_text[start + 1 : shape_text.rfind("}")]
+  return re.sub(r"S\(\d+\)", "", inner)
+
+
+def _comm_classes(m: Module, uf: _UnionFind, starts) -> dict[Pos, str]:
+  """Alias classes holding a kernel start's source or destination.
+
+  Maps each class root to the first start (by name) whose buffers are in
+  it: the start's array operands and outputs, which XLA joins through the
+  start's aliasing, the done's aliasing and loop carries.
+  """
+  out: dict[Pos, str] = {}
+  for s in starts:
+    if not _is_kernel_start(s):
+      continue
+    srcs, _ = _buffers(m, s)
+    outs = [
+      (s.name, lf.index)
+      for lf in s.leaves
+      if lf.memory_space != SEM and lf.num_elements > 1
+    ]
+    for pos in srcs + outs:
+      out.setdefault(uf.find(pos), s.name)
+  return out
+
+
+_XLA_COLLECTIVES = (
+  "all-gather",
+  "all-reduce",
+  "reduce-scatter",
+  "collective-permute",
+  "all-to-all",
+)
+
+
+def _xla_comm_classes(m: Module, uf: _UnionFind) -> set[Pos]:
+  """Alias classes holding the result of one of XLA's own collectives."""
+  out = set()
+  for c in m.computations.values():
+    for i in c.instrs:
+      op = i.opcode.removesuffix("-done").removesuffix("-start")
+      if op in _XLA_COLLECTIVES and not i.opcode.endswith("-start"):
+        out.update(uf.find((i.name, lf.index)) for lf in i.leaves)
+  return out
+
+
+def _moved(m: Module, uf: _UnionFind, g: _Graph, classes: set[Pos]) -> set[Pos]:
+  """``classes`` and every class one memory-space move away, transitively.
+
+  XLA may copy a parameter HBM->HBM for a start and then move the copy
+  into VMEM (or the reverse for a result): the edge copy's result is then
+  one move away from the communication buffer.
+  """
+  moves = []
+  for c in m.computations.values():
+    for i in c.instrs:
+      for out_idx, k in copy_ops(m, i):
+        src = uf.find((i.operands[k], ()))
+        if i.opcode == "copy-start":
+          dsts = [
+            uf.find((u.name, ()))
+            for u, _ in g.users.get(i.name, ())
+            if u.opcode == "copy-done"
+          ]
+        else:
+          dsts = [uf.find((i.name, out_idx))]
+        moves += [(src, d) for d in dsts]
+  out = set(classes)
+  changed = True
+  while changed:
+    changed = False
+    for a, b in moves:
+      if (a in out) != (b in out):
+        out.update((a, b))
+        changed = True
+  return out
+
+
 def _classify(
   m: Module,
   uf: _UnionFind,
@@ -627,27 +814,55 @@ def _classify(
   out_idx: tuple[int, ...],
   k: int,
   inflight: str,
-  hazard: bool = False,
+  pair: tuple[str, str] | tuple[()],
+  hazard: bool,
+  comm: dict[Pos, str],
+  xla_comm: set[Pos] = frozenset(),
 ) -> Copy:
-  """Classifies one copy; an in-flight one is graded by what it can break:
-  a ``hazard`` when it touches the destination or the source's buffer does
-  not live until the done, else a ``cost`` (a read of a live source)."""
+  """Classifies one copy (``xla_comm``: every class holding a communication
+  buffer, ours or XLA's, or one memory-space move away); an in-flight one is
+  graded by what it can break: a ``hazard`` when it touches the destination
+  or the source's buffer does not live until the done, else a ``cost`` (a
+  read of a live source)."""
   operand = i.operands[k]
   src = m.instr(operand)
   out_leaf = i.leaf(out_idx)
   in_space = src.memory_space
   out_space = out_leaf.memory_space if out_leaf else None
+  in_class, out_class = uf.find((src.name, ())), uf.find((i.name, out_idx))
+  touched = comm.get(in_class) or comm.get(out_class)
+  if not pair and touched:
+    pair = (touched, "")
+  in_leaf = src.leaf(()) if len(src.leaves) == 1 else None
   if out_leaf is not None and out_leaf.num_elements <= 1:
     kind = "scalar"
   elif in_space != out_space:
     kind = "memory_space"
+  elif (
+    in_leaf is not None
+    and out_leaf is not None
+    and _layout(in_leaf.text) != _layout(out_leaf.text)
+  ):
+    kind = "layout"  # a transpose/retiling layout assignment chose
   else:
     entry = m.entry
     params = {uf.find((p.name, ())) for p in entry.params}
     roots = {uf.find((entry.root.name, lf.index)) for lf in entry.root.leaves}
-    from_param = uf.find((src.name, ())) in params
-    to_output = uf.find((i.name, out_idx)) in roots
-    kind = "output" if from_param and to_output else "defensive"
+    from_param = in_class in params
+    to_output = out_class in roots
+    if from_param and to_output:
+      kind = "output"
+    elif not inflight and (
+      (from_param and (out_class in comm or out_class in xla_comm))
+      or (to_output and (in_class in comm or in_class in xla_comm))
+    ):
+      # A communicating kernel's buffers (and XLA's own collectives'
+      # results) live in memory XLA allocates; the entry's parameters and
+      # outputs do not (design/scheduling.md). Never for a copy made while
+      # the buffer is in flight.
+      kind = "boundary"
+    else:
+      kind = "defensive"
   source = _producer_source(m, operand)
   if not source:
     for user in (u for c in m.computations.values() for u in c.instrs):
@@ -667,6 +882,7 @@ def _classify(
     instr=i,
     opcode=i.opcode,
     output_index=out_idx if i.opcode != "copy-start" else (),
+    pair=pair,
     grade=("hazard" if hazard else "cost") if inflight else "",
   )
 

@@ -18,7 +18,14 @@ from typing import Any
 
 from ._hlo import MEMORY_SPACES, Instr, Module
 
-COPY_KINDS = ("defensive", "memory_space", "output", "scalar")
+COPY_KINDS = (
+  "defensive",
+  "memory_space",
+  "layout",
+  "output",
+  "boundary",
+  "scalar",
+)
 
 _WHY = {
   "defensive": (
@@ -28,7 +35,18 @@ _WHY = {
   "memory_space": (
     "a move between memory spaces (e.g. HBM <-> VMEM, or CMEM on v4)"
   ),
+  "layout": (
+    "a change of layout (a transpose or retiling) that XLA's layout "
+    "assignment chose; not copy insertion (costs a full read+write)"
+  ),
   "output": "an entry parameter copied into a non-donated output",
+  "boundary": (
+    "at the program's edge: a communicating kernel's outputs (a start's "
+    "aliased source, its destination) must live in memory XLA allocates, "
+    "and the entry's parameters and outputs do not, so a parameter is "
+    "copied before it is sent and a received buffer before it is returned "
+    "(on v4/v5e/v6e the same copy is usually an HBM<->VMEM move)"
+  ),
   "scalar": "a scalar (loop counter or similar); harmless",
 }
 
@@ -45,7 +63,8 @@ class Copy:
 
   Attributes:
     name: instruction name.
-    kind: ``defensive``, ``memory_space``, ``output`` or ``scalar``.
+    kind: ``defensive``, ``memory_space``, ``layout``, ``output``,
+      ``boundary`` or ``scalar`` (``_WHY`` says what each is).
     shape: the result shape text.
     computation: the computation holding the copy.
     operand: the copied instruction.
@@ -58,6 +77,9 @@ class Copy:
     opcode: ``copy``, ``copy-start``, or the op hiding a whole-buffer copy
       (``fusion``, ``dynamic-update-slice``).
     output_index: which output of a multi-output fusion is the copy.
+    pair: ``(start, done)`` instruction names of the transfer whose buffer
+      the copy touches (``done`` is ``""`` when only the start is known);
+      empty for copies of other buffers.
     grade: what an in-flight copy can break: ``"hazard"`` (it reads or
       replaces a destination the DMA is writing, or reads a source whose
       buffer XLA may free or reuse before the done: wrong results),
@@ -77,6 +99,7 @@ class Copy:
   instr: Instr = dataclasses.field(repr=False, compare=False)
   opcode: str = "copy"
   output_index: tuple[int, ...] = ()
+  pair: tuple[str, str] | tuple[()] = ()
   grade: str = ""
 
 
@@ -107,6 +130,10 @@ class Pair:
     dest_live: the same for the destination buffer.
     start_source: user code of the start.
     done_source: user code of the done.
+    inplace_writes: instructions inside the window that write in place
+      into the transfer's source or destination buffer (the DMA reads or
+      writes it concurrently), each as ``"%name (opcode) writes into the
+      source"``.
   """
 
   start: str
@@ -124,6 +151,7 @@ class Pair:
   dest_live: bool
   start_source: str = ""
   done_source: str = ""
+  inplace_writes: tuple[str, ...] = ()
 
   @property
   def loop_carried(self) -> bool:
@@ -352,6 +380,8 @@ def _summary(r: Report) -> str:
     if p.kind == "kernel":
       live = "yes" if p.source_live else "NO (XLA may free/reuse it early)"
       out.append(f"      source buffer live until done: {live}")
+    for w in p.inplace_writes:
+      out.append(f"      IN-PLACE WRITE while in flight: {w}")
   if r.memory:
     keys = [k for k in r.memory if r.memory[k]]
     out.append(

@@ -1,9 +1,7 @@
 """What a loop body does with asynchronous transfers, read from its jaxpr.
 
 The loop helpers trace the body once to decide whether it needs double
-buffering (it starts or awaits a transfer, or its carry holds a future) and
-whether its carry could alternate at all (no value returned in two carry
-slots while it is part of a future).
+buffering (it starts or awaits a transfer, or its carry holds a future).
 """
 
 from typing import Any
@@ -43,24 +41,3 @@ def uses_async(jaxpr) -> bool:
 def trace_body(body_fun, index, carry):
   """The closed jaxpr of ``carry -> body_fun(index, carry)``."""
   return jax.make_jaxpr(lambda i, c: body_fun(i, c))(index, carry)
-
-
-def repeated_outputs(jaxpr, flags: list[bool]) -> list[tuple[int, int]]:
-  """Pairs of carry slots returning one value, one of them a future leaf.
-
-  Args:
-    jaxpr: the body's jaxpr (outputs are the carry's leaves).
-    flags: per output leaf, whether it belongs to a future.
-
-  Returns:
-    ``(i, j)`` slot pairs, ``i < j``.
-  """
-  seen: dict[Any, int] = {}
-  out = []
-  for j, v in enumerate(jaxpr.outvars):
-    if not isinstance(v, jex_core.Var):
-      continue
-    if v in seen and (flags[seen[v]] or flags[j]):
-      out.append((seen[v], j))
-    seen.setdefault(v, j)
-  return out

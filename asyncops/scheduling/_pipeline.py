@@ -18,10 +18,10 @@ transfer's window even inside a loop body unrolled by two, where no loop
 boundary separates the halves) and the loop is :func:`fori_loop` (so the
 carried future's buffers alternate and nothing in flight is copied).
 
-Limits. ``compute`` reads ``x`` but must not return it inside ``carry``
-(the buffer is in flight; :class:`CopyHazardError` says so). ``steps``
-must be a static int: the loop carries a future, and a traced trip count
-would need a ``lax.cond`` that XLA copies in-flight buffers through.
+Limits. ``steps`` must be a static int: it decides whether the prologue's
+transfer exists at all. For a trip count known only at run time write the
+loop with :func:`fori_loop` (traced bounds work there, at the cost of a
+copy of the carry).
 """
 
 from collections.abc import Callable
@@ -66,7 +66,6 @@ def staggered(
     ``(y, carry)``: what the last transfer received and the final carry.
 
   Raises:
-    CopyHazardError: ``compute`` returns the in-flight buffer in ``carry``.
     ValueError: ``steps`` is not a static int >= 0.
 
   Example:
@@ -79,9 +78,10 @@ def staggered(
   """
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
     raise ValueError(
-      f"staggered: steps must be a static int >= 0, got {steps!r}. A traced "
-      "count would need a lax.cond that XLA copies in-flight buffers "
-      "through; bound it statically (e.g. the axis size)."
+      f"staggered: steps must be a static int >= 0, got {steps!r}: it "
+      "decides whether the first transfer starts at all. Bound it "
+      "statically (e.g. the axis size), or write the loop with "
+      "asyncops.scheduling.fori_loop, which takes traced bounds."
     )
   if steps == 0:
     return x, carry

@@ -31,7 +31,7 @@ def is_array(x: Any) -> bool:
   return isinstance(x, jax.Array)
 
 
-def split_futures(tree: Any):
+def split_futures(tree: Any, by: str = "asyncops.scheduling.overlap"):
   """Flattens ``tree`` to ``(leaves, rebuild)`` through its futures.
 
   ``rebuild(new_leaves)`` returns the same structure with every future
@@ -41,6 +41,7 @@ def split_futures(tree: Any):
 
   Args:
     tree: a pytree that may hold futures.
+    by: the helper that supersedes them (named in life-cycle errors).
 
   Returns:
     ``(leaves, rebuild)``.
@@ -69,7 +70,7 @@ def split_futures(tree: Any):
         continue
       sems, src, dst = jax.tree.unflatten(kdef, chunk)
       origin = getattr(node, "_origin", None)
-      node._supersede("asyncops.scheduling.overlap")
+      node._supersede(by)
       out.append(Future(sems, src, dst, node.spec, node.state, origin=origin))
     return jax.tree.unflatten(outer_def, out)
 

@@ -1,0 +1,243 @@
+"""``asyncops.jit``: ``jax.jit`` that refuses programs endangering a transfer.
+
+Every time the program is compiled for TPU (the first call on a TPU with
+new argument types, or ahead of time through ``.lower(...).compile()`` /
+``.trace(...).lower().compile()``, e.g. for a topology from a CPU host),
+the compiled HLO text is read by the copy guard
+(:func:`asyncops.inspect.check_hlo`): a copy of a buffer in flight, a
+defensive copy of a transfer's buffer, a write into one inside its window,
+or a source XLA may free early raises :class:`CopyHazardError` before
+anything runs. Programs compiled for other platforms (the CPU emulation)
+are not checked: they have no DMA to endanger.
+
+Cost: the check parses the HLO text the compile already produced and walks
+it once; it adds no compile. ``Jitted.last_check_seconds`` holds the time
+of the last check (``benchmarks/`` and ``design/scheduling.md`` quote it).
+"""
+
+import functools
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from asyncops.inspect import _guard
+
+Check = Literal["raise", "warn", "off"]
+_CHECKS = ("raise", "warn", "off")
+
+
+def _static_positions(kwargs: dict[str, Any]) -> tuple[set[int], set[str]]:
+  nums = kwargs.get("static_argnums", ())
+  names = kwargs.get("static_argnames", ())
+  nums = {nums} if isinstance(nums, int) else set(nums or ())
+  names = {names} if isinstance(names, str) else set(names or ())
+  return nums, names
+
+
+def _leaf_key(x: Any) -> Any:
+  if isinstance(x, jax.Array):
+    return ("a", x.shape, x.dtype, x.sharding, x.weak_type)
+  if isinstance(x, np.ndarray | np.generic):
+    return ("n", x.shape, x.dtype)
+  if isinstance(x, bool | int | float | complex):
+    return ("s", type(x))
+  return ("o", x)
+
+
+def _tree_key(tree: Any) -> Any:
+  leaves, treedef = jax.tree.flatten(tree)
+  return (treedef, tuple(_leaf_key(x) for x in leaves))
+
+
+def _targets_tpu(args: Any, jit_kwargs: dict[str, Any]) -> bool:
+  """Whether a call with ``args`` runs on TPU (committed inputs decide)."""
+  for x in jax.tree.leaves(args):
+    if isinstance(x, jax.Array) and x.committed:
+      return any(d.platform == "tpu" for d in x.sharding.device_set)
+  device = jit_kwargs.get("device")
+  if device is not None:
+    return device.platform == "tpu"
+  backend = jit_kwargs.get("backend")
+  return (backend or jax.default_backend()) == "tpu"
+
+
+class Jitted:
+  """A ``jax.jit`` function whose TPU compiles pass the copy guard.
+
+  Calls, ``trace``, ``lower`` and attribute access behave as on the
+  wrapped ``jax.jit`` object; ``lower(...).compile()`` and
+  ``trace(...).lower().compile()`` run the check.
+
+  Attributes:
+    check: ``"raise"``, ``"warn"`` or ``"off"``.
+    last_check_seconds: time the last check took (parse and analysis of
+      the compiled HLO text), or None before the first TPU compile.
+    last_report: the harness report of the last checked program.
+  """
+
+  def __init__(self, fun: Callable[..., Any], check: Check, kwargs):
+    self.__wrapped_jit__ = jax.jit(fun, **kwargs)
+    self.check = check
+    self.last_check_seconds: float | None = None
+    self.last_report = None
+    self._jit_kwargs = kwargs
+    self._static = _static_positions(kwargs)
+    self._executables: dict[Any, Any] = {}
+    functools.update_wrapper(self, fun)
+
+  # The check --------------------------------------------------------------
+
+  def _guard(self, compiled: Any) -> Any:
+    if self.check == "off" or _guard._platform(compiled) != "tpu":
+      return compiled
+    t0 = time.perf_counter()
+    try:
+      self.last_report = _guard.check_hlo(
+        compiled.as_text(), f"asyncops.jit({self.__name__})"
+      )
+    except _guard.CopyHazardError as e:
+      self.last_check_seconds = time.perf_counter() - t0
+      if self.check == "raise":
+        raise
+      warnings.warn(str(e), _guard.CopyHazardWarning, stacklevel=3)
+    else:
+      self.last_check_seconds = time.perf_counter() - t0
+    return compiled
+
+  def _key(self, args, kwargs) -> Any:
+    nums, names = self._static
+    n = len(args)
+    parts = tuple(
+      ("static", a) if (i in nums or i - n in nums) else _tree_key(a)
+      for i, a in enumerate(args)
+    ) + tuple(
+      (k, ("static", v) if k in names else _tree_key(v))
+      for k, v in sorted(kwargs.items())
+    )
+    try:
+      hash(parts)
+    except TypeError:
+      return None
+    return parts
+
+  def compile_checked(self, *args: Any, **kwargs: Any) -> Any:
+    """The checked executable a TPU call with these arguments runs.
+
+    What a first call on a TPU does before running: compile once (cached
+    per argument types, shardings and static values), check, return the
+    ``jax.stages.Compiled``. Arguments may be ``jax.ShapeDtypeStruct``.
+    """
+    key = self._key(args, kwargs)
+    compiled = self._executables.get(key) if key is not None else None
+    if compiled is None:
+      compiled = self.lower(*args, **kwargs).compile()
+      if key is not None:
+        self._executables[key] = compiled
+    return compiled
+
+  # jax.jit's surface ------------------------------------------------------
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self.check == "off" or not _targets_tpu(
+      (args, kwargs), self._jit_kwargs
+    ):
+      return self.__wrapped_jit__(*args, **kwargs)
+    nums, names = self._static
+    n = len(args)
+    dyn_args = [
+      a for i, a in enumerate(args) if i not in nums and i - n not in nums
+    ]
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+    return self.compile_checked(*args, **kwargs)(*dyn_args, **dyn_kwargs)
+
+  def trace(self, *args: Any, **kwargs: Any) -> "_Traced":
+    return _Traced(self.__wrapped_jit__.trace(*args, **kwargs), self)
+
+  def lower(self, *args: Any, **kwargs: Any) -> "_Lowered":
+    return _Lowered(self.__wrapped_jit__.lower(*args, **kwargs), self)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.__wrapped_jit__, name)
+
+  def __repr__(self) -> str:
+    return f"asyncops.jit({self.__name__}, check={self.check!r})"
+
+
+class _Lowered:
+  """``jax.stages.Lowered`` whose ``compile()`` runs the copy guard."""
+
+  def __init__(self, lowered: Any, owner: Jitted):
+    self._lowered = lowered
+    self._owner = owner
+
+  def compile(self, *args: Any, **kwargs: Any) -> Any:
+    return self._owner._guard(self._lowered.compile(*args, **kwargs))
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._lowered, name)
+
+
+class _Traced:
+  """``jax.stages.Traced`` whose ``lower()`` keeps the copy guard."""
+
+  def __init__(self, traced: Any, owner: Jitted):
+    self._traced = traced
+    self._owner = owner
+
+  def lower(self, *args: Any, **kwargs: Any) -> _Lowered:
+    return _Lowered(self._traced.lower(*args, **kwargs), self._owner)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._traced, name)
+
+
+def jit(
+  fun: Callable[..., Any] | None = None,
+  *,
+  check: Check = "raise",
+  **jit_kwargs: Any,
+) -> Any:
+  """``jax.jit`` that checks every TPU compile with the copy guard.
+
+  A drop-in for ``jax.jit`` (same keyword arguments). When the program is
+  compiled for TPU, at its first call on a TPU or ahead of time through
+  ``.lower(...).compile()``, the compiled HLO is checked: **a copy of a
+  buffer in flight, a defensive copy of a transfer's buffer, a write into
+  one inside its window, or a source XLA may free early is refused before
+  anything runs**, with the user's source line of the start.
+
+  Args:
+    fun: the function; omit it to use ``jit(check=...)`` as a decorator.
+    check: ``"raise"`` (default): raise :class:`CopyHazardError`;
+      ``"warn"``: warn (:class:`CopyHazardWarning`) and run; ``"off"``:
+      plain ``jax.jit``.
+    **jit_kwargs: passed to ``jax.jit``.
+
+  Returns:
+    A :class:`Jitted` function.
+
+  Raises:
+    ValueError: ``check`` is not one of the three modes.
+
+  Example:
+    >>> import asyncops, jax.numpy as jnp
+    >>> f = asyncops.jit(lambda x: x * 2)
+    >>> f(jnp.ones(2)).tolist()
+    [2.0, 2.0]
+  """
+  if check not in _CHECKS:
+    raise ValueError(
+      f"asyncops.jit: check={check!r}; use 'raise' (refuse a program that "
+      "endangers a transfer), 'warn' (warn and run) or 'off'."
+    )
+  if fun is None:
+    return functools.partial(jit, check=check, **jit_kwargs)
+  if not callable(fun):
+    raise TypeError(
+      f"asyncops.jit: fun must be callable, got {type(fun).__name__}."
+    )
+  return Jitted(fun, check, jit_kwargs)

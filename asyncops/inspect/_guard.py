@@ -1,0 +1,309 @@
+"""The copy guard: refuse a compiled program that endangers a transfer.
+
+Background. A transfer's buffers are only safe if, between the start and
+the done, nothing but the DMA touches them: XLA must not copy them (a copy
+of the destination reads a partial value, and a copy the done waits on is
+not the buffer the DMA writes), must not write into them, and must keep
+the source alive. The scheduling helpers build programs that satisfy this
+by construction; programs written with ``jax.lax`` directly, or a new XLA,
+may not. This module reads the compiled HLO (the harness,
+:func:`analyze_module`) and turns what it finds into
+:class:`CopyHazardError`.
+
+What is refused (each a *hazard*):
+
+- a copy of a buffer a transfer is reading or writing (in flight);
+- a defensive copy (copy insertion) of a transfer's source or destination,
+  anywhere in the program: a full read and write XLA added because the
+  buffers could not alternate;
+- an instruction inside a window that writes in place into the transfer's
+  source or destination;
+- a start whose source or destination does not reach its done (XLA may
+  free or reuse it while the DMA uses it).
+
+Not refused: copies between memory spaces (HBM <-> VMEM), scalar copies,
+and ``boundary`` copies at the program's edge (a parameter copied before it
+is sent, a received buffer copied before it is returned: TPU XLA keeps a
+communicating kernel's buffers in memory it allocates), none of which
+touch a buffer in flight.
+
+Example:
+  >>> from asyncops.inspect import assert_copy_free  # doctest: +SKIP
+  >>> assert_copy_free(jax.jit(f), x, topology="v5e:2x4")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from ._analysis import analyze_module
+from ._hlo import parse_module
+from ._mesh import compile_tpu, tpu_mesh
+from ._report import Report
+
+
+class CopyHazardError(ValueError):
+  """A program that would copy, overwrite or free a buffer in flight.
+
+  Raised at trace time by the scheduling helpers when they can tell XLA
+  could only compile a program with such a copy, and at compile time by
+  :func:`assert_copy_free` and ``asyncops.jit`` when the compiled TPU
+  program has one. The message names the copy (or write), the start/done
+  pair and the user's source line of the start, and what to change.
+  """
+
+
+class CopyHazardWarning(UserWarning):
+  """A copy hazard reported instead of raised (``check="warn"``), or a
+  program the helpers compile with a safe but wasted copy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hazard:
+  """One thing in a compiled program that endangers a transfer.
+
+  Attributes:
+    kind: ``"in-flight copy"``, ``"defensive copy"``, ``"in-place write"``
+      or ``"source not live"`` / ``"destination not live"``.
+    instr: the offending instruction (the copy, the write, or the start).
+    detail: one line on what it does.
+    start: the start instruction of the transfer it concerns.
+    done: its done (``""`` if not known).
+    start_line: the user's ``file:line in function`` that called the start.
+    start_stack: that line and its caller, as the harness prints them.
+  """
+
+  kind: str
+  instr: str
+  detail: str
+  start: str
+  done: str
+  start_line: str
+  start_stack: str
+
+  def __str__(self) -> str:
+    pair = f"%{self.start} -> %{self.done}" if self.done else f"%{self.start}"
+    where = self.start_line or "an unknown line"
+    return (
+      f"{self.kind}: {self.detail}\n"
+      f"    breaks the transfer {pair} started at {where}"
+      + (
+        f" (called from {self.start_stack.split(' <- ', 1)[1]})"
+        if " <- " in self.start_stack
+        else ""
+      )
+    )
+
+
+def _start_info(report: Report, name: str) -> tuple[str, str]:
+  if not name:
+    return "", ""
+  i = report.module.instr(name)
+  return i.source, i.where
+
+
+def hazards(report: Report) -> list[Hazard]:
+  """The hazards in a harness report (empty for a safe program)."""
+  out: list[Hazard] = []
+  for c in report.copies:
+    if c.inflight:
+      kind = "in-flight copy"
+    elif c.kind == "defensive" and c.pair:
+      kind = "defensive copy"
+    else:
+      continue
+    start, done = (tuple(c.pair) + ("", ""))[:2]
+    line, stack = _start_info(report, start)
+    what = (
+      f"%{c.name} ({c.opcode}, {c.shape}, {c.spaces[0]}->{c.spaces[1]}) "
+      f"copies %{c.operand} in %{c.computation}"
+    )
+    if c.inflight:
+      what += f": the {c.inflight}"
+    out.append(Hazard(kind, c.name, what, start, done, line, stack))
+  for p in report.kernel_pairs:
+    line, stack = _start_info(report, p.start)
+    for w in p.inplace_writes:
+      name = w.split()[0].lstrip("%")
+      out.append(
+        Hazard("in-place write", name, w, p.start, p.done, line, stack)
+      )
+    for live, role in ((p.source_live, "source"), (p.dest_live, "destination")):
+      if not live:
+        out.append(
+          Hazard(
+            f"{role} not live",
+            p.start,
+            f"the {role} buffer of %{p.start} does not reach %{p.done}: "
+            "XLA may free or reuse it while the DMA uses it",
+            p.start,
+            p.done,
+            line,
+            stack,
+          )
+        )
+  return out
+
+
+_FIX = (
+  "How to fix: write loops that carry futures with "
+  "asyncops.scheduling.fori_loop (or staggered), which alternates buffers "
+  "and never lets a transfer cross the loop's back edge; compute on the x "
+  "a start returns, never on the buffer you passed in; keep the received "
+  "value and the future out of two carry slots; do not write into a "
+  "buffer before its done. design/scheduling.md explains each case."
+)
+
+
+def hazard_message(found: Sequence[Hazard], what: str = "") -> str:
+  """The :class:`CopyHazardError` message for ``found``."""
+  head = (
+    f"{what}: " if what else ""
+  ) + f"the compiled TPU program endangers a transfer ({len(found)} hazard"
+  head += "s):" if len(found) != 1 else "):"
+  body = "\n".join(f"  {h}" for h in found)
+  return f"{head}\n{body}\n{_FIX}"
+
+
+def check_hlo(hlo_text: str, what: str = "") -> Report:
+  """Analyzes compiled HLO text; raises on a hazard.
+
+  Args:
+    hlo_text: the scheduled HLO of a compiled TPU program
+      (``compiled.as_text()``).
+    what: the program's name, for the message.
+
+  Returns:
+    The harness :class:`Report` (when there is no hazard).
+
+  Raises:
+    CopyHazardError: naming each hazard, its transfer and the user's line.
+  """
+  report = analyze_module(parse_module(hlo_text), hlo_text)
+  found = hazards(report)
+  if found:
+    raise CopyHazardError(hazard_message(found, what))
+  return report
+
+
+def _platform(compiled: Any) -> str | None:
+  """The platform a ``jax.stages.Compiled`` runs on (None if unknown)."""
+  for shardings in (compiled.input_shardings, compiled.output_shardings):
+    for s in jax.tree.leaves(shardings):
+      devices = getattr(s, "device_set", None)
+      if devices:
+        return next(iter(devices)).platform
+  return None
+
+
+def _retarget(args: Sequence[Any], topology: str):
+  """``args`` as ShapeDtypeStructs over ``topology``'s devices, and the mesh.
+
+  Each argument keeps its shape, dtype and partition spec; its mesh becomes
+  a TPU mesh of the same axis names and sizes.
+  """
+  meshes: dict[tuple, jax.sharding.Mesh] = {}
+
+  def tpu_of(mesh) -> jax.sharding.Mesh:
+    key = (tuple(mesh.axis_names), tuple(mesh.axis_sizes))
+    if key not in meshes:
+      meshes[key] = tpu_mesh(topology, key[1], key[0])
+    return meshes[key]
+
+  def one(a):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+      return a
+    sharding = getattr(a, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(
+        tpu_of(sharding.mesh), sharding.spec
+      )
+    else:
+      sharding = None
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+  out = jax.tree.map(one, tuple(args))
+  mesh = next(iter(meshes.values())) if len(meshes) == 1 else None
+  return out, mesh
+
+
+def compile_for_check(jitted: Any, args: Sequence[Any], topology=None):
+  """Compiles ``jitted`` for TPU: the arguments' devices, or ``topology``.
+
+  Returns:
+    The ``jax.stages.Compiled``.
+
+  Raises:
+    ValueError: the arguments are not on TPU devices and no topology was
+      named, or the function cannot be re-targeted to the topology.
+  """
+  if topology is None:
+    compiled, _ = compile_tpu(jitted, *args)
+    platform = _platform(compiled)
+    if platform not in (None, "tpu"):
+      raise ValueError(
+        f"assert_copy_free: the arguments are on {platform} devices, so "
+        "the program was compiled for that platform, not TPU (the CPU "
+        'emulation has no copies to check). Pass topology="v5e:2x4" (or '
+        "another TPU topology), or arguments sharded over "
+        "asyncops.inspect.tpu_mesh(...)."
+      )
+    return compiled
+  targs, mesh = _retarget(args, topology)
+  try:
+    if mesh is not None:
+      with jax.set_mesh(mesh):
+        compiled, _ = compile_tpu(jitted, *targs)
+    else:
+      compiled, _ = compile_tpu(jitted, *targs)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      f"assert_copy_free(topology={topology!r}): could not compile the "
+      "program for that topology. The arguments were moved to a TPU mesh "
+      "of the same axis names and sizes, set as the context mesh; a "
+      "function that closes over a concrete (CPU) mesh, e.g. "
+      "shard_map(..., mesh=cpu_mesh), cannot follow. Build it with "
+      "shard_map(...) without mesh= (it then takes jax.set_mesh's mesh), "
+      "or pass arguments sharded over asyncops.inspect.tpu_mesh(...) and "
+      f"no topology. JAX said: {e}"
+    ) from e
+  return compiled
+
+
+def assert_copy_free(jitted: Any, *args: Any, topology: str | None = None):
+  """Compiles ``jitted`` for TPU and refuses it if it endangers a transfer.
+
+  A copy of a buffer a transfer is reading or writing, a defensive copy of
+  a transfer's source or destination, a write into one inside its window,
+  or a source XLA may free early: each is a :class:`CopyHazardError`.
+  Copies between memory spaces and at the program's edge are allowed (see
+  :mod:`asyncops.inspect._guard`).
+
+  Args:
+    jitted: a ``jax.jit`` (or ``asyncops.jit``) function.
+    *args: its arguments: arrays or ``jax.ShapeDtypeStruct``, sharded over
+      TPU devices (``asyncops.inspect.tpu_mesh``), or over any mesh when
+      ``topology`` is given.
+    topology: e.g. ``"v5e:2x4"``: compile for this TPU topology instead,
+      on a mesh with the arguments' axis names and sizes (set as the
+      context mesh, for ``shard_map`` without ``mesh=``).
+
+  Returns:
+    The harness :class:`Report` of the clean program.
+
+  Raises:
+    CopyHazardError: naming each hazard, the start/done pair it breaks and
+      the user's ``file:line`` of that start.
+    ValueError: the program was not compiled for TPU.
+
+  Example:
+    >>> mesh = tpu_mesh("v5e:2x4", (8,), ("i",))  # doctest: +SKIP
+    >>> assert_copy_free(jax.jit(f), x)  # doctest: +SKIP
+  """
+  jitted = getattr(jitted, "__wrapped_jit__", jitted)
+  compiled = compile_for_check(jitted, args, topology)
+  return check_hlo(compiled.as_text(), getattr(jitted, "__name__", ""))

@@ -1,0 +1,110 @@
+"""What a Pallas kernel costs: XLA's estimate of its jnp twin.
+
+XLA writes no ``estimated_cycles`` for a Mosaic kernel (and a figure the
+kernel passes about itself, ``pl.CostEstimate``, is the author's claim, not
+a measurement). So a kernel that computes is charged what XLA estimates for
+the same work written with ``jnp`` ops of the same shapes, compiled for the
+same chip and modelled the same way, and never less than the kernel's own
+roofline (FLOPs at peak, HBM bytes at HBM bandwidth; the timeline applies
+that floor). Otherwise our kernels would be graded more kindly than XLA's.
+
+A kernel author registers the twin next to the benchmark variant that uses
+the kernel::
+
+  def _twin(operands, results):
+    x, w = operands[:2]                      # Leaf: .dims, .dtype
+    return jnp.matmul, (x, w)                # fn, arguments (Leaf or SDS)
+
+  register("asyncops_fused_matmul", _twin)   # instruction-name prefix
+
+Kernels with no twin fall back to the bytes model and are flagged in the
+row (``custom call without a cost``); our pure DMA start/done kernels need
+none (the model costs their transfers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from asyncops.inspect import Instr
+from benchmarks import _hlo, _timeline
+from benchmarks._chips import Chip
+
+# twin(operands, results) -> (fn, args) or None when it does not apply.
+Twin = Callable[[Sequence[Any], Sequence[Any]], "tuple[Callable, tuple] | None"]
+_TWINS: dict[str, Twin] = {}
+
+_DTYPES = {
+  "bf16": jnp.bfloat16,
+  "f32": jnp.float32,
+  "f16": jnp.float16,
+  "s32": jnp.int32,
+  "s8": jnp.int8,
+  "u8": jnp.uint8,
+  "pred": jnp.bool_,
+}
+
+
+def register(prefix: str, twin: Twin) -> None:
+  """Registers ``twin`` for kernels whose instruction name starts with
+  ``prefix`` (the ``pallas_call`` name, e.g. ``"asyncops_fused_matmul"``).
+
+  Raises:
+    ValueError: ``prefix`` is empty.
+  """
+  if not prefix:
+    raise ValueError("register: prefix must name a kernel, got ''.")
+  _TWINS[prefix] = twin
+
+
+def unregister(prefix: str) -> None:
+  _TWINS.pop(prefix, None)
+
+
+def _sds(leaf, sharding):
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+  return jax.ShapeDtypeStruct(
+    leaf.dims, _DTYPES.get(leaf.dtype, jnp.float32), sharding=sharding
+  )
+
+
+@dataclasses.dataclass
+class KernelCoster:
+  """The ``kernel_cost`` hook of :func:`benchmarks._timeline.simulate`.
+
+  Attributes:
+    chip: the generation's figures (the twin is modelled with them).
+    device: one device of the same topology (the twin compiles there).
+  """
+
+  chip: Chip
+  device: Any
+  cache: dict = dataclasses.field(default_factory=dict)
+
+  def __call__(self, ins: Instr, module: _hlo.Module) -> float | None:
+    name = ins.name.split(".")[0]
+    prefix = next((p for p in _TWINS if name.startswith(p)), None)
+    if prefix is None:
+      return None
+    table = {i.name: i for c in module.computations.values() for i in c}
+    operands = [
+      lf for n in ins.operands if n in table for lf in table[n].arrays
+    ]
+    built = _TWINS[prefix](operands, list(ins.arrays))
+    if built is None:
+      return None
+    fn, args = built
+    s = jax.sharding.SingleDeviceSharding(self.device)
+    args = tuple(_sds(a, s) for a in args)
+    key = (prefix, tuple((a.shape, str(a.dtype)) for a in args))
+    if key not in self.cache:
+      text = jax.jit(fn).trace(*args).lower().compile().as_text()
+      tl = _timeline.simulate(_hlo.parse(text), self.chip, prefetch="charged")
+      self.cache[key] = tl.step_s
+    return self.cache[key]

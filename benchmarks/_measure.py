@@ -1,0 +1,285 @@
+"""Compile one variant for a TPU topology, model it, make its table row.
+
+Compiling is the slow part (seconds to a minute per program on this
+machine), so the scheduled HLO and the memory figures are cached on disk
+under ``$ASYNCOPS_BENCH_CACHE`` (default ``out/cache``), keyed by the
+variant, shape, dtype, topology, mesh, compiler options, the jax and libtpu
+versions and the source of ``asyncops/`` and ``benchmarks/_variants.py``.
+Re-modelling (other latency constants, prefetch charged) reuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gzip
+import hashlib
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import _chips, _hlo, _kernel_costs, _mesh, _timeline, _variants
+from benchmarks.xla_configs import hlo_key
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Model options every simulate() call here uses (run.py's flags set them).
+MODEL: dict[str, Any] = {"collectives": "ring"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """One program to compile.
+
+  Attributes:
+    variant: a :mod:`benchmarks._variants` name (``jit``,
+      ``reducescatter:asyncops``, ...).
+    topology: e.g. ``"v5e:2x4"``.
+    tp: devices on the ``y`` axis (None: the mesh default).
+    shape: global ``(B, D, F)``.
+    dtype: operand dtype.
+    precision: matmul precision (``"highest"``) or None.
+    options: XLA compiler options.
+    layout: :func:`benchmarks._mesh.make_mesh` layout.
+  """
+
+  variant: str
+  topology: str
+  tp: int | None
+  shape: tuple[int, int, int]
+  dtype: Any
+  precision: str | None = None
+  options: dict = dataclasses.field(default_factory=dict)
+  layout: str = "ring"
+
+  @property
+  def family(self) -> str:
+    return (
+      self.variant.partition(":")[0] if ":" in self.variant else "allgather"
+    )
+
+  @property
+  def config(self) -> str:
+    name = jnp.dtype(self.dtype).name
+    return f"{name}:{self.precision}" if self.precision else name
+
+
+@dataclasses.dataclass
+class Result:
+  """A compiled and modelled program."""
+
+  spec: Spec
+  row: dict
+  timeline: _timeline.Timeline
+  text: str
+  hlo_key: str
+
+
+def progress(items: Iterable, desc: str) -> Iterator:
+  """A progress bar on the terminal (``asyncops._cli`` when present)."""
+  items = list(items)
+  try:
+    from asyncops._cli import progress as bar  # noqa: PLC0415
+  except ImportError:
+    bar = None
+  if bar is not None:
+    yield from bar(items, desc)
+    return
+  show = sys.stderr.isatty() and os.environ.get("ASYNCOPS_PROGRESS") != "0"
+  for i, item in enumerate(items):
+    if show:
+      print(
+        f"\r{desc}: {i}/{len(items)} {str(item)[:50]:50s}",
+        end="",
+        file=sys.stderr,
+        flush=True,
+      )
+    yield item
+  if show:
+    print(f"\r{desc}: {len(items)}/{len(items)}{' ' * 52}", file=sys.stderr)
+
+
+@functools.cache
+def _source_digest() -> str:
+  h = hashlib.sha1()
+  files = sorted((_ROOT / "asyncops").rglob("*.py"))
+  files.append(_ROOT / "benchmarks" / "_variants.py")
+  for p in files:
+    h.update(str(p.relative_to(_ROOT)).encode())
+    h.update(p.read_bytes())
+  try:
+    import libtpu  # noqa: PLC0415
+
+    h.update(str(getattr(libtpu, "__version__", "")).encode())
+  except ImportError:
+    pass
+  h.update(jax.__version__.encode())
+  return h.hexdigest()[:16]
+
+
+@functools.cache
+def mesh_for(topology: str, layout: str, tp: int | None):
+  return _mesh.make_mesh(topology, layout, tp)
+
+
+def _cache_dir() -> pathlib.Path | None:
+  where = os.environ.get("ASYNCOPS_BENCH_CACHE", str(_ROOT / "out" / "cache"))
+  return None if where in ("", "0", "off") else pathlib.Path(where)
+
+
+def _key(spec: Spec) -> str:
+  parts = [
+    spec.variant,
+    spec.topology,
+    str(spec.tp),
+    spec.layout,
+    ",".join(map(str, spec.shape)),
+    spec.config,
+    json.dumps(spec.options, sort_keys=True, default=str),
+    _source_digest(),
+  ]
+  return hashlib.sha1("|".join(parts).encode()).hexdigest()
+
+
+_MEM = (
+  "peak_memory_in_bytes",
+  "argument_size_in_bytes",
+  "output_size_in_bytes",
+  "alias_size_in_bytes",
+  "generated_code_size_in_bytes",
+  "temp_size_in_bytes",
+)
+
+
+def compile_spec(spec: Spec) -> tuple[str, dict, float]:
+  """``(scheduled HLO text, memory figures, compile seconds)``, cached."""
+  cache = _cache_dir()
+  path = cache / f"{_key(spec)}.json.gz" if cache else None
+  if path is not None and path.exists():
+    with gzip.open(path, "rt") as f:
+      data = json.load(f)
+    return data["text"], data["mem"], data["compile_s"]
+  mesh = mesh_for(spec.topology, spec.layout, spec.tp)
+  fn = _variants.build(spec.variant, mesh, precision=spec.precision)
+  args = _variants.abstract_args(spec.variant, mesh, spec.shape, spec.dtype)
+  t0 = time.perf_counter()
+  with _mesh.quiet_fd2():
+    compiled = (
+      fn.trace(*args).lower().compile(compiler_options=spec.options or None)
+    )
+  compile_s = time.perf_counter() - t0
+  text = compiled.as_text()
+  m = compiled.memory_analysis()
+  mem = {k: int(getattr(m, k, 0) or 0) for k in _MEM}
+  if path is not None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with gzip.open(tmp, "wt") as f:
+      json.dump({"text": text, "mem": mem, "compile_s": compile_s}, f)
+    tmp.replace(path)
+  return text, mem, compile_s
+
+
+def peak_temp_bytes(mem) -> int:
+  """Peak bytes live beyond the program's own arguments, outputs and code.
+
+  A compile-only TPU executable reports ``temp_size_in_bytes`` as 0, but its
+  ``peak_memory_in_bytes`` counts everything live at the peak, so the
+  temporaries are what is left after the arguments, outputs (aliased ones
+  counted once) and generated code.
+  """
+  get = mem.get if isinstance(mem, dict) else lambda k, d=0: getattr(mem, k, d)
+  peak = get("peak_memory_in_bytes", 0)
+  fixed = (
+    get("argument_size_in_bytes", 0)
+    + get("output_size_in_bytes", 0)
+    - get("alias_size_in_bytes", 0)
+    + get("generated_code_size_in_bytes", 0)
+  )
+  return max(peak - fixed, get("temp_size_in_bytes", 0), 0)
+
+
+def defensive_copies(text: str) -> int:
+  """Defensive copies in the HLO (``asyncops.inspect``'s analysis)."""
+  from asyncops.inspect import analyze_module, parse_module  # noqa: PLC0415
+
+  return len(analyze_module(parse_module(text)).defensive_copies)
+
+
+def simulate(
+  text: str,
+  spec: Spec,
+  chip: _chips.Chip | None = None,
+  prefetch: str = "free",
+) -> _timeline.Timeline:
+  """Models compiled ``text`` on ``spec``'s mesh (its rings, its coords)."""
+  mesh = mesh_for(spec.topology, spec.layout, spec.tp)
+  chip = chip or _chips.chip_for(spec.topology)
+  return _timeline.simulate(
+    _hlo.parse(text),
+    chip,
+    coords=_mesh.coords(mesh),
+    rings=_mesh.mesh_rings(mesh),
+    prefetch=prefetch,
+    kernel_cost=_coster(spec.topology, spec.layout, spec.tp, chip),
+    **MODEL,
+  )
+
+
+@functools.cache
+def _coster(topology, layout, tp, chip):
+  mesh = mesh_for(topology, layout, tp)
+  return _kernel_costs.KernelCoster(chip, mesh.devices.flat[0])
+
+
+def measure(spec: Spec, chip: _chips.Chip | None = None) -> Result:
+  """Compiles (or loads) and models ``spec``; the row has every column.
+
+  Row keys: ``family``, ``variant``, ``dtype``, ``shape``, ``topology``,
+  ``tp``, ``step_us`` (prefetch free), ``step_charged_us`` (XLA's
+  cross-program prefetch of the weight charged from t = 0),
+  ``exposed_us``, ``peak_temp_mib``, ``defensive_copies``, ``compile_s``,
+  ``floored_us``, ``flags``.
+  """
+  text, mem, compile_s = compile_spec(spec)
+  tl = simulate(text, spec, chip)
+  charged = simulate(text, spec, chip, prefetch="charged")
+  mesh = mesh_for(spec.topology, spec.layout, spec.tp)
+  row = {
+    "family": spec.family,
+    "variant": spec.variant,
+    "dtype": spec.config,
+    "shape": list(spec.shape),
+    "topology": spec.topology,
+    "mesh": dict(mesh.shape),
+    "step_us": tl.step_s * 1e6,
+    "step_charged_us": charged.step_s * 1e6,
+    "exposed_us": tl.exposed_comm_s * 1e6,
+    "peak_temp_mib": peak_temp_bytes(mem) / 2**20,
+    "defensive_copies": defensive_copies(text),
+    "compile_s": compile_s,
+    "floored_us": tl.floored_s * 1e6,
+    "flags": list(tl.flags),
+  }
+  return Result(spec, row, tl, text, hlo_key(text))
+
+
+@contextlib.contextmanager
+def cache_off():
+  """Compiles afresh inside the block (tests)."""
+  old = os.environ.get("ASYNCOPS_BENCH_CACHE")
+  os.environ["ASYNCOPS_BENCH_CACHE"] = "off"
+  try:
+    yield
+  finally:
+    if old is None:
+      del os.environ["ASYNCOPS_BENCH_CACHE"]
+    else:
+      os.environ["ASYNCOPS_BENCH_CACHE"] = old

@@ -1,0 +1,99 @@
+"""The roofline of one device's share of a collective matmul.
+
+Three floors, each a time no implementation can beat on the chip:
+
+- compute: the device's matmul FLOPs at the chip's peak for the operand
+  type (:meth:`Chip.peak_flops`; an f32 matmul at ``HIGHEST`` precision is
+  6 bf16 passes, ``HIGH`` 3; int32 is held to the bf16 peak, a loose
+  bound).
+- HBM: the bytes the device must read and write once (its weight shard, the
+  gathered activation, its output) at HBM bandwidth.
+- links: the bytes the device must receive (all-gather) or send
+  (reduce-scatter) over the two links of its ring, at the link bandwidth.
+
+``roofline = max(compute, HBM, links)``: ``max``, not the sum, because an
+ideal kernel overlaps all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from benchmarks._chips import Chip
+
+_HLO_NAMES = {
+  "bfloat16": "bf16",
+  "float32": "f32",
+  "float16": "f16",
+  "int32": "s32",
+  "int8": "s8",
+}
+RING_LINKS = 2  # a ring device receives on two links (one per direction)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+  """Floors in seconds; ``total_s`` is their maximum."""
+
+  compute_s: float
+  hbm_s: float
+  links_s: float
+
+  @property
+  def total_s(self) -> float:
+    return max(self.compute_s, self.hbm_s, self.links_s)
+
+
+def _passes(dtype: str, precision: str | None) -> int:
+  if dtype != "float32":
+    return 1
+  return {"highest": 6, "high": 3}.get((precision or "").lower(), 1)
+
+
+def roofline(
+  family: str,
+  shape: tuple[int, int, int],
+  x: int,
+  y: int,
+  dtype,
+  chip: Chip,
+  precision: str | None = None,
+) -> Roofline:
+  """The floors of ``family`` at global ``(B, D, F)`` on an ``x`` by ``y``
+  mesh (the collective over ``y``).
+
+  Raises:
+    ValueError: unknown family.
+  """
+  b, d, f = shape
+  m = b // x
+  name = np.dtype(dtype).name
+  s = np.dtype(dtype).itemsize
+  peak = chip.peak_flops(_HLO_NAMES.get(name, name)) / _passes(name, precision)
+  link = RING_LINKS * chip.ici_link_bytes_per_s
+  if family == "allgather":
+    flops = 2 * m * d * (f // y)
+    hbm = s * (d * (f // y) + m * d + m * (f // y))
+    links = s * (y - 1) * m * (d // y)
+  elif family == "reducescatter":
+    flops = 2 * m * (f // y) * d
+    hbm = s * ((f // y) * d + m * (f // y) + m * (d // y))
+    links = s * (y - 1) * m * (d // y)
+  elif family == "allreduce":
+    flops = 2 * m * (d // y) * f
+    hbm = s * ((d // y) * f + m * (d // y) + m * f)
+    links = 2 * s * (y - 1) * m * (f // y)
+  elif family == "mlp":
+    flops = 4 * m * d * (f // y)
+    hbm = s * (2 * d * (f // y) + 2 * m * d + m * (f // y))
+    links = 2 * s * (y - 1) * m * (d // y)
+  else:
+    raise ValueError(
+      f"roofline: unknown family {family!r}; use allgather, reducescatter, "
+      "allreduce or mlp."
+    )
+  return Roofline(
+    flops / peak, hbm / chip.hbm_bytes_per_s, links / link if y > 1 else 0.0
+  )

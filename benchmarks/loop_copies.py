@@ -1,0 +1,214 @@
+"""Copies in loops that carry futures, and what the copy guard costs.
+
+Usage::
+
+  python -m benchmarks.loop_copies [--topology v5e:2x4,v4:2x2x1,...]
+      [--programs accumulate,two_rings,matmul] [--json]
+
+Compiles each program ahead of time for each topology twice: with
+``jax.lax.fori_loop(..., unroll=2)`` (what the seed design suggests) and
+with ``asyncops.scheduling.fori_loop``, then prints one markdown table:
+copies by kind, copies of a buffer in flight, the copy guard's hazards,
+the compile time and the guard's time on the compiled HLO text (what
+``asyncops.jit`` adds to a TPU compile). Exit status 0.
+"""
+
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import asyncops
+from asyncops import _cli
+from asyncops.inspect import (
+  analyze_module,
+  compile_tpu,
+  hazards,
+  parse_module,
+  tpu_mesh,
+)
+
+TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4", "v5p:2x2x2")
+SHARD = (1024, 1024)  # f32 per device
+KC = 128
+
+
+def _start(x, axis="y"):
+  return asyncops.ppermute_start(x, axis, shift=1)
+
+
+def accumulate(loop):
+  """The seed design's accumulate loop (6 trips)."""
+
+  def f(x):
+    out = jnp.zeros_like(x)
+    x, fut = _start(x)
+    out = out + x
+
+    def body(i, carry):
+      out, fut = carry
+      x, fut = _start(asyncops.ppermute_done(fut))
+      return out + x, fut
+
+    out, fut = loop(0, 6, body, (out, fut))
+    return out, asyncops.ppermute_done(fut)
+
+  return f, 1
+
+
+def two_rings(loop):
+  """Two futures carried at once, on both mesh axes."""
+
+  def f(x):
+    a, fa = _start(x)
+    b, fb = _start(x * 3.0, "x")
+    acc = a + b
+
+    def body(i, carry):
+      acc, fa, fb = carry
+      a, fa = _start(asyncops.ppermute_done(fa))
+      b, fb = _start(asyncops.ppermute_done(fb), "x")
+      return acc + a * b, fa, fb
+
+    acc, fa, fb = loop(0, 6, body, (acc, fa, fb))
+    return acc + asyncops.ppermute_done(fa) + asyncops.ppermute_done(fb)
+
+  return f, 1
+
+
+def matmul(loop):
+  """A user's collective matmul: done, start, ``acc + x @ w_rows`` (6 trips)."""
+
+  def f(x, w):
+    me = jax.lax.axis_index("y")
+    rows = lambda j: jax.lax.dynamic_slice_in_dim(w, j * KC, KC, 0)  # noqa: E731
+    x, fut = _start(x)
+    acc = x @ rows(me)
+
+    def body(i, carry):
+      acc, fut = carry
+      x, fut = _start(asyncops.ppermute_done(fut))
+      return acc + x @ rows((me - i - 1) % 4), fut
+
+    acc, fut = loop(0, 6, body, (acc, fut))
+    return acc + asyncops.ppermute_done(fut) @ rows((me - 7) % 4)
+
+  return f, 2
+
+
+PROGRAMS = {"accumulate": accumulate, "two_rings": two_rings, "matmul": matmul}
+LOOPS = {
+  "jax.lax.fori_loop(unroll=2)": functools.partial(jax.lax.fori_loop, unroll=2),
+  "scheduling.fori_loop": asyncops.scheduling.fori_loop,
+}
+
+
+def _args(mesh, name):
+  spec = P(("x", "y"))
+  if name != "matmul":
+    shape = (8 * SHARD[0], SHARD[1])
+    return (
+      jax.ShapeDtypeStruct(
+        shape, jnp.float32, sharding=NamedSharding(mesh, spec)
+      ),
+    )
+  x = jax.ShapeDtypeStruct(
+    (8 * SHARD[0], KC), jnp.float32, sharding=NamedSharding(mesh, spec)
+  )
+  w = jax.ShapeDtypeStruct(
+    (4 * KC, 512), jnp.float32, sharding=NamedSharding(mesh, P())
+  )
+  return x, w
+
+
+def measure(topology: str, name: str, loop_name: str) -> dict:
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+  f, nargs = PROGRAMS[name](LOOPS[loop_name])
+  nout = 2 if name == "accumulate" else 1
+  spec = P(("x", "y"))
+  jitted = jax.jit(
+    jax.shard_map(
+      f,
+      mesh=mesh,
+      in_specs=(spec, P()) if nargs == 2 else spec,
+      out_specs=(spec,) * nout if nout > 1 else spec,
+    )
+  )
+  compiled, seconds = compile_tpu(jitted, *_args(mesh, name))
+  t0 = time.perf_counter()
+  text = compiled.as_text()
+  report = analyze_module(parse_module(text), text)
+  found = hazards(report)
+  check = time.perf_counter() - t0
+  kinds = {}
+  for c in report.copies:
+    kinds[c.kind] = kinds.get(c.kind, 0) + 1
+  return {
+    "topology": topology,
+    "program": name,
+    "loop": loop_name,
+    "copies": kinds,
+    "in_flight": len(report.inflight_copies),
+    "hazards": len(found),
+    "compile_s": round(seconds, 2),
+    "check_s": round(check, 3),
+  }
+
+
+def _table(rows) -> str:
+  kinds = ("defensive", "layout", "boundary", "memory_space")
+  head = (
+    "| program | topology | loop | "
+    + " | ".join(kinds)
+    + " | in flight | hazards | compile s | guard s |"
+  )
+  out = [head, "|" + " --- |" * (head.count("|") - 1)]
+  for r in rows:
+    cells = [r["program"], r["topology"], r["loop"]]
+    cells += [str(r["copies"].get(k, 0)) for k in kinds]
+    cells += [str(r["in_flight"]), str(r["hazards"])]
+    cells += [f"{r['compile_s']:.2f}", f"{r['check_s']:.3f}"]
+    out.append("| " + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  p = _cli.parser("python -m benchmarks.loop_copies", __doc__)
+  p.add_argument(
+    "--topology",
+    default=",".join(TOPOLOGIES),
+    help="comma-separated TPU topologies (default: %(default)s)",
+  )
+  p.add_argument(
+    "--programs",
+    default=",".join(PROGRAMS),
+    help="comma-separated programs (default: %(default)s)",
+  )
+  a = p.parse_args(argv)
+  topologies = [t for t in a.topology.split(",") if t]
+  names = [n for n in a.programs.split(",") if n]
+  for n in names:
+    if n not in PROGRAMS:
+      p.error(
+        f"--programs: unknown program {n!r}; choose from {', '.join(PROGRAMS)}"
+      )
+  for t in topologies:
+    _cli.check_topology(t)
+  jobs = [(t, n, lp) for n in names for t in topologies for lp in LOOPS]
+  rows = [
+    measure(t, n, lp)
+    for t, n, lp in _cli.progress(jobs, "loop_copies", unit="compile")
+  ]
+  if a.json:
+    _cli.print_json(rows)
+  else:
+    print(_table(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_cli.run(main, prog="python -m benchmarks.loop_copies"))

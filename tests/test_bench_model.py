@@ -1,0 +1,234 @@
+"""The benchmark tables: Pallas kernels costed by their jnp twins, xla_best,
+the roofline guard and the JSON rows. Structure on real TPU compiles; no
+wall time."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+from benchmarks import (
+  _chips,
+  _hlo,
+  _kernel_costs,
+  _mesh,
+  _roofline,
+  _timeline,
+  xla_configs,
+)
+from benchmarks import run as bench_run
+
+CHIP = _chips.CHIPS["v5e"]
+M, K, N = 256, 512, 512
+
+
+def _probe_kernel(x_ref, w_ref, o_ref):
+  o_ref[...] = jnp.dot(
+    x_ref[...], w_ref[...], preferred_element_type=jnp.float32
+  ).astype(o_ref.dtype)
+
+
+def _probe_text(topology="v5e:2x4"):
+  """A Pallas matmul that claims (cost_estimate) to be almost free."""
+  call = pl.pallas_call(
+    _probe_kernel,
+    out_shape=jax.ShapeDtypeStruct((M, N), jnp.bfloat16),
+    name="twin_probe_matmul",
+    cost_estimate=pl.CostEstimate(flops=1, transcendentals=0, bytes_accessed=1),
+  )
+  mesh = _mesh.make_mesh(topology)
+  s = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+  x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=s)
+  w = jax.ShapeDtypeStruct((K, N), jnp.bfloat16, sharding=s)
+  with _mesh.quiet_fd2():
+    text = jax.jit(call).trace(x, w).lower().compile().as_text()
+  return text, mesh
+
+
+@pytest.fixture(scope="module")
+def probe():
+  return _probe_text()
+
+
+def test_kernel_without_twin_is_flagged(probe):
+  text, _ = probe
+  assert "twin_probe_matmul" in text
+  tl = _timeline.simulate(_hlo.parse(text), CHIP)
+  assert any("twin_probe_matmul" in f for f in tl.flags)
+
+
+def test_kernel_is_charged_its_jnp_twin_never_its_own_claim(probe):
+  text, mesh = probe
+  _kernel_costs.register(
+    "twin_probe_matmul", lambda ops, res: (jnp.matmul, tuple(ops[:2]))
+  )
+  try:
+    coster = _kernel_costs.KernelCoster(CHIP, mesh.devices.flat[0])
+    tl = _timeline.simulate(_hlo.parse(text), CHIP, kernel_cost=coster)
+  finally:
+    _kernel_costs.unregister("twin_probe_matmul")
+  assert not tl.flags
+  # The twin: jnp.matmul of the same shapes on the same chip, modelled.
+  s = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+  args = [
+    jax.ShapeDtypeStruct(sh, jnp.bfloat16, sharding=s)
+    for sh in ((M, K), (K, N))
+  ]
+  twin_text = jax.jit(jnp.matmul).trace(*args).lower().compile().as_text()
+  twin = _timeline.simulate(_hlo.parse(twin_text), CHIP, prefetch="charged")
+  assert tl.twin_s == pytest.approx(twin.step_s)
+  roofline = max(
+    2 * M * K * N / CHIP.bf16_flops,
+    2 * (M * K + K * N + M * N) / CHIP.hbm_bytes_per_s,
+  )
+  assert tl.step_s >= roofline
+  assert tl.twin_s > 0
+
+
+def test_roofline_takes_the_largest_floor():
+  r = _roofline.roofline(
+    "allgather", (1024, 2048, 8192), 2, 4, jnp.bfloat16, CHIP
+  )
+  assert r.compute_s == pytest.approx(2 * 512 * 2048 * 2048 / CHIP.bf16_flops)
+  # Each device receives 3 of the 4 [512, 512] bf16 chunks on 2 links.
+  links = 3 * 512 * 512 * 2 / (2 * CHIP.ici_link_bytes_per_s)
+  assert r.links_s == pytest.approx(links)
+  assert r.total_s == max(r.compute_s, r.hbm_s, r.links_s)
+  highest = _roofline.roofline(
+    "allgather", (1024, 2048, 8192), 2, 4, jnp.float32, CHIP, "highest"
+  )
+  assert highest.compute_s == pytest.approx(6 * r.compute_s)
+
+
+def test_hlo_key_ignores_metadata():
+  a = 'HloModule a\n%x = f32[8] add(%p, %q), metadata={op_name="a"}\n'
+  b = 'HloModule b\n%x = f32[8] add(%p, %q), metadata={op_name="b"}\n'
+  c = "HloModule b\n%x = f32[8] multiply(%p, %q)\n"
+  assert xla_configs.hlo_key(a) == xla_configs.hlo_key(b)
+  assert xla_configs.hlo_key(a) != xla_configs.hlo_key(c)
+
+
+def test_bench_json_rows_and_xla_best(tmp_path, monkeypatch):
+  """A small table: every row has the JSON fields, xla_best is the
+  fastest XLA configuration and names it, nothing is below its roofline."""
+  monkeypatch.setenv("ASYNCOPS_BENCH_CACHE", str(tmp_path / "cache"))
+  out = tmp_path / "rows.json"
+  code = bench_run.main(
+    [
+      "--shape",
+      "256,512,2048",
+      "--configs",
+      "bfloat16",
+      "--families",
+      "allgather",
+      "--variants",
+      "ppermute",
+      "--xla-configs",
+      "--sensitivity",
+      "--json",
+      str(out),
+    ]
+  )
+  assert code == 0
+  rows = json.loads(out.read_text())
+  need = {
+    "family",
+    "variant",
+    "dtype",
+    "shape",
+    "topology",
+    "step_us",
+    "bound_us",
+    "roofline_us",
+    "peak_temp_mib",
+    "defensive_copies",
+    "xla_config",
+  }
+  assert all(need <= set(r) for r in rows)
+  by = {r["variant"]: r for r in rows}
+  assert {"unsharded", "jit", "xla_best", "ppermute"} <= set(by)
+  best = by["xla_best"]
+  assert best["xla_config"] and best["xla_config"].split(" ")[0] in (
+    xla_configs.CONFIGS
+  )
+  per_config = [r for r in rows if r["variant"].startswith("jit[")]
+  assert per_config
+  assert best["step_us"] == min(r["step_us"] for r in per_config)
+  assert all(r["step_us"] >= r["roofline_us"] for r in rows[1:])
+  assert all(r["shape"] == [256, 512, 2048] for r in rows)
+  for r in rows:
+    assert (
+      r["step_latency_x0.5_us"] <= r["step_us"] <= (r["step_latency_x2_us"])
+    )
+
+
+@pytest.mark.parametrize(
+  "argv, flag",
+  [
+    (["--shape", "1,2"], "--shape"),
+    (["--variants", "ppermute,nope"], "unknown variant 'nope'"),
+    (["--families", "gather"], "--families"),
+  ],
+)
+def test_bench_usage_errors_exit_2(capsys, argv, flag):
+  with pytest.raises(SystemExit) as e:
+    bench_run.main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert flag in err
+  assert "Traceback" not in err
+
+
+def test_collective_without_link_time_is_flagged():
+  """A permute whose every pair stays on its device moves nothing: the
+  guard says so instead of costing it zero silently."""
+  body = (
+    "  %p = f32[512,512]{1,0} parameter(0)\n"
+    "  %s = (f32[512,512], f32[512,512], u32[], u32[]) "
+    "collective-permute-start(%p), source_target_pairs={{0,0},{1,1}}\n"
+    "  ROOT %d = f32[512,512]{1,0} collective-permute-done(%s)"
+  )
+  text = (
+    "HloModule m, is_scheduled=true\n\nENTRY %main (p: f32[512,512]) -> "
+    "f32[512,512] {\n" + body + "\n}\n"
+  )
+  tl = _timeline.simulate(_hlo.parse(text), CHIP)
+  assert any("no link time" in f for f in tl.flags)
+
+
+class _Res:
+  def __init__(self, free, charged):
+    self.row = {"step_us": free, "step_charged_us": charged, "flags": []}
+
+
+@pytest.mark.parametrize(
+  "free, charged, floor, step, charged_flag",
+  [
+    (13.1, 84.8, 72.2, 84.8, True),  # decode: weight read every step
+    (27.8, 38.0, 21.8, 27.8, False),  # above its roofline: stays free
+  ],
+)
+def test_prefetch_is_free_only_above_the_roofline(
+  free, charged, floor, step, charged_flag
+):
+  res = bench_run.Bench.guard(_Res(free, charged), floor)
+  assert res.row["step_us"] == step
+  assert (res.prefetch == "charged") == charged_flag
+  assert bool(res.row["flags"]) == charged_flag
+
+
+def test_run_measure_keeps_its_signature():
+  """examples/demo.py calls run.measure(variant, mesh, shape, config,
+  chip) and run.table(rows, bound)."""
+  mesh = bench_run.make_mesh("v5e:2x4")
+  row, tl = bench_run.measure(
+    "ppermute",
+    mesh,
+    (256, 512, 2048),
+    bench_run.parse_config("bfloat16"),
+    CHIP,
+  )
+  assert row["step_us"] == pytest.approx(tl.step_s * 1e6)
+  assert "ppermute" in bench_run.table([row], row["step_us"])
