@@ -472,8 +472,9 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--families",
-    default="allgather,reducescatter",
-    help="allgather,reducescatter,allreduce,mlp",
+    default="allgather,reducescatter,mlp_train",
+    help="allgather,reducescatter,allreduce,mlp,mlp_train (the forward and "
+    "backward step of mlp)",
   )
   p.add_argument(
     "--variants", default="", help="only these (besides bound, jit, xla_best)"
@@ -587,7 +588,7 @@ def main(argv=None) -> int:
         for shape in shapes:
           for config in configs:
             for family in a.families.split(","):
-              if family == "mlp" and not jnp.issubdtype(
+              if family.startswith("mlp") and not jnp.issubdtype(
                 config[0], jnp.floating
               ):
                 continue

@@ -160,8 +160,12 @@ def gather_weights_contracting(
   h = m // 2
   me = jax.lax.axis_index(axis_name)
   acc_dt = _acc(x.dtype)
-  make = jnp.zeros if bidirectional else _gather_rings._empty
-  dws = tuple(make((n, k, g.shape[1]), acc_dt) for g in gs)
+  # One-way, every block is one whole product (x.dtype, one rounding);
+  # two-way, two halves add in acc_dt.
+  if bidirectional:
+    dws = tuple(jnp.zeros((n, k, g.shape[1]), acc_dt) for g in gs)
+  else:
+    dws = tuple(_gather_rings._empty((n, k, g.shape[1]), x.dtype) for g in gs)
 
   def consume(s, sent, gs, dws):
     sent = _flat_sent(sent, bidirectional)
@@ -176,7 +180,7 @@ def gather_weights_contracting(
         if bidirectional:
           dws[o] = _add_block(dws[o], y, at)
         else:
-          dws[o] = jax.lax.dynamic_update_slice(dws[o], y, at)
+          dws[o] = jax.lax.dynamic_update_slice(dws[o], y.astype(x.dtype), at)
     return tuple(dws)
 
   bufs = bufs or _flat_bufs(x, bidirectional, api)
@@ -223,13 +227,15 @@ def gather_columns_both(g, x, w, axis_name, *, n, api, bidirectional):
   h = m // 2
   me = jax.lax.axis_index(axis_name)
   acc_dt = _acc(g.dtype)
-  # dw [k, n c]: block b is columns b c:(b + 1) c, written in place (a
-  # [k, n, c] buffer would need a relayout of every block and of the
-  # result).
+  # dw [k, n c]: block b is columns b c:(b + 1) c, updated in place (a
+  # [k, n, c] buffer costs a relayout of every block; an [n, k, c] one
+  # makes XLA lay the buffer out for the final transpose and copy it).
+  # One-way, every block is one whole product, written in w's dtype (one
+  # rounding, as the reference); two-way, two halves add in acc_dt.
   if bidirectional:
     dw = jnp.zeros((k, n * c), acc_dt)
   else:
-    dw = _gather_rings._empty((k, n * c), acc_dt)
+    dw = _gather_rings._empty((k, n * c), w.dtype)
   dx = None if not bidirectional else _gather_rings._empty((2, h, k), acc_dt)
 
   def consume(s, sent, operands, carry):
@@ -252,7 +258,7 @@ def gather_columns_both(g, x, w, axis_name, *, n, api, bidirectional):
       if bidirectional:
         dw = _add_block(dw, z, at)
       else:
-        dw = jax.lax.dynamic_update_slice(dw, z, at)
+        dw = jax.lax.dynamic_update_slice(dw, z.astype(dw.dtype), at)
     return dx, dw
 
   bufs = _flat_bufs(g, bidirectional, api)

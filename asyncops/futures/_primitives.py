@@ -33,6 +33,22 @@ def dst_shape(spec: OpSpec) -> tuple[int, ...]:
   return tuple(_registry.get(spec.kind).dst_shape(spec))
 
 
+class WaitEffect(jc.Effect):
+  """A wait for a DMA: never dead code, whether or not its result is used.
+
+  Without it JAX removes a done whose result nothing reads (dead-code
+  elimination before lowering), and the compiled program starts a DMA it
+  never waits for. Registered for control flow, custom derivatives,
+  ``jax.checkpoint`` and lowering (``jc.register_effect``).
+  """
+
+  def __repr__(self):
+    return "AsyncopsWait"
+
+
+WAIT = WaitEffect()
+jc.register_effect(WaitEffect)
+
 start_p = jc.Primitive("asyncops_start")
 start_p.multiple_results = True
 done_p = jc.Primitive("asyncops_done")
@@ -50,22 +66,22 @@ def _start_abstract(x, *, spec):
   return (x, dst) + (jc.sem_like(x),) * n_sems(spec)
 
 
-@done_p.def_abstract_eval
+@done_p.def_effectful_abstract_eval
 def _done_abstract(x, dst, *sems, spec):
   del x, sems, spec
-  return dst
+  return dst, {WAIT}
 
 
-@send_done_p.def_abstract_eval
+@send_done_p.def_effectful_abstract_eval
 def _send_done_abstract(x, dst, *sems, spec):
   del sems, spec
-  return (x, dst)
+  return (x, dst), {WAIT}
 
 
-@recv_done_p.def_abstract_eval
+@recv_done_p.def_effectful_abstract_eval
 def _recv_done_abstract(dst, *sems, spec):
   del sems, spec
-  return dst
+  return dst, {WAIT}
 
 
 # Emulation (every platform but TPU) ------------------------------------------
