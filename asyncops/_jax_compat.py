@@ -638,6 +638,30 @@ def _install_finish_hook() -> None:
   frame_cls.to_jaxpr = to_jaxpr
 
 
+def register_dce_rule(prim: Any, rule: Any) -> None:
+  """Registers ``rule(used_outputs, eqn) -> (used_inputs, eqn | None)``
+  for ``prim`` with JAX's dead-code elimination (``pe.dce_rules``,
+  internal: the only hook that sees which outputs of an equation are
+  used)."""
+  _pe.dce_rules[prim] = rule
+
+
+def dce_rules() -> dict:
+  """JAX's table of dead-code rules (for tests that switch one off)."""
+  return _pe.dce_rules
+
+
+def identity_eqn(eqn: Any, invar: Any, outvar: Any) -> Any:
+  """An equation ``outvar = invar`` (``copy_p``, which lowers to nothing)
+  in place of ``eqn``: for dead-code rules, which cannot rename
+  variables."""
+  from jax._src.lax import lax as _lax  # copy_p: not public.
+
+  return _pe.new_jaxpr_eqn(
+    [invar], [outvar], _lax.copy_p, {}, set(), eqn.source_info, eqn.ctx
+  )
+
+
 def without_dead_code(jaxpr: Any) -> Any:
   """``jaxpr`` as lowering sees it: equations nothing uses removed.
 

@@ -391,3 +391,25 @@ def test_jvp_is_refused_with_jax_error():
   w = _put(mesh, P(), jnp.ones((16, 8)))
   with pytest.raises(TypeError, match="forward-mode autodiff"):
     jax.jit(lambda x, w: jax.jvp(f, (x, w), (x, w)))(x, w)
+
+
+def test_unused_gradient_ring_is_removed():
+  """Gradients of the weights only: the up projection's input-gradient
+  ring is dead code and goes entirely (its starts too, see
+  ``futures._primitives._start_dce``), leaving two backward rings."""
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+
+  def loss(x, w_in, w_out):
+    y = mlp_block(x, w_in, w_out, "y")
+    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
+
+  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+  args = tuple(
+    _put(mesh, p, jnp.ones(s))
+    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
+  )
+  traced = jax.jit(jax.grad(f, (1, 2))).trace(*args).jaxpr
+  live = str(jc.without_dead_code(traced.jaxpr))
+  assert live.count("asyncops_start[") == 6 + 6
+  assert live.count("asyncops_done[") == 6 + 6

@@ -33,22 +33,6 @@ def dst_shape(spec: OpSpec) -> tuple[int, ...]:
   return tuple(_registry.get(spec.kind).dst_shape(spec))
 
 
-class WaitEffect(jc.Effect):
-  """A wait for a DMA: never dead code, whether or not its result is used.
-
-  Without it JAX removes a done whose result nothing reads (dead-code
-  elimination before lowering), and the compiled program starts a DMA it
-  never waits for. Registered for control flow, custom derivatives,
-  ``jax.checkpoint`` and lowering (``jc.register_effect``).
-  """
-
-  def __repr__(self):
-    return "AsyncopsWait"
-
-
-WAIT = WaitEffect()
-jc.register_effect(WaitEffect)
-
 start_p = jc.Primitive("asyncops_start")
 start_p.multiple_results = True
 done_p = jc.Primitive("asyncops_done")
@@ -66,22 +50,48 @@ def _start_abstract(x, *, spec):
   return (x, dst) + (jc.sem_like(x),) * n_sems(spec)
 
 
-@done_p.def_effectful_abstract_eval
+@done_p.def_abstract_eval
 def _done_abstract(x, dst, *sems, spec):
   del x, sems, spec
-  return dst, {WAIT}
+  return dst
 
 
-@send_done_p.def_effectful_abstract_eval
+@send_done_p.def_abstract_eval
 def _send_done_abstract(x, dst, *sems, spec):
   del sems, spec
-  return (x, dst), {WAIT}
+  return (x, dst)
 
 
-@recv_done_p.def_effectful_abstract_eval
+@recv_done_p.def_abstract_eval
 def _recv_done_abstract(dst, *sems, spec):
   del sems, spec
-  return dst, {WAIT}
+  return dst
+
+
+# Dead code -------------------------------------------------------------------
+
+
+def _start_dce(used_outs, eqn):
+  """A start whose future nothing awaits any more is no transfer at all.
+
+  JAX removes a done whose result nothing reads (dead-code elimination
+  before lowering, inside every ``jit``/``shard_map``/loop body). Its
+  start then still returns the aliased source, which the program may use:
+  left alone, the compiled program would start a DMA it never waits for.
+  Since nobody reads what the transfer delivers (on any device: the
+  program is SPMD), the start becomes the identity on its source, and the
+  whole transfer goes, as any dead computation does. A future still
+  awaited somewhere (``send_done`` or ``recv_done`` only) keeps its start.
+  """
+  x1_used, future_used = used_outs[0], any(used_outs[1:])
+  if future_used:
+    return [True] * len(eqn.invars), eqn
+  if not x1_used:
+    return [False] * len(eqn.invars), None
+  return [True], jc.identity_eqn(eqn, eqn.invars[0], eqn.outvars[0])
+
+
+jc.register_dce_rule(start_p, _start_dce)
 
 
 # Emulation (every platform but TPU) ------------------------------------------
