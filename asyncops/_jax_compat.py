@@ -51,6 +51,8 @@ __all__ = [
   "DMA_SEM_AVAL",
   "user_frame",
   "tpu_generation",
+  "tpu_device_kind",
+  "trace_device_kind",
 ]
 
 # Versions -------------------------------------------------------------------
@@ -84,6 +86,8 @@ JAX_VERSION = _version(jax.__version__)
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE
+# HBM as a memory space; ``HBM(shape, dtype)`` is an output pinned there.
+HBM = getattr(_pltpu, "HBM", None) or _pltpu.MemorySpace.HBM
 DeviceIdType = _pl.DeviceIdType
 semaphore_signal = _pl.semaphore_signal
 semaphore_wait = _pl.semaphore_wait
@@ -105,6 +109,40 @@ def tpu_compiler_params(
   )
 
 
+def half_dma_problem(shape: Sequence[int], dtype: Any) -> str | None:
+  """Why Mosaic cannot DMA the halves ``x[:h]``, ``x[h:]`` (``h`` = half
+  of axis 0) of an array of ``shape`` and ``dtype`` (None: it can).
+
+  Measured on AOT TPU compiles (v5e) of a bidirectional transfer:
+  - jax 0.10: a 1-D half must start on a 128-element tile and span a
+    multiple of 512 bytes ("contiguous inner slice ... divisible by 512
+    bytes"); 2-D halves of any row count compile.
+  - jax 0.9: a 1-D array of 2048 or more elements is tiled by 1024 (a
+    shorter one by its own padded length, so its halves never align):
+    halves must be multiples of 1024 elements; a 2-D half must span whole
+    128-lane tiles (its last dimension a multiple of 128).
+  """
+  if not shape:
+    return None
+  h = shape[0] // 2
+  itemsize = jax.numpy.dtype(dtype).itemsize
+  if len(shape) == 1:
+    if JAX_VERSION < (0, 10):
+      if h % 1024:
+        return f"a 1-D half of {h} elements is not a multiple of 1024"
+      return None
+    if h % 128 or (h * itemsize) % 512:
+      unit = max(128, 512 // itemsize)
+      return (
+        f"a 1-D half of {h} elements is not a multiple of {unit} "
+        f"({itemsize}-byte elements: 128-element tiles, 512-byte DMAs)"
+      )
+    return None
+  if len(shape) == 2 and JAX_VERSION < (0, 10) and shape[1] % 128:
+    return f"the last dimension {shape[1]} is not a multiple of 128 lanes"
+  return None
+
+
 def manual_axes_kwargs(aval: Any) -> dict[str, Any]:
   """``ShapeDtypeStruct`` keywords carrying ``aval``'s varying manual axes."""
   if hasattr(aval, "manual_axis_type"):  # jax >= 0.10
@@ -119,6 +157,22 @@ def varying_axes(x: Any) -> frozenset:
   if mat is not None:  # jax >= 0.10
     return frozenset(getattr(mat, "varying", ()) or ())
   return frozenset(getattr(aval, "vma", ()) or ())  # jax 0.9
+
+
+def joint_manual_axes_kwargs(avals: Sequence[Any]) -> dict[str, Any]:
+  """``ShapeDtypeStruct`` keywords varying over every manual axis any of
+  ``avals`` varies over (a matmul's result varies where either operand
+  does)."""
+  if hasattr(avals[0], "manual_axis_type"):  # jax >= 0.10
+    mats = [a.manual_axis_type for a in avals]
+    first = mats[0]
+    joint = type(first)(
+      varying=frozenset().union(*(m.varying for m in mats)),
+      unreduced=first.unreduced,
+      reduced=first.reduced,
+    )
+    return {"manual_axis_type": joint}
+  return {"vma": frozenset().union(*(getattr(a, "vma", ()) for a in avals))}
 
 
 def shape_like(x: Any, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
@@ -867,3 +921,23 @@ def reaches_inputs(t: Any) -> bool:
         x for x in eqn.in_tracers if isinstance(x, _pe.DynamicJaxprTracer)
       )
   return False
+
+
+def tpu_device_kind() -> str | None:
+  """The device kind being lowered for (e.g. ``"TPU v5 lite"``), or None.
+
+  Same source and limits as :func:`tpu_generation`; kernels that size VMEM
+  buffers need the chip, not only the generation (v5e and v5p differ).
+  """
+  return _device_kind.get()
+
+
+def trace_device_kind() -> str | None:
+  """The device kind of the mesh being traced over (inside ``shard_map``),
+  e.g. ``"TPU v5 lite"``; None when the abstract mesh names no device.
+
+  ``AbstractMesh.abstract_device`` is public but only set when the mesh was
+  built from concrete devices (it is for ahead-of-time TPU topologies).
+  """
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "device_kind", None)

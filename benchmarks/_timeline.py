@@ -736,6 +736,8 @@ class _Sim:
     if kind == "all_gather":
       multicast = {s: [d for d in r if d != s] for r in self.rings for s in r}
       return "ici", *self._ici(multicast, nbytes)
+    if kind.startswith("ring_"):
+      return "ici", *self._fused_ring(ins)
     if kind == "all_to_all":  # its source (n, ...): slot p goes to peer p
       n = self.ring_size
       load, lat = {}, 0.0
@@ -748,6 +750,28 @@ class _Sim:
     m = _SHIFT.search(ins.attrs)
     shift = int(m.group(1)) if m else -1
     return "ici", *self._ici(ring_sends(self.rings, shift), nbytes)
+
+  def _fused_ring(self, ins: Instr):
+    """A fused ring kernel's start (``asyncops_ring_*_start``).
+
+    Its first output is the receive buffer ``[d, n - 1, ...]``: everything
+    this device receives during the whole ring, slot ``t`` of direction
+    ``c`` arriving one hop from the neighbour. Direction 0 of two travels
+    ``+1``, the other ``-1``; a single direction travels ``-1``. The hops
+    run one after the other (each device forwards what it received), so
+    the latency is ``n - 1`` hops; the bytes queue on each directed link.
+    """
+    recv = ins.arrays[0]
+    d = recv.dims[0] if recv.dims else 1
+    shifts = (1, -1) if d == 2 else (-1,)
+    load: dict[tuple, float] = {}
+    latency = 0.0
+    for sh in shifts:
+      part, lat = self._ici(ring_sends(self.rings, sh), recv.nbytes / d)
+      for k, v in part.items():
+        load[k] = load.get(k, 0.0) + v
+      latency = max(latency, lat)
+    return load, latency * max(self.ring_size - 1, 1)
 
   def _ref_message(self, ins: Instr, dst_bytes: int) -> float:
     """Bytes one stateful (``*_ref_start``) kernel moves.

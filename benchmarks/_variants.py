@@ -392,3 +392,7 @@ def abstract_args(name, mesh, shape, dtype):
       (d, f), dtype, sharding=NamedSharding(mesh, P(None, AXIS))
     ),
   )
+
+
+# The fused ring kernels' variants and jnp twins (their own module).
+from benchmarks import _fused_variants  # noqa: E402, F401

@@ -8,7 +8,8 @@ Usage::
 Compiles each program ahead of time for each topology twice: with
 ``jax.lax.fori_loop(..., unroll=2)`` (what the seed design suggests) and
 with ``asyncops.scheduling.fori_loop``, then prints one markdown table:
-copies by kind, copies of a buffer in flight, the copy guard's hazards,
+copies by kind, the bytes the ``boundary`` copies move per call (each read
+and written once), copies of a buffer in flight, the copy guard's hazards,
 the compile time and the guard's time on the compiled HLO text (what
 ``asyncops.jit`` adds to a TPU compile). Exit status 0.
 """
@@ -152,6 +153,7 @@ def measure(topology: str, name: str, loop_name: str) -> dict:
     "program": name,
     "loop": loop_name,
     "copies": kinds,
+    "boundary_bytes": report.copied_bytes("boundary"),
     "in_flight": len(report.inflight_copies),
     "hazards": len(found),
     "compile_s": round(seconds, 2),
@@ -164,12 +166,13 @@ def _table(rows) -> str:
   head = (
     "| program | topology | loop | "
     + " | ".join(kinds)
-    + " | in flight | hazards | compile s | guard s |"
+    + " | boundary MiB | in flight | hazards | compile s | guard s |"
   )
   out = [head, "|" + " --- |" * (head.count("|") - 1)]
   for r in rows:
     cells = [r["program"], r["topology"], r["loop"]]
     cells += [str(r["copies"].get(k, 0)) for k in kinds]
+    cells += [f"{r['boundary_bytes'] / 2**20:g}"]
     cells += [str(r["in_flight"]), str(r["hazards"])]
     cells += [f"{r['compile_s']:.2f}", f"{r['check_s']:.3f}"]
     out.append("| " + " | ".join(cells) + " |")

@@ -139,6 +139,26 @@ def family_variants(family: str, ref: bool, extra: list[str]) -> list[str]:
   return [n for n in names if not n.endswith((":unsharded", ":jit"))]
 
 
+def auto_choice(family, variant, mesh, shape, config):
+  """What ``method="auto"`` runs for ``variant``'s per-device shapes on
+  ``mesh``'s chip, and why (:mod:`asyncops.collective_matmul._auto`)."""
+  from asyncops.collective_matmul import _auto  # noqa: PLC0415
+
+  dtype, precision = config
+  args = _variants.abstract_args(variant, mesh, shape, dtype)
+  (m, k), (rk, cols) = (a.sharding.shard_shape(a.shape) for a in args[:2])
+  n = mesh.shape[_variants.AXIS]
+  kw = {
+    "precision": "HIGHEST" if precision == "highest" else "DEFAULT",
+    "device_kind": mesh.devices.flat[0].device_kind,
+  }
+  if family == "allgather":
+    return _auto.explain_allgather(m, k, cols, n, dtype, **kw)
+  if family == "reducescatter":
+    return _auto.explain_reducescatter(m, k, cols // n, n, dtype, **kw)
+  return _auto.explain_allreduce(m, k, cols, n, dtype, **kw)
+
+
 class Bench:
   """Measures tables and keeps every row for ``--json``."""
 
@@ -227,6 +247,10 @@ class Bench:
     names = variants or family_variants(family, a.ref, a.extra)
     for v in _measure.progress(names, f"{topology} {family} {config}"):
       res = _measure.measure(self.spec(v, topology, tp, shape, config))
+      if v.endswith("_auto"):
+        choice = auto_choice(family, v, mesh, shape, config)
+        res.row["auto_choice"] = choice.method
+        res.row["auto_reason"] = str(choice)
       rows.append((self.guard(res, floor), None))
     bound_us = bound.row["step_us"]
     best_us = best.row["step_us"]
@@ -342,6 +366,9 @@ class Bench:
     notes = [
       f"- {r['variant']}: {'; '.join(r['flags'])}" for r in rows if r["flags"]
     ]
+    for r in rows:
+      if "auto_reason" in r:
+        print(f"\n{r['variant']} chose {r['auto_reason']}")
     if notes:
       print(
         "\n! notes (not fully costed, prefetch charged, memory):\n"
@@ -381,8 +408,12 @@ def _print_sweep(family, topology, tp, summary) -> None:
   )
   kinds = [r["variant"] for r in summary[0][1]]
   kinds = [k for k in kinds if "[" not in k]
-  print("| M | roofline | " + " | ".join(kinds) + " | best ours / xla_best |")
-  print("|---:|---:|" + "---:|" * len(kinds) + "---:|")
+  print(
+    "| M | roofline | "
+    + " | ".join(kinds)
+    + " | best ours / xla_best | auto / xla_best | auto chose |"
+  )
+  print("|---:|---:|" + "---:|" * len(kinds) + "---:|---:|---|")
   pays = []
   for m, rows in summary:
     by = {r["variant"]: r for r in rows}
@@ -398,7 +429,16 @@ def _print_sweep(family, topology, tp, summary) -> None:
     if ours and ratio < 1.0:
       pays.append(m)
     cells = " | ".join(f"{by[k]['step_us']:.1f}" for k in kinds)
-    print(f"| {m} | {rows[0]['roofline_us']:.1f} | {cells} | {ratio:.3f} |")
+    auto = next((r for r in rows if "auto_choice" in r), None)
+    auto_cells = (
+      f"{auto['step_us'] / best:.3f} | {auto['auto_choice']}"
+      if auto
+      else "n/a | n/a"
+    )
+    print(
+      f"| {m} | {rows[0]['roofline_us']:.1f} | {cells} | {ratio:.3f} | "
+      f"{auto_cells} |"
+    )
   where = ", ".join(map(str, pays)) if pays else "no M of the sweep"
   print(f"\nours (best variant) beats xla_best at M = {where}\n", flush=True)
 

@@ -41,6 +41,7 @@ def _run(*args, cwd=ROOT, env=None):
     "asyncops.compare",
     "benchmarks.run",
     "benchmarks.cpu_walltime",
+    "benchmarks.edge_copies",
     "examples/collective_matmul.py",
     "examples/demo.py",
     "examples/mlp_block.py",
@@ -107,6 +108,16 @@ def test_compare_usage_errors(capsys):
     compare_cli.main, ["--topology", "v5e:2x2"], compare_cli.PROG, capsys
   )
   assert "has 4 devices; the patterns need 8" in err
+
+
+def test_edge_copies_usage_errors(capsys):
+  from benchmarks import edge_copies
+
+  prog = "python -m benchmarks.edge_copies"
+  err = _usage_error(edge_copies.main, ["--xla-flag", "nope"], prog, capsys)
+  assert "--xla-flag: expected NAME=VALUE, got 'nope'" in err
+  err = _usage_error(edge_copies.main, ["--topology", "v9:1"], prog, capsys)
+  assert "--topology: cannot build TPU topology 'v9:1'" in err
 
 
 def test_inspect_json_hazard_exits_1():

@@ -358,6 +358,167 @@ def test_a_received_buffer_is_copied_at_the_program_edge_on_v5p(remote):
     assert big == []
 
 
+def _aliasing_kernel(remote: bool):
+  """A start-like Pallas kernel that aliases its parameter, as ours do."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
+
+  def kernel(x_ref, aliased_ref, y_ref, send, recv):
+    del aliased_ref
+    if remote:
+      me = jax.lax.axis_index("i")
+      pltpu.make_async_remote_copy(
+        x_ref,
+        y_ref,
+        send,
+        recv,
+        device_id=(jax.lax.rem(me + 1, 8),),
+        device_id_type=pl.DeviceIdType.MESH,
+      ).start()
+    else:
+      pltpu.make_async_copy(x_ref, y_ref, send).start()
+
+  def wait(x_ref, y_ref, send, recv, o_ref):
+    del o_ref
+    pltpu.make_async_copy(x_ref, x_ref, send).wait()
+    if remote:
+      pltpu.make_async_copy(y_ref, y_ref, recv).wait()
+
+  def f(x):
+    sd = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    sem = pltpu.SemaphoreType.DMA(())
+    x, y, s, r = pl.pallas_call(
+      kernel,
+      out_shape=(sd, sd, sem, sem),
+      in_specs=[any_spec],
+      out_specs=(any_spec, any_spec, sem_spec, sem_spec),
+      input_output_aliases={0: 0},
+      compiler_params=pltpu.CompilerParams(has_side_effects=True),
+    )(x)
+    y = pl.pallas_call(
+      wait,
+      out_shape=sd,
+      in_specs=[any_spec, any_spec, sem_spec, sem_spec],
+      out_specs=any_spec,
+      input_output_aliases={1: 0},
+      compiler_params=pltpu.CompilerParams(has_side_effects=True),
+    )(x, y, s, r)
+    return y + 1.0  # a computed result: no copy of the received buffer
+
+  return f
+
+
+@pytest.mark.parametrize(
+  "remote,donate,param_copied",
+  [(False, False, True), (False, True, False), (True, True, True)],
+)
+def test_the_parameter_copy_is_the_starts_alias_on_v5p(
+  remote, donate, param_copied
+):
+  # The evidence behind the parameter half of ``boundary``: a kernel that
+  # aliases a parameter the caller still owns gets a copy of it (XLA must
+  # assume the kernel writes it); donating the parameter removes the copy
+  # for a kernel that does not communicate, not for one that does.
+  mesh = _mesh("v5p:2x2x2")
+  f = jax.jit(
+    jax.shard_map(
+      _aliasing_kernel(remote),
+      mesh=mesh,
+      in_specs=P("i"),
+      out_specs=P("i"),
+      check_vma=False,
+    ),
+    donate_argnums=(0,) if donate else (),
+  )
+  r = analyze(f, _x(mesh))
+  start = next(
+    i for i in r.module.entry.instrs if i.opcode == "custom-call" and i.aliasing
+  )
+  fed = r.module.instr(start.operands[0])
+  assert (fed.opcode != "parameter") == param_copied, fed
+  if param_copied:  # and the harness shows the copy at the edge
+    assert any(c.kind in ("boundary", "memory_space") for c in r.copies)
+
+
+def test_xla_collective_permute_result_is_copied_at_the_edge_on_v5p():
+  # XLA's own collective-permute, its result returned: the same copy as a
+  # done's result returned (design/scheduling.md section 4).
+  mesh = _mesh("v5p:2x2x2")
+  ring = [(j, (j + 1) % 8) for j in range(8)]
+  f = jax.jit(
+    jax.shard_map(
+      lambda x: jax.lax.ppermute(x, "i", ring),
+      mesh=mesh,
+      in_specs=P("i"),
+      out_specs=P("i"),
+    )
+  )
+  r = analyze(f, _x(mesh))
+  (c,) = [c for c in r.copies if c.kind != "scalar"]
+  assert c.kind == "boundary" and c.instr.is_root
+  assert c.nbytes == SHARD[0] * SHARD[1] * 4
+
+
+def _overlap_step(x, w):  # the README's first program
+  x, fut = asyncops.ppermute_start(x, "i", shift=1)
+  z, fut = sch.overlap(fut, jnp.dot, x, w)
+  return asyncops.ppermute_done(fut), z
+
+
+def test_boundary_copies_report_their_bytes_on_v5p():
+  from asyncops.inspect._json import report_dict
+
+  mesh = _mesh("v5p:2x2x2")
+  f = jax.jit(
+    jax.shard_map(
+      _overlap_step,
+      mesh=mesh,
+      in_specs=(P("i"), P()),
+      out_specs=(P("i"), P("i")),
+    )
+  )
+  w = jax.ShapeDtypeStruct(
+    SHARD, jnp.float32, sharding=NamedSharding(mesh, P())
+  )
+  r = assert_copy_free(f, _x(mesh), w)  # boundary copies pass the guard
+  mib4 = SHARD[0] * SHARD[1] * 4
+  # The parameter sent (before the start) and the received buffer returned.
+  assert [c.nbytes for c in r.boundary_copies] == [mib4, mib4]
+  assert r.copied_bytes("boundary") == 2 * mib4
+  assert r.copied_bytes() == sum(c.nbytes for c in r.copies)
+  text = r.summary()
+  assert "2 boundary (8 MiB)" in text
+  assert "Boundary copies: 2, 8 MiB read and 8 MiB written per call" in text
+  assert "(4 MiB) HBM->HBM copy of %param" in text
+  d = report_dict(r)
+  assert d["counts"]["boundary"] == 2
+  assert d["copied_bytes"]["boundary"] == 2 * mib4
+  assert {c["bytes"] for c in d["copies"] if c["kind"] == "boundary"} == {mib4}
+  with pytest.raises(ValueError, match="copied_bytes.kind='edge'"):
+    r.copied_bytes("edge")
+
+
+def test_testing_assert_copy_free_is_the_guard_as_an_assertion():
+  # asyncops.testing delegates to the guard and converts its error; its
+  # copy_hazards lists the guard's hazards first.
+  from asyncops import testing
+
+  r = analyze(jax.jit(_program(LAX2)), _x(_mesh()))
+  found = hazards(r)
+  assert found and testing.copy_hazards(r)[: len(found)] == [
+    str(h) for h in found
+  ]
+  with pytest.raises(AssertionError) as e:
+    testing.assert_copy_free(r)
+  assert e.type is AssertionError
+  assert "endangers a transfer" in str(e.value)
+  assert f"started at {THIS}:{_line('BODY')} in " in str(e.value)
+  assert "Copies: " in str(e.value)  # the report follows
+
+
 # name -> (global operand shapes, in_specs, out_specs), small shapes.
 _CM_V5P = {
   "allgather_matmul": (

@@ -208,6 +208,35 @@ def test_small_axes(mesh_shape, kind, f, n_sems):
   assert (start.collective_id is None) == (mesh_shape[1] == 1)
 
 
+@pytest.mark.parametrize("topology", ("v5e:2x4", "v6e:2x4"))
+@pytest.mark.parametrize(
+  "per_device,dtype,ok",
+  [
+    ((6,), jnp.float32, False),  # 3-element halves: never a DMA Mosaic takes
+    ((200,), jnp.bfloat16, False),  # off the 128-element tile
+    ((8192,), jnp.float32, True),  # whole tiles on every supported jax
+    ((12, 128), jnp.float32, True),  # 2-D: 6-row halves compile
+  ],
+)
+def test_bidirectional_halves_mosaic_cannot_slice(
+  topology, per_device, dtype, ok
+):
+  mesh = tpu_mesh(topology, (8,), ("y",))
+  shape = (8 * per_device[0], *per_device[1:])
+  if ok:
+    start, _ = check_pair(
+      compile_hlo(_bidirectional, mesh, shape, dtype), "bidirectional", 4
+    )
+    assert start.collective_id is not None
+    return
+  with pytest.raises(
+    ValueError, match=r"bidirectional_start: x has shape"
+  ) as e:
+    compile_hlo(_bidirectional, mesh, shape, dtype)
+  assert "ppermute_start" in str(e.value)  # the fix is named
+  assert str(per_device) in str(e.value)  # the per-device shape
+
+
 # Split waits -----------------------------------------------------------------
 
 

@@ -105,7 +105,9 @@ def test_user_project(pytester):
   out = result.stdout.str()
   # The copy assertion names the copy, XLA's reason and the user's lines.
   assert "FAILED test_user.py::test_copy_named" in out
-  assert "defensive copy %" in out or "asyncops refused" in out
+  # (the copy guard's own message: asyncops.inspect.check_report)
+  assert "endangers a transfer" in out or "asyncops refused" in out
+  assert "copy: %" in out and "breaks the transfer" in out
   assert "test_user.py:" in out
   # The overlap assertion shows the empty window.
   assert "no compute between start and done" in out

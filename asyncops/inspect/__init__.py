@@ -13,6 +13,7 @@ from ._guard import CopyHazardWarning as CopyHazardWarning
 from ._guard import Hazard as Hazard
 from ._guard import assert_copy_free as assert_copy_free
 from ._guard import check_hlo as check_hlo
+from ._guard import check_report as check_report
 from ._guard import hazards as hazards
 from ._hlo import Instr as Instr
 from ._hlo import Module as Module

@@ -884,6 +884,7 @@ def _classify(
     output_index=out_idx if i.opcode != "copy-start" else (),
     pair=pair,
     grade=("hazard" if hazard else "cost") if inflight else "",
+    nbytes=out_leaf.nbytes if out_leaf else 0,
   )
 
 

@@ -85,6 +85,10 @@ class Hazard:
   start_line: str
   start_stack: str
 
+  def to_dict(self) -> dict[str, str]:
+    """The fields as JSON-ready data."""
+    return dataclasses.asdict(self)
+
   def __str__(self) -> str:
     pair = f"%{self.start} -> %{self.done}" if self.done else f"%{self.start}"
     where = self.start_line or "an unknown line"
@@ -183,7 +187,22 @@ def check_hlo(hlo_text: str, what: str = "") -> Report:
   Raises:
     CopyHazardError: naming each hazard, its transfer and the user's line.
   """
-  report = analyze_module(parse_module(hlo_text), hlo_text)
+  return check_report(analyze_module(parse_module(hlo_text), hlo_text), what)
+
+
+def check_report(report: Report, what: str = "") -> Report:
+  """Raises :class:`CopyHazardError` if ``report`` has a hazard.
+
+  Args:
+    report: a harness report (:func:`asyncops.inspect.analyze`).
+    what: the program's name, for the message.
+
+  Returns:
+    ``report``, when it has no hazard.
+
+  Raises:
+    CopyHazardError: naming each hazard, its transfer and the user's line.
+  """
   found = hazards(report)
   if found:
     raise CopyHazardError(hazard_message(found, what))

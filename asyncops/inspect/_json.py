@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._guard import hazards
 from ._hlo import Frame, Instr
-from ._report import Copy, Pair, Report
+from ._report import COPY_KINDS, Copy, Pair, Report
 
 # Instructions that only re-label values: left out of a window's op list.
 _PLUMBING = ("get-tuple-element", "tuple", "bitcast", "parameter", "constant")
@@ -46,6 +47,7 @@ def copy_dict(c: Copy) -> dict[str, Any]:
     "computation": c.computation,
     "operand": c.operand,
     "memory_spaces": list(c.spaces),
+    "bytes": c.nbytes,
     "estimated_cycles": c.estimated_cycles,
     "inflight": c.inflight or None,
     "source": c.source,
@@ -81,56 +83,31 @@ def pair_dict(r: Report, p: Pair) -> dict[str, Any]:
   }
 
 
-def copy_hazards(r: Report) -> list[str]:
-  """One line per copy a program must not have: in-flight or defensive.
-
-  A copy of a buffer a transfer is reading or writing gives wrong results;
-  a defensive copy is a full read and write that XLA added because the
-  program kept an old value alive (on a start's input, usually code that
-  uses the ``x`` passed to a start instead of the one it returned).
-  """
-  out = []
-  for c in r.copies:
-    where = f" from {c.source}" if c.source else ""
-    if c.inflight:
-      out.append(f"in-flight copy %{c.name}{where}: {c.inflight}")
-    elif c.kind == "defensive":
-      out.append(f"defensive copy %{c.name} of %{c.operand}{where}")
-  return out
-
-
-def hazards(r: Report) -> list[str]:
-  """:func:`copy_hazards`, and kernel transfers whose source or
-  destination buffer does not live until the done (XLA may reuse it while
-  the DMA runs)."""
-  out = copy_hazards(r)
-  for p in r.kernel_pairs:
-    for what, live in (("source", p.source_live), ("destination", p.dest_live)):
-      if not live:
-        out.append(
-          f"%{p.start} -> %{p.done}: {what} buffer not live until the done"
-          f" (start at {p.start_source or 'unknown'})"
-        )
-  return out
-
-
 def report_dict(r: Report) -> dict[str, Any]:
   """The whole report: copies, in-flight copies, pairs, memory, hazards."""
   copies = [copy_dict(c) for c in r.copies]
+  found = hazards(r)
   return {
     "module": r.module.name,
     "compile_seconds": r.compile_seconds,
     "counts": {
       "copies": len(r.copies),
       "defensive": len(r.defensive_copies),
+      "boundary": len(r.boundary_copies),
       "inflight": len(r.inflight_copies),
       "kernel_pairs": len(r.kernel_pairs),
       "pairs": len(r.pairs),
       "overlapped_kernel_pairs": sum(p.overlapped for p in r.kernel_pairs),
     },
+    "copied_bytes": {
+      k: r.copied_bytes(k) for k in COPY_KINDS if r.copied_bytes(k)
+    },
     "copies": copies,
     "inflight_copies": [c for c in copies if c["inflight"]],
     "pairs": [pair_dict(r, p) for p in r.pairs],
     "memory": {k: int(v) for k, v in r.memory.items()},
-    "hazards": hazards(r),
+    # The copy guard's findings (asyncops.inspect.hazards): in-flight and
+    # defensive copies, in-place writes in a window, buffers not live.
+    "hazards": [str(h) for h in found],
+    "hazard_details": [h.to_dict() for h in found],
   }

@@ -41,11 +41,12 @@ _WHY = {
   ),
   "output": "an entry parameter copied into a non-donated output",
   "boundary": (
-    "at the program's edge: a communicating kernel's outputs (a start's "
-    "aliased source, its destination) must live in memory XLA allocates, "
-    "and the entry's parameters and outputs do not, so a parameter is "
-    "copied before it is sent and a received buffer before it is returned "
-    "(on v4/v5e/v6e the same copy is usually an HBM<->VMEM move)"
+    "at the program's edge: a start aliases its source, so a parameter the "
+    "caller still owns is copied before it is sent (donating it does not "
+    "help: a communicating kernel's outputs live in memory XLA allocates); "
+    "a received buffer is copied before it is returned, as XLA's own "
+    "collective-permute's is (on v4/v5e/v6e the same copies are usually "
+    "HBM<->VMEM moves). One read and one write of the buffer per call"
   ),
   "scalar": "a scalar (loop counter or similar); harmless",
 }
@@ -85,6 +86,9 @@ class Copy:
       buffer XLA may free or reuse before the done: wrong results),
       ``"cost"`` (it only reads a source that stays live until the done:
       right values, extra memory traffic) or ``""`` (not in flight).
+    nbytes: bytes of the copied buffer; the copy reads and writes that
+      many each time its computation runs (once per call in the entry
+      computation, once per trip in a loop body).
   """
 
   name: str
@@ -101,6 +105,7 @@ class Copy:
   output_index: tuple[int, ...] = ()
   pair: tuple[str, str] | tuple[()] = ()
   grade: str = ""
+  nbytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +200,28 @@ class Report:
     return [c for c in self.copies if c.inflight]
 
   @property
+  def boundary_copies(self) -> list[Copy]:
+    """Copies at the program's edge (see ``COPY_KINDS``): a parameter into
+    a communicating kernel's buffer, or such a buffer into an output."""
+    return [c for c in self.copies if c.kind == "boundary"]
+
+  def copied_bytes(self, kind: str | None = None) -> int:
+    """Bytes copied (each read once and written once) by the copies of
+    ``kind`` (all kinds when None), counting each copy once.
+
+    Example: ``report.copied_bytes("boundary")`` is what the program's
+    edge costs per call (8 MiB for the README's ``overlap`` step on
+    ``v5p:2x2x2``, f32[1024,1024] per device: a parameter in, a result
+    out).
+    """
+    if kind is not None and kind not in COPY_KINDS:
+      raise ValueError(
+        f"copied_bytes(kind={kind!r}): not a copy kind; choose from "
+        f"{', '.join(COPY_KINDS)} or None"
+      )
+    return sum(c.nbytes for c in self.copies if kind in (None, c.kind))
+
+  @property
   def hazardous_copies(self) -> list[Copy]:
     """In-flight copies that can give wrong results (``grade="hazard"``)."""
     return [c for c in self.copies if c.grade == "hazard"]
@@ -287,12 +314,21 @@ class Report:
     return self.summary()
 
 
+def mib(nbytes: int) -> str:
+  """``nbytes`` for people: ``"4 MiB"``, ``"1.5 KiB"``, ``"12 B"``."""
+  for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    if nbytes >= size:
+      return f"{nbytes / size:.4g} {unit}"
+  return f"{nbytes} B"
+
+
 def _copy_line(c: Copy) -> str:
   where = f" from {c.source}" if c.source else ""
   op = "" if c.opcode in ("copy", "copy-start") else f"{c.opcode} "
   out = "{" + ",".join(map(str, c.output_index)) + "}" if c.output_index else ""
   line = (
-    f"  %{c.name}{out} [{c.kind}] {c.shape} {c.spaces[0]}->{c.spaces[1]} "
+    f"  %{c.name}{out} [{c.kind}] {c.shape} ({mib(c.nbytes)}) "
+    f"{c.spaces[0]}->{c.spaces[1]} "
     f"{op}copy of %{c.operand}{where} (in %{c.computation})"
   )
   if c.inflight:
@@ -329,10 +365,23 @@ def _summary(r: Report) -> str:
     counts[c.kind] += 1
   out.append(
     "Copies: "
-    + ", ".join(f"{n} {k}" for k, n in counts.items())
+    + ", ".join(
+      f"{n} {k}"
+      + (f" ({mib(r.copied_bytes(k))})" if n and k != "scalar" else "")
+      for k, n in counts.items()
+    )
     + f"; {len(r.inflight_copies)} of in-flight buffers "
     f"({len(r.hazardous_copies)} hazards)"
   )
+  edge = r.boundary_copies
+  if edge:
+    n = r.copied_bytes("boundary")
+    out.append(
+      f"Boundary copies: {len(edge)}, {mib(n)} read and {mib(n)} written "
+      "per call at the program's edge (TPU XLA keeps a communicating "
+      "kernel's buffers in memory it allocates; send a computed value and "
+      "return one to avoid them: design/scheduling.md section 4)"
+    )
   for c in r.copies:
     if c.kind == "scalar":
       continue

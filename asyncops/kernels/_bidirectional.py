@@ -42,6 +42,9 @@ with the batch at axis 0: the rows are then axis 1 (``spec.gather_axis``)
 and each half is a strided DMA, so the batch needs no relayout.
 
 Limits. ``x.shape[0]`` must be even (checked by ``bidirectional_start``).
+On TPU each half is one DMA that Mosaic must be able to slice: 1-D halves
+must be whole tiles (and, on jax 0.9, 2-D arrays whole 128-lane rows);
+``check_tpu_halves`` refuses other shapes with the fix.
 One mesh axis per call. Dtypes must be DMA-able (``_common.MOVABLE_DTYPES``).
 """
 
@@ -156,7 +159,22 @@ def wait_recv(o_ref, sems, *, spec: OpSpec):
   c.wait_dma(o_hi, recv_right)
 
 
+def check_tpu_halves(shape, dtype) -> None:
+  """Refuses, with the fix, a shape whose halves Mosaic cannot DMA (it
+  would fail to compile the kernel with an internal error)."""
+  problem = jc.half_dma_problem(shape, dtype)
+  if problem is not None:
+    raise ValueError(
+      f"bidirectional_start: x has shape {tuple(shape)} and dtype "
+      f"{jax.numpy.dtype(dtype).name}; on TPU each half of axis 0 is one DMA "
+      f"and {problem} (jax {jax.__version__}). Give x 2-D or higher rank "
+      "(e.g. reshape it to [rows, 128 * k]) or pad axis 0, or use "
+      "ppermute_start."
+    )
+
+
 def start(x, *, spec: OpSpec):
+  check_tpu_halves(x.shape, x.dtype)
   return pl.pallas_call(
     functools.partial(bidirectional_start_kernel, spec=spec),
     out_shape=(

@@ -133,6 +133,9 @@ def wait_dma(ref, sem) -> None:
 
 
 ANY = pl.BlockSpec(memory_space=jc.ANY)
+# Buffers that must stay in HBM (XLA would otherwise move small ones to VMEM
+# and copy them back).
+HBM = pl.BlockSpec(memory_space=jc.HBM)
 SEM = pl.BlockSpec(memory_space=jc.SEMAPHORE)
 DMA = pltpu.SemaphoreType.DMA(())
 
@@ -150,3 +153,21 @@ def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
     aval.dtype if dtype is None else dtype,
     **jc.manual_axes_kwargs(aval),
   )
+
+
+def shape_joint(shape, dtype, *xs) -> jax.ShapeDtypeStruct:
+  """An output shape that varies over every manual axis any of ``xs`` does
+  (a matmul's result varies wherever either operand does)."""
+  avals = [
+    x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x) for x in xs
+  ]
+  return jax.ShapeDtypeStruct(
+    tuple(shape), dtype, **jc.joint_manual_axes_kwargs(avals)
+  )
+
+
+def hbm_like(x):
+  """An output shape pinned to HBM (a kernel's DMAs and the next kernel
+  address it there; XLA would otherwise keep a small one in VMEM and copy
+  it out at the end)."""
+  return jc.HBM(tuple(x.shape), x.dtype)

@@ -5,6 +5,10 @@ Both compile ``jitted`` for its arguments' shardings (abstract
 ``asyncops_tpu_mesh`` fixture) with :func:`asyncops.inspect.analyze` and
 raise ``AssertionError`` carrying the harness's report, which names the
 copies, why XLA made them, and the user's source lines.
+:func:`assert_copy_free` is the copy guard's check
+(:func:`asyncops.inspect.check_report`, the one behind
+``asyncops.inspect.assert_copy_free`` and ``asyncops.jit``) with its
+``CopyHazardError`` turned into the ``AssertionError`` a test expects.
 
 Example:
 
@@ -23,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncops.inspect import Report, analyze
-from asyncops.inspect._json import copy_hazards
+from asyncops.inspect import Report, analyze, check_report, hazards
+from asyncops.inspect._guard import CopyHazardError
 
 
 def _report(jitted: Any, args: tuple) -> Report:
@@ -32,8 +36,6 @@ def _report(jitted: Any, args: tuple) -> Report:
     if args:
       raise TypeError("pass either a Report or (jitted, *args), not both")
     return jitted
-  from asyncops.scheduling import CopyHazardError
-
   try:
     return analyze(jitted, *args)
   except CopyHazardError as e:
@@ -48,8 +50,37 @@ def _fail(headline: str, findings: list[str], report: Report) -> None:
   raise AssertionError("\n".join(lines))
 
 
+def copy_hazards(report: Report) -> list[str]:
+  """What :func:`assert_copy_free` refuses in ``report``, one entry each.
+
+  The copy guard's hazards (:func:`asyncops.inspect.hazards`: copies of a
+  buffer in flight, defensive copies of a transfer's buffers, in-place
+  writes inside a window, buffers that do not live until the done), then
+  defensive copies of any other buffer (a test that asserts "copy free"
+  means no copy insertion at all).
+  """
+  found = [str(h) for h in hazards(report)]
+  found += [_other_defensive(c) for c in _other_defensives(report)]
+  return found
+
+
+def _other_defensives(report: Report) -> list:
+  return [c for c in report.defensive_copies if not c.pair]
+
+
+def _other_defensive(c) -> str:
+  where = f" from {c.source}" if c.source else ""
+  return (
+    f"defensive copy: %{c.name} of %{c.operand}{where} in %{c.computation} "
+    "(copy insertion; no transfer's buffer)"
+  )
+
+
 def assert_copy_free(jitted: Any, *args: Any) -> Report:
   """Asserts the compiled program has no defensive or in-flight copy.
+
+  Runs the copy guard (:func:`asyncops.inspect.check_report`) and also
+  refuses defensive copies of buffers no transfer uses.
 
   Args:
     jitted: a ``jax.jit`` function (or its ``Traced``/``Lowered`` stage),
@@ -61,15 +92,18 @@ def assert_copy_free(jitted: Any, *args: Any) -> Report:
     The :class:`~asyncops.inspect.Report`, for further checks.
 
   Raises:
-    AssertionError: listing each copy, its source line, and the report.
+    AssertionError: the guard's message (each copy, the transfer it
+      breaks, the user's source line), then the report.
   """
-  # One place to delegate to asyncops.inspect's own copy check once it
-  # exists; the findings and the message stay the same.
   report = _report(jitted, args)
-  found = copy_hazards(report)
-  if found:
-    head = f"{len(found)} copy hazard(s) in the compiled program:"
-    _fail(head, found, report)
+  try:
+    check_report(report, getattr(jitted, "__name__", ""))
+  except CopyHazardError as e:
+    raise AssertionError(f"{e}\n\n{report.summary()}") from None
+  other = _other_defensives(report)
+  if other:
+    head = f"{len(other)} defensive copy(ies) in the compiled program:"
+    _fail(head, [_other_defensive(c) for c in other], report)
   return report
 
 

@@ -1,0 +1,382 @@
+"""``method="auto"``: which implementation a collective matmul runs.
+
+Candidates (per device, inside ``shard_map``):
+
+- ``"fused"``: the fused ring kernels (``asyncops.collective_matmul._fused``):
+  chunks or partial sums travel both ways around the ring while the matmul
+  consumes them, the accumulator in VMEM.
+- ``"xla"``: XLA's collective and then (or before) ``jnp.dot``:
+  ``all_gather(x) @ w``, ``psum_scatter(x @ w)``, ``psum(x @ w)``.
+- ``"ring"`` (never chosen automatically): the value-API ring of
+  ``start``/``done`` futures around XLA's chunk matmuls.
+
+The choice is made at trace time from the per-device shapes, the dtype,
+the ring size and the chip the mesh is made of (``AbstractMesh.
+abstract_device``; a v5e if the mesh names none, e.g. on CPU, where every
+method computes the same result with ``jax.lax``). Each candidate gets a
+roofline-style estimate from public chip figures:
+
+- MXU time ``C`` = FLOPs / peak (float32 at ``HIGHEST`` takes six bf16
+  passes);
+- HBM time ``M`` = bytes every method must read or write once (``w``, the
+  chunks, the result) / HBM bandwidth;
+- ring time ``T(d)`` = bytes received per link direction / link bandwidth
+  plus a hop of latency per step, with ``d`` directions in use.
+
+``fused ~ 1.5 us + max(C, M, T(2) + C / n)`` (the last chunk or partial sum
+is only consumed after it arrives) and ``xla ~ 1 us + T_xla + max(C, M)``
+(XLA's collective blocks; it is given two ring directions, the generous
+case). The fused kernels are chosen when the shape runs on them, the
+estimate is at least 3% faster, and, for the all-gather and all-reduce,
+the matmul is not bound by reading ``w`` (``C >= M / 2``): at decode sizes
+both read ``w`` once and the step is the HBM time either way, so the XLA
+program (no extra kernels, no barrier) is kept. The reduce-scatter has no
+such rule: XLA's reduce-scatter waits for the whole matmul, the fused
+kernel sends partial sums as they are made, which the benchmark model
+finds faster at decode sizes too.
+
+The all-reduce is the fused reduce-scatter plus XLA's all-gather against
+XLA's all-reduce; the all-gather half, a collective of its own, is costed
+at one ring direction, so XLA's all-reduce is kept wherever the link time
+matters (every shape of the benchmark tables).
+
+:func:`explain_allgather` (and ``_reducescatter`` / ``_allreduce``)
+returns the :class:`Choice` with both estimates and the reason, which the
+benchmark tables print.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from asyncops import _jax_compat as jc
+from asyncops.collective_matmul import _fused
+
+Method = Literal["auto", "fused", "ring", "xla"]
+METHODS: tuple[str, ...] = ("auto", "fused", "ring", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Public per-chip figures (Cloud TPU docs; links at 0.92 of nominal,
+  as measured with pipelined remote DMAs in a public Pallas study).
+
+  Attributes:
+    name: generation.
+    bf16_flops: peak bf16 FLOP/s.
+    hbm: HBM bytes/s.
+    link: one ICI link, one direction, bytes/s.
+  """
+
+  name: str
+  bf16_flops: float
+  hbm: float
+  link: float
+
+
+CHIPS = {
+  "v4": Chip("v4", 275e12, 1200e9, 45e9 * 0.92),
+  "v5e": Chip("v5e", 197e12, 819e9, 50e9 * 0.92),
+  "v5p": Chip("v5p", 459e12, 2765e9, 100e9 * 0.92),
+  "v6e": Chip("v6e", 918e12, 1640e9, 100e9 * 0.92),
+}
+_HOP_S = 1e-6
+_FUSED_OVERHEAD_S = 1.5e-6  # the start's barrier and issue, the done
+_XLA_OVERHEAD_S = 1e-6
+_MARGIN = 0.97
+_MAX_AG_PANELS = 2
+
+
+def chip_for(device_kind: str | None) -> Chip:
+  """The figures for a device kind (``"TPU v5 lite"`` -> v5e); v5e when
+  unknown."""
+  kind = (device_kind or "").lower()
+  if "v6" in kind:
+    return CHIPS["v6e"]
+  if "v5" in kind and ("lite" in kind or "v5e" in kind):
+    return CHIPS["v5e"]
+  if "v5" in kind:
+    return CHIPS["v5p"]
+  if "v4" in kind:
+    return CHIPS["v4"]
+  return CHIPS["v5e"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What ``method="auto"`` runs, and why.
+
+  Attributes:
+    method: ``"fused"`` or ``"xla"``.
+    reason: one line.
+    fused_us: the fused kernels' estimate (None when they cannot run).
+    xla_us: the XLA program's estimate.
+    chip: the chip the estimate is for.
+  """
+
+  method: str
+  reason: str
+  fused_us: float | None
+  xla_us: float
+  chip: str
+
+  def __str__(self) -> str:
+    f = "n/a" if self.fused_us is None else f"{self.fused_us:.1f}"
+    return (
+      f"{self.method} ({self.reason}; est. fused {f} us, xla "
+      f"{self.xla_us:.1f} us on {self.chip})"
+    )
+
+
+def _flops_rate(chip: Chip, dtype, precision: str) -> float:
+  if jnp.dtype(dtype) == jnp.float32 and precision == "HIGHEST":
+    return chip.bf16_flops / 6
+  return chip.bf16_flops
+
+
+def _decide(
+  fused_reason, fused_s, xla_s, compute_s, hbm_s, chip, *, hbm_rule=True
+) -> Choice:
+  xla_us = xla_s * 1e6
+  if fused_reason is not None:
+    return Choice(
+      "xla",
+      f"fused kernels unavailable: {fused_reason}",
+      None,
+      xla_us,
+      chip.name,
+    )
+  fused_us = fused_s * 1e6
+  if hbm_rule and compute_s < hbm_s / 2:
+    return Choice(
+      "xla",
+      "bound by reading the weights from HBM (decode-size rows): no "
+      "transfer left to hide",
+      fused_us,
+      xla_us,
+      chip.name,
+    )
+  if fused_s > _MARGIN * xla_s:
+    return Choice(
+      "xla", "the fused ring is not faster here", fused_us, xla_us, chip.name
+    )
+  why = "the ring transfers hide under the matmul"
+  if compute_s < hbm_s / 2:
+    why = (
+      "bound by reading the weights from HBM, but the partial sums leave "
+      "as they are made (XLA's reduce-scatter waits for the whole matmul)"
+    )
+  return Choice(
+    "fused",
+    why,
+    fused_us,
+    xla_us,
+    chip.name,
+  )
+
+
+def explain_allgather(
+  m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
+) -> Choice:
+  """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices."""
+  chip = chip_for(device_kind)
+  t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
+  w_bytes = n * k * f * jnp.dtype(dtype).itemsize
+  out_bytes = m * f * jnp.dtype(dtype).itemsize
+  compute = 2 * m * n * k * f / _flops_rate(chip, dtype, precision)
+  hbm = (w_bytes + n * m * k * t + out_bytes) / chip.hbm
+  chunk = m * k * t
+  ring = (n - 1) * (chunk / (2 * chip.link) + _HOP_S)
+  fused = _FUSED_OVERHEAD_S + max(compute, hbm, ring + compute / n)
+  xla = _XLA_OVERHEAD_S + ring + max(compute, hbm)
+  reason = _fused.ag_supported(m, k, f, n, dtype, 2, device_kind)
+  if reason is None:
+    panels = _fused.plan_allgather(
+      m,
+      k,
+      f,
+      n,
+      dtype,
+      dtype,
+      dtype,
+      directions=2,
+      precision=precision,
+      device_kind=device_kind,
+    ).panels
+    if panels > _MAX_AG_PANELS:
+      # Each panel re-reads w and restarts the ring: modelled 1.32x of
+      # XLA's best at 8 panels (M 16384, tp 8, v5e), 0.99x at 2 (M 4096).
+      reason = (
+        f"the accumulator needs {panels} row panels, each re-reading w "
+        f"(more than {_MAX_AG_PANELS})"
+      )
+  return _decide(reason, fused, xla, compute, hbm, chip)
+
+
+def explain_reducescatter(
+  m: int, k: int, c: int, n: int, dtype, *, precision: str, device_kind
+) -> Choice:
+  """The choice for ``psum_scatter(x [m, k] @ w [k, n c])``."""
+  chip = chip_for(device_kind)
+  t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
+  w_bytes = k * n * c * jnp.dtype(dtype).itemsize
+  part = m * c * t
+  compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
+  hbm = (w_bytes + m * k * t + m * c * jnp.dtype(dtype).itemsize) / chip.hbm
+  ring = (n - 1) * (part / (2 * chip.link) + _HOP_S)
+  fused = _FUSED_OVERHEAD_S + max(compute, hbm, ring + compute / n)
+  xla = _XLA_OVERHEAD_S + ring + max(compute, hbm)
+  reason = _fused.rs_supported(m, k, c, n, dtype, 2, device_kind)
+  # No decode rule here: XLA's reduce-scatter runs after the whole matmul
+  # and stays exposed, while the fused kernel sends each partial sum as it
+  # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
+  # XLA's best 96.7 us at M = 16, 97.7 against 122.5 at M = 64).
+  return _decide(reason, fused, xla, compute, hbm, chip, hbm_rule=False)
+
+
+def explain_allreduce(
+  m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
+) -> Choice:
+  """The choice for ``psum(x [m, k] @ w [k, f])``: the fused reduce-scatter
+  plus XLA's all-gather, against XLA's all-reduce.
+
+  Both move the blocks twice around the ring, and only the first half can
+  hide under the matmul. XLA's all-reduce is one collective over both ring
+  directions; the all-gather after the fused reduce-scatter is a separate
+  collective XLA runs over one direction (its plain all-gather of the
+  result), so its half costs twice the link time.
+  """
+  c = -(-f // n)
+  rs = explain_reducescatter(
+    m, k, c, n, dtype, precision=precision, device_kind=device_kind
+  )
+  chip = chip_for(device_kind)
+  t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
+  half = m * c * t / chip.link
+  xla = rs.xla_us * 1e-6 + (n - 1) * (half / 2 + _HOP_S)
+  if rs.fused_us is None:
+    return dataclasses.replace(rs, xla_us=xla * 1e6)
+  fused = rs.fused_us * 1e-6 + _XLA_OVERHEAD_S + (n - 1) * (half + _HOP_S)
+  compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
+  hbm = k * n * c * jnp.dtype(dtype).itemsize / chip.hbm
+  return _decide(None, fused, xla, compute, hbm, chip)
+
+
+def device_kind() -> str | None:
+  """The chip of the mesh being traced over (None: unknown)."""
+  return jc.trace_device_kind()
+
+
+# Running the choice --------------------------------------------------------
+
+
+def _acc(dtype):
+  return jnp.int32 if jnp.dtype(dtype) == jnp.int8 else None
+
+
+def _dot(x, w):
+  y = jnp.dot(x, w, preferred_element_type=_acc(x.dtype))
+  return y.astype(x.dtype)
+
+
+def xla_allgather_matmul(lhs, rhs, axis_name: str):
+  """XLA's way: ``all_gather(lhs, 1, tiled) @ rhs``."""
+  return _dot(jax.lax.all_gather(lhs, axis_name, axis=1, tiled=True), rhs)
+
+
+def xla_matmul_reducescatter(lhs, rhs, axis_name: str):
+  """XLA's way: ``psum_scatter(lhs @ rhs, scatter_dimension=1, tiled)``."""
+  return jax.lax.psum_scatter(
+    _dot(lhs, rhs), axis_name, scatter_dimension=1, tiled=True
+  )
+
+
+def xla_matmul_allreduce(lhs, rhs, axis_name: str):
+  """XLA's way: ``psum(lhs @ rhs)``."""
+  return jax.lax.psum(_dot(lhs, rhs), axis_name)
+
+
+def resolve(method: str, explain, fn: str) -> tuple[str, Choice | None]:
+  """``(method to run, the Choice when auto)``; checks ``method``."""
+  if method not in METHODS:
+    raise ValueError(
+      f"{fn}: method must be one of {METHODS}, got {method!r}. 'auto' "
+      "chooses from the shape, dtype, ring size and chip."
+    )
+  if method != "auto":
+    return method, None
+  choice = explain()
+  return choice.method, choice
+
+
+def allgather_matmul(lhs, rhs, axis_name: str, *, method: Method = "auto"):
+  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs`` by ``method``
+  (``"auto"``, ``"fused"`` or ``"xla"``; see the module docstring)."""
+  n = int(jax.lax.axis_size(axis_name))
+  m, k = lhs.shape
+  run, _ = resolve(
+    method,
+    lambda: explain_allgather(
+      m,
+      k,
+      rhs.shape[1],
+      n,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=device_kind(),
+    ),
+    "allgather_matmul",
+  )
+  with jax.named_scope(f"method_{run}"):
+    if run == "fused":
+      return _fused.allgather_matmul(lhs, rhs, axis_name)
+    return xla_allgather_matmul(lhs, rhs, axis_name)
+
+
+def matmul_reducescatter(lhs, rhs, axis_name: str, *, method: Method = "auto"):
+  """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension=1, tiled=True)``
+  by ``method``."""
+  n = int(jax.lax.axis_size(axis_name))
+  m, k = lhs.shape
+  run, _ = resolve(
+    method,
+    lambda: explain_reducescatter(
+      m,
+      k,
+      rhs.shape[1] // n,
+      n,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=device_kind(),
+    ),
+    "matmul_reducescatter",
+  )
+  with jax.named_scope(f"method_{run}"):
+    if run == "fused":
+      return _fused.matmul_reducescatter(lhs, rhs, axis_name)
+    return xla_matmul_reducescatter(lhs, rhs, axis_name)
+
+
+def matmul_allreduce(lhs, rhs, axis_name: str, *, method: Method = "auto"):
+  """``psum(lhs @ rhs, axis_name)`` by ``method``."""
+  n = int(jax.lax.axis_size(axis_name))
+  m, k = lhs.shape
+  run, _ = resolve(
+    method,
+    lambda: explain_allreduce(
+      m,
+      k,
+      rhs.shape[1],
+      n,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=device_kind(),
+    ),
+    "matmul_allreduce",
+  )
+  with jax.named_scope(f"method_{run}"):
+    if run == "fused":
+      return _fused.matmul_allreduce(lhs, rhs, axis_name)
+    return xla_matmul_allreduce(lhs, rhs, axis_name)

@@ -1,0 +1,635 @@
+"""Fused collective matmuls: one Pallas ring kernel, accumulator in VMEM.
+
+Each op here is one JAX primitive lowered per platform. On TPU (including
+ahead-of-time compiles from a CPU host) it becomes the start / compute /
+done kernels of ``asyncops.kernels._allgather_matmul`` (or the
+reduce-scatter ones), with the block size, the number of ring directions
+and the row panels chosen from the shape and the chip; everywhere else it
+is the ``jax.lax`` collective plus ``jnp.dot`` it equals.
+
+Canonical 2-D forms (per device, inside ``shard_map``):
+
+- all-gather matmul: ``x [m, k] @ w [n k, f] -> [m, f]``, equal to
+  ``all_gather(x, axis, axis=1, tiled=True) @ w``.
+- matmul-reduce-scatter: ``x [m, k] @ w [k, n c] -> [m, c]``, equal to
+  ``psum_scatter(x @ w, axis, scatter_dimension=1, tiled=True)``.
+
+Numerics on TPU follow XLA's: floating inputs accumulate in float32 and
+round once; at ``Precision.DEFAULT`` a float32 matmul runs on the MXU in one
+bfloat16 pass, so float32 chunks travel as bfloat16 (what XLA's own
+all-gather matmul does: it converts before gathering), at ``HIGHEST`` they
+travel and multiply in float32. int8 accumulates in int32 and wraps to int8
+like ``jnp.dot``.
+
+Row panels: the accumulator ``[m, f]`` float32 lives in VMEM. When it (plus
+the chunk buffers and ``w`` blocks) exceeds the chip's budget, the rows are
+split in panels and each panel runs its own ring, one after the other; the
+output panels are written in place into one buffer.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from asyncops import _jax_compat as jc
+from asyncops.kernels import _allgather_matmul as agk
+from asyncops.kernels import _common
+from asyncops.kernels import _reducescatter_matmul as rsk
+
+# VMEM per TensorCore (jax's pallas tpu_info table); kernels use at most
+# ``_VMEM_SHARE`` of it so XLA's own buffers keep room.
+_VMEM_BYTES = {
+  4: 16 * 2**20,
+  5: 128 * 2**20,  # v5e; v5p has 64 MiB, see _vmem_capacity
+  6: 128 * 2**20,
+}
+_VMEM_SHARE = 0.6
+_W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
+# The reduce-scatter's sent partial sums are a VMEM output that must stay
+# resident until the done (the remote DMAs read it). The done takes it in
+# VMEM within its default scoped limit (16 MiB on v5e); a larger buffer
+# failed to compile (v5e, m 4096, tp 8: 29 MiB, "CompileTimeScopedVmemOom"),
+# so rows are split into more panels instead.
+_SENT_BYTES = 8 * 2**20
+
+
+def vmem_capacity(device_kind: str | None) -> int:
+  """VMEM bytes of one TensorCore of ``device_kind`` (64 MiB if unknown)."""
+  kind = (device_kind or "").lower()
+  if "v5" in kind and "lite" not in kind and "v5e" not in kind:
+    return 64 * 2**20  # v5p
+  for gen, size in _VMEM_BYTES.items():
+    if f"v{gen}" in kind:
+      return size
+  return 64 * 2**20
+
+
+def precision_name() -> str:
+  """The in-kernel precision for the current ``default_matmul_precision``."""
+  p = jax.config.jax_default_matmul_precision
+  p = str(p).lower() if p is not None else "default"
+  if p in ("highest", "float32", "high", "bfloat16_3x", "tensorfloat32"):
+    return "HIGHEST"
+  return "DEFAULT"
+
+
+def transfer_dtype(dtype, precision: str) -> str:
+  """The dtype chunks travel in: bfloat16 for float32 at DEFAULT."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32 and precision == "DEFAULT":
+    return "bfloat16"
+  return dtype.name
+
+
+_SUBLANES = {1: 32, 2: 16, 4: 8}
+
+
+def _sublanes(dtype) -> int:
+  return _SUBLANES.get(jnp.dtype(dtype).itemsize, 8)
+
+
+def _block_cols(f: int, k: int, itemsize: int) -> int | None:
+  """The widest ``bn`` dividing ``f`` whose ``w`` block fits the budget,
+  preferring at least two blocks per step (so a chunk copy can overlap the
+  last block)."""
+  fits = [
+    bn
+    for bn in (2048, 1536, 1024, 768, 512, 384, 256, 128)
+    if f % bn == 0 and k * bn * itemsize <= _W_BLOCK_BYTES
+  ]
+  two = [bn for bn in fits if f // bn >= 2]
+  if two:
+    return two[0]
+  if fits:
+    return fits[0]
+  if k * f * itemsize <= _W_BLOCK_BYTES:
+    return f
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AgPlan:
+  """How one all-gather matmul runs: kernel spec and row panels."""
+
+  spec: agk.AgSpec | None
+  panels: int
+  reason: str = ""
+
+
+def plan_allgather(
+  m: int,
+  k: int,
+  f: int,
+  n: int,
+  dtype,
+  w_dtype,
+  out_dtype,
+  *,
+  directions: int,
+  precision: str,
+  device_kind: str | None,
+  axis_name: str = "",
+  mesh_axes: tuple[str, ...] = (),
+  collective_id: int | None = None,
+  quantized: bool = False,
+) -> AgPlan:
+  """Block size, directions and panels for ``[m, k] @ [n k, f]``.
+
+  Returns a plan with ``spec=None`` and a ``reason`` when the fused kernel
+  cannot run this shape (the caller falls back).
+  """
+  if quantized and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+    return AgPlan(None, 0, "int8 transfers quantize floating inputs only")
+  t = "int8" if quantized else transfer_dtype(dtype, precision)
+  if jnp.dtype(t) not in (
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.int8),
+  ):
+    return AgPlan(None, 0, f"dtype {jnp.dtype(dtype).name} has no MXU path")
+  if n < 2:
+    return AgPlan(None, 0, "axis of size 1")
+  if directions == 2 and (k % 2 or (k // 2) % 128):
+    return AgPlan(None, 0, f"k/2 = {k / 2} is not a multiple of 128")
+  if k % _sublanes(t):
+    return AgPlan(None, 0, f"k = {k} is not a multiple of the sublane tile")
+  bn = _block_cols(f, k, jnp.dtype(w_dtype).itemsize)
+  if bn is None:
+    return AgPlan(None, 0, f"no w block of k = {k} rows fits VMEM")
+  budget = int(vmem_capacity(device_kind) * _VMEM_SHARE)
+
+  def spec_for(rows):
+    s = agk.AgSpec(
+      axis_name=axis_name,
+      mesh_axes=mesh_axes,
+      n=n,
+      m=rows,
+      k=k,
+      f=f,
+      dtype=t,
+      w_dtype=jnp.dtype(w_dtype).name,
+      out_dtype=jnp.dtype(out_dtype).name,
+      directions=directions,
+      bn=bn,
+      precision=precision,
+      collective_id=collective_id,
+      quantized=quantized,
+    )
+    need = agk.vmem_bytes(s)
+    limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
+    return dataclasses.replace(s, vmem_limit=limit), need
+
+  sub = _sublanes(t)
+  for panels in range(1, m + 1):
+    if m % panels:
+      continue
+    rows = m // panels
+    if rows % sub and panels > 1:
+      continue
+    spec, need = spec_for(rows)
+    if need <= budget:
+      return AgPlan(spec, panels)
+    if rows <= sub:
+      break
+  return AgPlan(None, 0, f"the accumulator of {m} x {f} does not fit VMEM")
+
+
+# The primitive -------------------------------------------------------------
+
+allgather_matmul_p = jc.Primitive("asyncops_fused_allgather_matmul")
+
+
+@allgather_matmul_p.def_abstract_eval
+def _ag_abstract(x, w, **params):
+  return x.update(
+    shape=(x.shape[0], w.shape[1]),
+    dtype=jnp.dtype(params["out_dtype"]),
+    **jc.joint_manual_axes_kwargs([x, w]),
+  )
+
+
+def quantize(x, directions: int):
+  """int8 codes and per-row scales of each half of ``x``'s columns.
+
+  Returns:
+    ``(q [m, k] int8, scales [d, m, 128] float32)``: for half ``c``,
+    ``x[:, half c] ~ q[:, half c] * scales[c, :, 0:1]``, the scale being
+    the row's largest magnitude over 127 (1 for an all-zero row). Halves
+    are static column slices (a ``[m, d, k/d]`` reshape gives XLA a
+    2-sublane layout it copies).
+  """
+  m, k = x.shape
+  kh = k // directions
+  codes, scales = [], []
+  for c in range(directions):
+    half = x[:, c * kh : (c + 1) * kh].astype(jnp.float32)
+    top = jnp.max(jnp.abs(half), axis=1)
+    scale = jnp.where(top > 0, top / 127, 1.0)
+    q = jnp.clip(jnp.round(half * (1 / scale)[:, None]), -127, 127)
+    codes.append(q.astype(jnp.int8))
+    scales.append(jnp.broadcast_to(scale[:, None], (m, agk.SCALE_LANES)))
+  q = codes[0] if directions == 1 else jnp.concatenate(codes, axis=1)
+  return q, jnp.stack(scales)
+
+
+def dequantize(q, scales):
+  """``q * scale`` per row and half, float32 (the inverse of
+  :func:`quantize` up to rounding)."""
+  directions = scales.shape[0]
+  kh = q.shape[1] // directions
+  halves = [
+    q[:, c * kh : (c + 1) * kh].astype(jnp.float32) * scales[c, :, :1]
+    for c in range(directions)
+  ]
+  return halves[0] if directions == 1 else jnp.concatenate(halves, axis=1)
+
+
+def _ag_reference(x, w, *, axis_name, out_dtype, precision, **params):
+  """Every platform but TPU: ``all_gather(x) @ w`` with ``jnp.dot`` (for
+  int8 transfers, of the dequantized chunks)."""
+  if params.get("quantized"):
+    x = dequantize(*quantize(x, params["directions"]))
+    g = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    y = jnp.dot(g, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return y.astype(out_dtype)
+  g = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+  acc = jnp.int32 if jnp.dtype(x.dtype) == jnp.int8 else None
+  y = jnp.dot(
+    g, w, preferred_element_type=acc, precision=jax.lax.Precision[precision]
+  )
+  return y.astype(out_dtype)
+
+
+def _ag_tpu(
+  x,
+  w,
+  *,
+  axis_name,
+  mesh_axes,
+  n,
+  directions,
+  out_dtype,
+  precision,
+  collective_id,
+  quantized=False,
+):
+  m, k = x.shape
+  plan = plan_allgather(
+    m,
+    k,
+    w.shape[1],
+    n,
+    x.dtype,
+    w.dtype,
+    out_dtype,
+    directions=directions,
+    precision=precision,
+    device_kind=jc.tpu_device_kind(),
+    axis_name=axis_name,
+    mesh_axes=mesh_axes,
+    collective_id=collective_id,
+    quantized=quantized,
+  )
+  if plan.spec is None:
+    raise ValueError(f"allgather_matmul(method='fused'): {plan.reason}")
+  spec = plan.spec
+  scales = None
+  if quantized:
+    x, scales = quantize(x, spec.directions)
+  x = x.astype(spec.dtype)
+  me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+  outs = []
+  for p in range(plan.panels):
+    rows = slice(p * spec.m, (p + 1) * spec.m)
+    xp = x[rows] if plan.panels > 1 else x
+    sp = None if scales is None else scales[:, rows]
+    with jax.named_scope(f"panel{p}"):
+      shape = _common.shape_joint((spec.m, spec.f), jnp.dtype(out_dtype), xp, w)
+      outs.append(agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+
+
+def _assign_id(scope, params):
+  pattern = ("ring_matmul", params["axis_name"], params["directions"])
+  # Every fused ring kernel barriers with the same neighbours, so one id
+  # per (axis, directions) is enough; they never run concurrently.
+  cid = _common.collective_id(scope, pattern)
+  return {**params, "collective_id": cid}
+
+
+jc.register_lowering(allgather_matmul_p, _ag_reference, multiple_results=False)
+jc.register_lowering(
+  allgather_matmul_p,
+  _ag_tpu,
+  platform="tpu",
+  multiple_results=False,
+  prepare=_assign_id,
+)
+
+
+def allgather_matmul(
+  lhs, rhs, axis_name: str, *, directions: int = 2, transfer: str = "native"
+):
+  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
+
+  Args:
+    lhs: ``[m, k]`` per device.
+    rhs: ``[n k, f]``.
+    axis_name: the ring's mesh axis (size ``n >= 2``).
+    directions: 2 (halves of each chunk travel both ways) or 1.
+    transfer: ``"native"`` (chunks travel in their dtype; float32 at
+      DEFAULT precision as bfloat16) or ``"int8"``: each half of each row
+      of a chunk travels as int8 codes with one float32 scale (its largest
+      magnitude / 127), a quarter of float32's bytes and half of
+      bfloat16's. The result then equals ``all_gather(dequantize(
+      quantize(lhs))) @ rhs``, not the exact product.
+
+  Returns:
+    ``[m, f]`` in ``lhs.dtype``.
+
+  Example:
+    >>> out = allgather_matmul(a, w, "y")  # doctest: +SKIP
+  """
+  quantized = _transfer(transfer)
+  n = int(jax.lax.axis_size(axis_name))
+  mesh = jax.sharding.get_abstract_mesh()
+  return allgather_matmul_p.bind(
+    lhs,
+    rhs,
+    axis_name=axis_name,
+    mesh_axes=tuple(mesh.axis_names),
+    n=n,
+    directions=directions,
+    out_dtype=jnp.dtype(lhs.dtype).name,
+    precision=precision_name(),
+    collective_id=None,
+    quantized=quantized,
+  )
+
+
+def _transfer(transfer) -> bool:
+  if transfer not in ("native", "int8"):
+    raise ValueError(
+      f"allgather_matmul: transfer must be 'native' or 'int8', got "
+      f"{transfer!r} ('int8': chunks travel as int8 with per-row "
+      "scales)."
+    )
+  return transfer == "int8"
+
+
+def ag_supported(
+  m: int, k: int, f: int, n: int, dtype, directions: int, device_kind=None
+):
+  """``None`` if the fused all-gather matmul can run, else the reason."""
+  plan = plan_allgather(
+    m,
+    k,
+    f,
+    n,
+    dtype,
+    dtype,
+    dtype,
+    directions=directions,
+    precision=precision_name(),
+    device_kind=device_kind,
+  )
+  return None if plan.spec is not None else plan.reason
+
+
+# Reduce-scatter ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RsPlan:
+  """How one matmul-reduce-scatter runs: kernel spec and row panels."""
+
+  spec: rsk.RsSpec | None
+  panels: int
+  reason: str = ""
+
+
+def plan_reducescatter(
+  m: int,
+  k: int,
+  c: int,
+  n: int,
+  dtype,
+  out_dtype,
+  *,
+  directions: int,
+  precision: str,
+  device_kind: str | None,
+  axis_name: str = "",
+  mesh_axes: tuple[str, ...] = (),
+  collective_id: int | None = None,
+) -> RsPlan:
+  """Block size and panels for ``[m, k] @ [k, n c] -> [m, c]``."""
+  t = transfer_dtype(dtype, precision)
+  if jnp.dtype(t) not in (
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.int8),
+  ):
+    return RsPlan(None, 0, f"dtype {jnp.dtype(dtype).name} has no MXU path")
+  if n < 2:
+    return RsPlan(None, 0, "axis of size 1")
+  if c % directions or (c // directions) % 128:
+    return RsPlan(
+      None, 0, f"c/{directions} = {c / directions} is not a multiple of 128"
+    )
+  ch = c // directions
+  bn = next(
+    (
+      b
+      for b in (2048, 1536, 1024, 768, 512, 384, 256, 128)
+      if ch % b == 0 and k * b * jnp.dtype(t).itemsize <= _W_BLOCK_BYTES
+    ),
+    None,
+  )
+  if bn is None:
+    return RsPlan(None, 0, f"no w block of k = {k} rows fits VMEM")
+  cap = vmem_capacity(device_kind)
+  budget = int(cap * _VMEM_SHARE)
+  sub = _sublanes(t)
+  for panels in range(1, m + 1):
+    if m % panels:
+      continue
+    rows = m // panels
+    if rows % sub and panels > 1:
+      continue
+    spec = rsk.RsSpec(
+      axis_name=axis_name,
+      mesh_axes=mesh_axes,
+      n=n,
+      m=rows,
+      k=k,
+      c=c,
+      dtype=t,
+      out_dtype=jnp.dtype(out_dtype).name,
+      directions=directions,
+      bn=bn,
+      precision=precision,
+      collective_id=collective_id,
+    )
+    need = rsk.vmem_bytes(spec)
+    sent = (n - 1) * directions * rows * ch * jnp.dtype(t).itemsize
+    if need <= budget and sent <= _SENT_BYTES:
+      limit = min(int(cap * 0.9), need + need // 4 + 2**22)
+      return RsPlan(dataclasses.replace(spec, vmem_limit=limit), panels)
+    if rows <= sub:
+      break
+  return RsPlan(None, 0, f"x rows of {k} columns do not fit VMEM")
+
+
+reducescatter_matmul_p = jc.Primitive("asyncops_fused_reducescatter_matmul")
+
+
+@reducescatter_matmul_p.def_abstract_eval
+def _rs_abstract(x, w, **params):
+  cols = w.shape[1] // params["n"]
+  return x.update(
+    shape=(x.shape[0], cols),
+    dtype=jnp.dtype(params["out_dtype"]),
+    **jc.joint_manual_axes_kwargs([x, w]),
+  )
+
+
+def _rs_reference(x, w, *, axis_name, out_dtype, precision, **_):
+  """Every platform but TPU: ``psum_scatter(x @ w)`` with ``jnp.dot``."""
+  acc = jnp.int32 if jnp.dtype(x.dtype) == jnp.int8 else None
+  y = jnp.dot(
+    x, w, preferred_element_type=acc, precision=jax.lax.Precision[precision]
+  )
+  y = jax.lax.psum_scatter(y, axis_name, scatter_dimension=1, tiled=True)
+  return y.astype(out_dtype)
+
+
+def _rs_tpu(
+  x,
+  w,
+  *,
+  axis_name,
+  mesh_axes,
+  n,
+  directions,
+  out_dtype,
+  precision,
+  collective_id,
+):
+  m, k = x.shape
+  plan = plan_reducescatter(
+    m,
+    k,
+    w.shape[1] // n,
+    n,
+    x.dtype,
+    out_dtype,
+    directions=directions,
+    precision=precision,
+    device_kind=jc.tpu_device_kind(),
+    axis_name=axis_name,
+    mesh_axes=mesh_axes,
+    collective_id=collective_id,
+  )
+  if plan.spec is None:
+    raise ValueError(f"matmul_reducescatter(method='fused'): {plan.reason}")
+  spec = plan.spec
+  me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+  outs = []
+  for p in range(plan.panels):
+    xp = x[p * spec.m : (p + 1) * spec.m] if plan.panels > 1 else x
+    with jax.named_scope(f"panel{p}"):
+      shape = _common.shape_joint((spec.m, spec.c), jnp.dtype(out_dtype), xp, w)
+      outs.append(rsk.run(me, xp, w, spec=spec, out_shape=shape))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+
+
+jc.register_lowering(
+  reducescatter_matmul_p, _rs_reference, multiple_results=False
+)
+jc.register_lowering(
+  reducescatter_matmul_p,
+  _rs_tpu,
+  platform="tpu",
+  multiple_results=False,
+  prepare=_assign_id,
+)
+
+
+def matmul_reducescatter(lhs, rhs, axis_name: str, *, directions: int = 2):
+  """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension=1, tiled=True)``,
+  fused.
+
+  Args:
+    lhs: ``[m, k]`` per device.
+    rhs: ``[k, n c]``.
+    axis_name: the ring's mesh axis (size ``n >= 2``).
+    directions: 2 (halves of each block travel both ways) or 1.
+
+  Returns:
+    ``[m, c]`` in ``lhs.dtype``.
+
+  Example:
+    >>> out = matmul_reducescatter(h, w2, "y")  # doctest: +SKIP
+  """
+  n = int(jax.lax.axis_size(axis_name))
+  mesh = jax.sharding.get_abstract_mesh()
+  return reducescatter_matmul_p.bind(
+    lhs,
+    rhs,
+    axis_name=axis_name,
+    mesh_axes=tuple(mesh.axis_names),
+    n=n,
+    directions=directions,
+    out_dtype=jnp.dtype(lhs.dtype).name,
+    precision=precision_name(),
+    collective_id=None,
+  )
+
+
+def matmul_allreduce(lhs, rhs, axis_name: str, *, directions: int = 2):
+  """``psum(lhs @ rhs, axis_name)``: the fused matmul-reduce-scatter, then
+  XLA's all-gather of the reduced column blocks (no matmul is left to hide
+  it behind). Columns that do not divide the axis size are padded.
+
+  Example:
+    >>> out = matmul_allreduce(a, w, "y")  # doctest: +SKIP
+  """
+  n = int(jax.lax.axis_size(axis_name))
+  f = rhs.shape[1]
+  pad = -f % n
+  if pad:
+    rhs = jnp.pad(rhs, ((0, 0), (0, pad)))
+  block = matmul_reducescatter(lhs, rhs, axis_name, directions=directions)
+  out = jax.lax.all_gather(block, axis_name, axis=1, tiled=True, to="invarying")
+  return out[:, :f] if pad else out
+
+
+def rs_supported(
+  m: int, k: int, c: int, n: int, dtype, directions: int, device_kind=None
+):
+  """``None`` if the fused matmul-reduce-scatter can run, else the reason."""
+  plan = plan_reducescatter(
+    m,
+    k,
+    c,
+    n,
+    dtype,
+    dtype,
+    directions=directions,
+    precision=precision_name(),
+    device_kind=device_kind,
+  )
+  return None if plan.spec is not None else plan.reason
+
+
+__all__ = [
+  "rs_supported",
+  "allgather_matmul",
+  "matmul_allreduce",
+  "matmul_reducescatter",
+  "plan_allgather",
+  "plan_reducescatter",
+  "ag_supported",
+]

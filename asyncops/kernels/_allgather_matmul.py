@@ -1,0 +1,546 @@
+"""Fused ring all-gather matmul: ``all_gather(x, 1, tiled) @ w``.
+
+Algorithm. Inside ``shard_map`` over a ring of ``n`` devices, device ``i``
+holds ``x`` ``[m, k]`` (chunk ``i`` of the contracting dimension) and every
+row of ``w`` ``[n k, f]``. The chunks travel around the ring; every device
+multiplies each chunk by its ``k`` rows of ``w`` as the chunk arrives and
+accumulates the ``[m, f]`` product in float32 **in VMEM** (it never goes
+back to HBM between steps), then writes the result once.
+
+Two directions (``directions=2``): the columns of every chunk are split in
+halves; the first half travels to ``i + 1``, the second to ``i - 1``, so
+both directions of every ring link carry data and each link carries half a
+chunk per step. Each row of ``w`` belongs to exactly one (chunk, half), so
+``w`` is read from HBM once, streamed in ``[k/2, bn]`` blocks. (Splitting
+rows instead, as the value-API ring does, reads ``w`` twice.) One
+direction: whole chunks travel to ``i - 1``.
+
+Kernels, in program order (all three appear in the compiled HLO):
+
+1. ``asyncops_ring_allgather_start``: a two-round barrier with the ring
+   neighbours (the second round on a kernel-local semaphore, jax-ml/jax PR
+   #27963), then the first hop of every direction: ``x``'s halves into the
+   neighbours' receive buffers. Returns the receive buffer ``[d, n - 1, m,
+   k/d]`` (slot ``t`` of direction ``c`` holds the half used at step
+   ``t + 1``; its first output, which ``benchmarks/`` routes) and DMA
+   semaphore arrays ``[d, n - 1]`` for sends and receives.
+2. ``ring_allgather_matmul``: grid ``(n, f / bn)``. Step ``s`` multiplies
+   the halves it holds (``x`` at step 0) by their ``w`` blocks (streamed by
+   the Pallas pipeline) into the float32 VMEM accumulator. After block
+   ``max(nf - 2, 0)`` of step ``s < n - 1`` it waits for the halves of
+   step ``s + 1``, forwards them one hop further (the next device needs
+   them a whole step later) and starts copying them into the other slot of
+   a VMEM double buffer, so the copy overlaps the step's last block. The
+   last step adds its product and writes ``[m, bn]`` output blocks.
+3. ``asyncops_ring_allgather_done``: waits for every send (the start's and
+   each forward); it takes the result, so it runs after the compute kernel
+   that starts the forwards.
+
+XLA allocates the outputs of a kernel that communicates so that peers could
+write into them; when such an output is the program's result XLA copies it
+(measured on v5e: a 5 us copy of a 2 MiB bfloat16 result). Moving the last
+step into a separate, non-communicating kernel avoids that copy but hands
+the float32 accumulator between kernels, which ``benchmarks/`` charges as
+two HBM round trips (each kernel is costed by a standalone jnp twin); it
+modelled 57.8 us against 44.6 us for this form (v5e, chapter shape, bf16).
+
+Quantized transfers (``AgSpec.quantized``): ``x`` arrives as int8 codes
+with one float32 scale per row and half (``[d, m, 128]``, the scale
+broadcast over a lane tile so it moves as one DMA block). Each half's
+scales travel beside it on the same semaphores (a semaphore counts bytes:
+the codes and the scales are each waited for by their own size); the
+codes meet the MXU as bfloat16 (exact for int8) and each step's product is
+scaled per row before it is accumulated: the result is
+``all_gather(dequantize(quantize(x))) @ w``.
+
+Limits. ``k / d`` a multiple of 128; ``f`` divisible by ``bn``; the
+accumulator ``[m, f]`` (float32; int32 for int8), two ``[m, k]`` chunk
+buffers and the ``w`` blocks must fit in VMEM (the caller splits ``m`` into
+panels when they do not). One ring axis; other mesh axes keep this device's
+coordinates.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from asyncops.kernels import _common as c
+
+
+@dataclasses.dataclass(frozen=True)
+class AgSpec:
+  """Static description of one fused all-gather matmul.
+
+  Attributes:
+    axis_name: the ring's mesh axis.
+    mesh_axes: every mesh axis name (peers are addressed by coordinates).
+    n: ring size (>= 2).
+    m: rows of ``x``.
+    k: columns of ``x`` (one chunk of the contracting dimension).
+    f: columns of ``w`` and of the result.
+    dtype: dtype of the chunks that travel and meet the MXU.
+    w_dtype: dtype of ``w`` as stored (cast to ``dtype`` in VMEM).
+    out_dtype: the result's dtype.
+    directions: 1 (whole chunks to ``i - 1``) or 2 (halves both ways).
+    bn: columns of a ``w`` block and of an output block.
+    precision: ``jax.lax.Precision`` name for the in-kernel dots.
+    collective_id: barrier semaphore id of the start kernel.
+    vmem_limit: VMEM bytes the compute kernel may use.
+  """
+
+  axis_name: str
+  mesh_axes: tuple[str, ...]
+  n: int
+  m: int
+  k: int
+  f: int
+  dtype: str
+  w_dtype: str
+  out_dtype: str
+  directions: int = 2
+  bn: int = 512
+  precision: str = "DEFAULT"
+  collective_id: int | None = None
+  vmem_limit: int | None = None
+  quantized: bool = False
+
+  def __post_init__(self):
+    if self.directions not in (1, 2):
+      raise ValueError(f"directions must be 1 or 2, got {self.directions}")
+    if self.n < 2:
+      raise ValueError(f"the ring needs n >= 2 devices, got {self.n}")
+    if self.quantized and jnp.dtype(self.dtype) != jnp.int8:
+      raise ValueError(f"quantized chunks travel as int8, got {self.dtype}")
+    if self.k % self.directions or self.f % self.bn:
+      raise ValueError(f"k/directions and f/bn must divide: {self}")
+
+  @property
+  def shifts(self) -> tuple[int, ...]:
+    return (1, -1) if self.directions == 2 else (-1,)
+
+  @property
+  def kh(self) -> int:
+    return self.k // self.directions
+
+  @property
+  def nf(self) -> int:
+    return self.f // self.bn
+
+  @property
+  def acc_dtype(self):
+    if jnp.dtype(self.dtype) == jnp.int8 and not self.quantized:
+      return jnp.int32
+    return jnp.float32
+
+  @property
+  def mxu_dtype(self):
+    """What the chunks meet the MXU as (int8 codes as exact bf16)."""
+    return jnp.bfloat16 if self.quantized else jnp.dtype(self.dtype)
+
+
+def vmem_bytes(spec: AgSpec) -> int:
+  """VMEM the compute kernel needs (accumulator, buffers, blocks)."""
+  t = jnp.dtype(spec.dtype).itemsize
+  w = jnp.dtype(spec.w_dtype).itemsize
+  o = jnp.dtype(spec.out_dtype).itemsize
+  return (
+    spec.m * spec.f * 4  # accumulator
+    + 2 * spec.m * spec.k * t  # chunk double buffer
+    + 2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
+    + 2 * spec.k * spec.bn * w  # w blocks, both halves, two buffers
+    + 2 * spec.m * spec.bn * o  # output blocks
+    + (4 * spec.directions * spec.m * SCALE_LANES * 4 if spec.quantized else 0)
+  )
+
+
+# A quantized chunk half travels with its per-row scales, one float32 per
+# row broadcast over a lane tile (a DMA-friendly [m, 128] block).
+SCALE_LANES = 128
+
+
+def _chunk(me, shift: int, s, n: int):
+  """The chunk a direction with ``shift`` holds at step ``s``."""
+  return jax.lax.rem(me - shift * s + 2 * n * n, n)
+
+
+def _peer(spec: AgSpec, me, shift: int):
+  return c.peer(
+    spec.mesh_axes, spec.axis_name, jax.lax.rem(me + shift + spec.n, spec.n)
+  )
+
+
+# Kernel bodies ---------------------------------------------------------------
+
+
+def start_kernel(
+  x_ref, recv_ref, send_sems, recv_sems, *, spec: AgSpec, scales=None
+):
+  """Barrier with the ring neighbours, then the first hop of each half.
+
+  ``scales``: for quantized chunks, ``(xs_ref [d, m, 128], recv_s_ref [d,
+  n - 1, m, 128])``; each half's scales travel with it on its semaphores.
+  """
+  me = jax.lax.axis_index(spec.axis_name)
+  n, kh = spec.n, spec.kh
+  barrier = pltpu.get_barrier_semaphore()
+  # Each device tells the peers that send to it that it has entered.
+  senders = [jax.lax.rem(me - sh + n, n) for sh in spec.shifts]
+  for src in senders:
+    c.signal(barrier, spec.mesh_axes, spec.axis_name, src)
+  pl.semaphore_wait(barrier, len(senders))
+  if len(senders) > 1:
+    c.second_barrier(
+      spec.mesh_axes,
+      spec.axis_name,
+      [(src, True) for src in senders],
+      len(senders),
+    )
+  for d, sh in enumerate(spec.shifts):
+    pairs = [(x_ref.at[:, pl.ds(d * kh, kh)], recv_ref.at[d, 0])]
+    if scales is not None:
+      pairs.append((scales[0].at[d], scales[1].at[d, 0]))
+    for src, dst in pairs:
+      pltpu.make_async_remote_copy(
+        src,
+        dst,
+        send_sems.at[d, 0],
+        recv_sems.at[d, 0],
+        device_id=_peer(spec, me, sh),
+        device_id_type=pl.DeviceIdType.MESH,
+      ).start()
+
+
+def compute_kernel(*refs, spec: AgSpec):
+  """Grid step ``(s, j, d)``: half ``d`` of output block ``j`` at step
+  ``s`` (the two halves of a step meet different ``w`` rows, so they are
+  two grid steps; ``w`` is one operand, read once).
+
+  ``refs``: ``me, x, [x scales], w, recv, [recv scales], send_sems,
+  recv_sems, out, acc, chunk buffer, [scale buffer], copy_sems`` (the
+  bracketed ones for quantized chunks).
+  """
+  q = spec.quantized
+  refs = list(refs)
+  me_ref, x_ref = refs.pop(0), refs.pop(0)
+  xs_ref = refs.pop(0) if q else None
+  w_ref, recv_ref = refs.pop(0), refs.pop(0)
+  rs_ref = refs.pop(0) if q else None
+  send_sems, recv_sems, o_ref, acc_ref, xbuf = refs[:5]
+  sbuf = refs[5] if q else None
+  copy_sems = refs[-1]
+  nd = spec.directions
+  n, kh, bn, nf = spec.n, spec.kh, spec.bn, spec.nf
+  s, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  slot = jax.lax.rem(s, 2)
+  me = me_ref[0]
+
+  def local_copies(dd, src_slot, dst_slot):
+    out = [
+      (recv_ref.at[dd, src_slot], xbuf.at[dst_slot, :, pl.ds(dd * kh, kh)])
+    ]
+    if q:
+      out.append((rs_ref.at[dd, src_slot], sbuf.at[dst_slot, dd]))
+    return out
+
+  @pl.when((s > 0) & (j == 0) & (d == 0))
+  def _():
+    for dd in range(nd):
+      for src, dst in local_copies(dd, 0, slot):
+        pltpu.make_async_copy(src, dst, copy_sems.at[dd]).wait()
+
+  cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
+  half = pl.ds(pl.multiple_of(d * kh, kh), kh)
+  held = jnp.where(s == 0, x_ref[:, half], xbuf[slot, :, half])
+  y = jnp.dot(
+    held.astype(spec.mxu_dtype),
+    w_ref[...].astype(spec.mxu_dtype),
+    preferred_element_type=spec.acc_dtype,
+    precision=jax.lax.Precision[spec.precision],
+  )
+  if q:
+    scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, d])
+    y = y * scale[:, :1]
+
+  @pl.when((s == 0) & (d == 0))
+  def _():
+    acc_ref[:, cols] = y
+
+  @pl.when(((s > 0) | (d > 0)) & ((s < n - 1) | (d < nd - 1)))
+  def _():
+    acc_ref[:, cols] += y
+
+  @pl.when((s == n - 1) & (d == nd - 1))
+  def _():
+    o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
+
+  # Slot s holds the halves of step s + 1: wait for them, forward them (the
+  # neighbour uses them as its slot s + 1, a whole step from now) unless
+  # this is the last slot, and copy them into VMEM for the next step.
+  @pl.when((s < n - 1) & (j == max(nf - 2, 0)) & (d == nd - 1))
+  def _():
+    for dd, sh in enumerate(spec.shifts):
+      moving = [recv_ref] + ([rs_ref] if q else [])
+      for buf in moving:
+        c.wait_dma(buf.at[dd, s], recv_sems.at[dd, s])
+
+      @pl.when(s <= n - 3)
+      def _(dd=dd, sh=sh, moving=moving):
+        for buf in moving:
+          pltpu.make_async_remote_copy(
+            buf.at[dd, s],
+            buf.at[dd, s + 1],
+            send_sems.at[dd, s + 1],
+            recv_sems.at[dd, s + 1],
+            device_id=_peer(spec, me, sh),
+            device_id_type=pl.DeviceIdType.MESH,
+          ).start()
+
+      for src, dst in local_copies(dd, s, 1 - slot):
+        pltpu.make_async_copy(src, dst, copy_sems.at[dd]).start()
+
+
+def done_kernel(recv_ref, send_sems, *, spec: AgSpec, recv_scales=None):
+  """Waits for every send (the start's and each forward)."""
+  for d in range(spec.directions):
+    for t in range(spec.n - 1):
+      c.wait_dma(recv_ref.at[d, t], send_sems.at[d, t])
+      if recv_scales is not None:
+        c.wait_dma(recv_scales.at[d, t], send_sems.at[d, t])
+
+
+# pallas_calls ----------------------------------------------------------------
+
+
+def _sem_array(spec: AgSpec):
+  return pltpu.SemaphoreType.DMA((spec.directions, spec.n - 1))
+
+
+def _recv_shapes(x, spec: AgSpec):
+  """The receive buffers: chunk halves, and (quantized) their scales."""
+  d, n1, m = spec.directions, spec.n - 1, spec.m
+  out = [c.shape_like(x, (d, n1, m, spec.kh))]
+  if spec.quantized:
+    out.append(c.shape_like(x, (d, n1, m, SCALE_LANES), jnp.float32))
+  return out
+
+
+def _shift_of(spec: AgSpec, d):
+  """The shift of direction ``d`` (a traced grid index)."""
+  if spec.directions == 1:
+    return jnp.int32(spec.shifts[0])
+  return jnp.where(d == 0, jnp.int32(1), jnp.int32(-1))
+
+
+def _once(shape):
+  """A block fetched once (its index never changes): one buffer."""
+  zeros = (0,) * len(shape)
+  return pl.BlockSpec(
+    shape, lambda s, j, d, me: zeros, pipeline_mode=pl.Buffered(1)
+  )
+
+
+def _in_specs(spec: AgSpec):
+  """``x`` (and its scales) fetched once, then ``w``'s block ``[k/d, bn]``:
+  rows of the chunk direction ``d`` holds at step ``s``, columns of block
+  ``j``."""
+
+  def w_index(s, j, d, me_ref):
+    chunk = _chunk(me_ref[0], _shift_of(spec, d), s, spec.n)
+    return (chunk * spec.directions + d, j)
+
+  xs = [_once((spec.m, spec.k))]
+  if spec.quantized:
+    xs.append(_once((spec.directions, spec.m, SCALE_LANES)))
+  return xs + [pl.BlockSpec((spec.kh, spec.bn), w_index)]
+
+
+def _out_block(spec: AgSpec):
+  # Only the last step writes the output; before it every step maps to
+  # block (0, 0), which is first written (and flushed) at (n - 1, 0, d).
+  n = spec.n
+  return pl.BlockSpec(
+    (spec.m, spec.bn), lambda s, j, d, me: (0, jnp.where(s == n - 1, j, 0))
+  )
+
+
+def _scratch(spec: AgSpec):
+  out = [
+    pltpu.VMEM((spec.m, spec.f), spec.acc_dtype),
+    pltpu.VMEM((2, spec.m, spec.k), jnp.dtype(spec.dtype)),
+  ]
+  if spec.quantized:
+    shape = (2, spec.directions, spec.m, SCALE_LANES)
+    out.append(pltpu.VMEM(shape, jnp.float32))
+  return out + [pltpu.SemaphoreType.DMA((spec.directions,))]
+
+
+def _params(spec: AgSpec, collective_id=None):
+  return pltpu.CompilerParams(
+    dimension_semantics=("arbitrary",) * 3,
+    has_side_effects=True,
+    vmem_limit_bytes=spec.vmem_limit,
+    collective_id=collective_id,
+  )
+
+
+_SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def _scales_of(refs, spec: AgSpec):
+  return (refs[0], refs[1]) if spec.quantized else None
+
+
+def start(xs, *, spec: AgSpec):
+  """``(x, [x scales]) -> (receive buffers, send_sems, recv_sems)``; begins
+  the first hop.
+
+  ``x`` is read by DMAs after this kernel returns; it is not aliased (no
+  user code sees it, and aliasing a parameter makes XLA copy it). The done
+  takes ``x`` as an operand, so XLA keeps it alive until the sends end.
+  """
+  nq = len(xs)
+
+  def kernel(*refs):
+    ins, outs = refs[:nq], refs[nq:]
+    recvs, (ss, rs) = outs[:nq], outs[nq:]
+    scales = (ins[1], recvs[1]) if spec.quantized else None
+    start_kernel(ins[0], recvs[0], ss, rs, spec=spec, scales=scales)
+
+  out = pl.pallas_call(
+    kernel,
+    out_shape=tuple(c.hbm_like(r) for r in _recv_shapes(xs[0], spec))
+    + (_sem_array(spec), _sem_array(spec)),
+    in_specs=[c.ANY] * nq,
+    out_specs=(c.HBM,) * nq + (c.SEM, c.SEM),
+    compiler_params=c.params(collective_id=spec.collective_id),
+    name="asyncops_ring_allgather_start",
+  )(*xs)
+  return tuple(out[:nq]), out[nq], out[nq + 1]
+
+
+def compute(me, xs, w, recvs, send_sems, recv_sems, *, spec: AgSpec, out_shape):
+  """The chunk matmuls and the forwards; returns the ``[m, f]`` result."""
+  nq = len(xs)
+  return pl.pallas_call(
+    functools.partial(compute_kernel, spec=spec),
+    out_shape=out_shape,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(spec.n, spec.nf, spec.directions),
+      in_specs=_in_specs(spec) + [c.HBM] * nq + [c.SEM, c.SEM],
+      out_specs=_out_block(spec),
+      scratch_shapes=_scratch(spec),
+    ),
+    compiler_params=_params(spec),
+    name="ring_allgather_matmul",
+  )(me, *_order(xs, w, recvs), send_sems, recv_sems)
+
+
+def _order(xs, w, recvs):
+  """Operand order of the compute kernel: ``x, [xs], w, recv, [recv_s]``."""
+  return (*xs, w, *recvs)
+
+
+def done(xs, recvs, out, send_sems, *, spec: AgSpec):
+  """Waits for every send; returns a token nothing needs to read.
+
+  Reads the sources and receive buffers (so XLA keeps them alive until the
+  sends end) and ``out`` (so it runs after the compute kernel, which starts
+  the forwards it waits for). It has side effects, so XLA keeps it.
+  """
+  nq = len(xs)
+
+  def kernel(*refs):
+    recv_refs = refs[nq : 2 * nq]
+    send_sems, token_ref = refs[2 * nq + 1], refs[2 * nq + 2]
+    done_kernel(
+      recv_refs[0],
+      send_sems,
+      spec=spec,
+      recv_scales=recv_refs[1] if spec.quantized else None,
+    )
+    token_ref[0] = jnp.int32(0)
+
+  return pl.pallas_call(
+    kernel,
+    out_shape=c.shape_like(xs[0], (1,), jnp.int32),
+    in_specs=[c.ANY] * nq + [c.HBM] * nq + [c.ANY, c.SEM],
+    out_specs=_SMEM,
+    compiler_params=c.params(),
+    name="asyncops_ring_allgather_done",
+  )(*xs, *recvs, out, send_sems)
+
+
+def run(me, x, w, *, spec: AgSpec, out_shape, scales=None):
+  """The three kernels in order; returns the ``[m, f]`` result.
+
+  ``scales``: for quantized ``x`` (int8), its per-row scales ``[d, m,
+  128]`` float32 (one per row and half, broadcast over the lanes).
+  """
+  xs = (x,) if scales is None else (x, scales)
+  recvs, send_sems, recv_sems = start(xs, spec=spec)
+  out = compute(
+    me, xs, w, recvs, send_sems, recv_sems, spec=spec, out_shape=out_shape
+  )
+  done(xs, recvs, out, send_sems, spec=spec)
+  return out
+
+
+def one_kernel(
+  me, x, w, *, spec: AgSpec, out_shape, interpret=None, scales=None
+):
+  """The three bodies in one kernel, semaphores as scratch.
+
+  Pallas's TPU interpreter cannot return semaphores from a kernel, so the
+  CPU tests run this form: the start body before the first grid step, the
+  done body after the last. Same DMAs, waits and arithmetic as the three
+  kernels.
+  """
+  nd = spec.directions
+  xs = (x,) if scales is None else (x, scales)
+  nq = len(xs)
+
+  def kernel(me_ref, *refs):
+    refs = list(refs)
+    blocks = refs[: nq + 1]  # x, [xs], w (pipelined)
+    anys = refs[nq + 1 : 2 * nq + 1]  # x, [xs] (HBM, for the start)
+    o_ref = refs[2 * nq + 1]
+    recvs = refs[2 * nq + 2 : 3 * nq + 2]
+    ss, rs, *scratch = refs[3 * nq + 2 :]
+    s, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when((s == 0) & (j == 0) & (d == 0))
+    def _():
+      scl = (anys[1], recvs[1]) if spec.quantized else None
+      start_kernel(anys[0], recvs[0], ss, rs, spec=spec, scales=scl)
+
+    compute_kernel(me_ref, *blocks, *recvs, ss, rs, o_ref, *scratch, spec=spec)
+
+    @pl.when((s == spec.n - 1) & (j == spec.nf - 1) & (d == nd - 1))
+    def _():
+      done_kernel(
+        recvs[0],
+        ss,
+        spec=spec,
+        recv_scales=recvs[1] if spec.quantized else None,
+      )
+
+  out = pl.pallas_call(
+    kernel,
+    out_shape=(out_shape, *_recv_shapes(x, spec)),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(spec.n, spec.nf, nd),
+      in_specs=_in_specs(spec) + [c.ANY] * nq,
+      out_specs=(_out_block(spec),) + (c.ANY,) * nq,
+      scratch_shapes=[_sem_array(spec), _sem_array(spec)] + _scratch(spec),
+    ),
+    compiler_params=_params(spec, spec.collective_id),
+    interpret=interpret,
+    name="ring_allgather_matmul_one_kernel",
+  )(me, *xs, w, *xs)
+  return out[0]

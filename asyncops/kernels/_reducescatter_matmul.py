@@ -1,0 +1,438 @@
+"""Fused ring matmul-reduce-scatter: ``psum_scatter(x @ w, 1, tiled)``.
+
+Algorithm. Inside ``shard_map`` over a ring of ``n`` devices each device
+holds ``x`` ``[m, k]`` and ``w`` ``[k, n c]``; the result on device ``i``
+is column block ``i`` (``c`` wide) of the sum over devices of ``x @ w``.
+Partial sums travel around the ring and each device adds its own
+contribution as they pass (the chapter's "permute the result as you
+accumulate it"): at step ``s`` a device computes its product for one block
+in ``[m, bn]`` pieces (``w`` streamed from HBM by the Pallas pipeline) into
+a float32 VMEM buffer, adds the partial sum of that block its neighbour
+sent one step earlier, and sends the sum on; after ``n - 1`` hops each
+block holds every device's contribution on the device that owns it. Only
+the partial sums move, never ``x`` or ``w``.
+
+Two directions (``directions=2``): the columns of every block are split in
+halves; partial sums of first halves travel to ``i + 1`` (block ``i - s -
+1`` at step ``s``), of second halves to ``i - 1`` (block ``i + s + 1``).
+Each column of ``w`` is used at exactly one step, so ``w`` is read once.
+
+Kernels, in program order (all three appear in the compiled HLO):
+
+1. ``asyncops_ring_reducescatter_start``: a two-round barrier with the ring
+   neighbours (the second on a kernel-local semaphore, jax-ml/jax PR
+   #27963). Returns the receive buffer ``[d, n - 1, m, c/d]`` (slot ``t``
+   holds the partial sum added at step ``t + 1``; its first output, which
+   ``benchmarks/`` routes) and DMA semaphore arrays ``[d, n - 1]``. It
+   starts no transfer: the first partial sums exist only after step 0.
+2. ``ring_reducescatter_matmul``: grid ``(n, d, c / (d bn))``. After block
+   ``max(nb - 2, 0)`` of a half at step ``s >= 1`` it waits for the
+   neighbour's partial sum and starts copying it into VMEM; after the last
+   block it adds it, casts, and either sends the sum on from slot ``s`` of
+   a VMEM send buffer (``s < n - 1``) or writes it as its half of the
+   output (``s = n - 1``). The send buffer ``[n - 1, d, m, c/d]`` is an
+   output, so it outlives the kernel while the last sends are in flight.
+3. ``asyncops_ring_reducescatter_done``: waits for every send.
+
+The travelling partial sums have the transfer dtype (the input dtype, as
+XLA's reduce-scatter), so bfloat16 sums round once per hop; each device's
+own products accumulate in float32.
+
+Why one compute kernel: the benchmark model charges each computing kernel
+XLA's estimate of the same work as a standalone jnp program, and XLA
+estimates the narrow per-step matmuls (``[m, k] x [k, c/2]``) at several
+times their FLOPs; a first/steps/finish split modelled 49.8 us against one
+full-width matmul's 27.8 us of twin cost (v5e, chapter shape, bf16).
+Tools reading the schedule see the transfers begin at the start kernel,
+up to one step's compute earlier than they do; they end at the done, as
+they do.
+
+Limits. ``c / d`` a multiple of 128 and of ``bn``; ``x`` ``[m, k]``, the
+float32 partial ``[m, c/d]``, the received and the ``n - 1`` sent partial
+sums must fit in VMEM (the caller splits ``m`` into panels when they do
+not). One ring axis.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from asyncops.kernels import _common as c
+
+
+@dataclasses.dataclass(frozen=True)
+class RsSpec:
+  """Static description of one fused matmul-reduce-scatter.
+
+  Attributes:
+    axis_name: the ring's mesh axis.
+    mesh_axes: every mesh axis name.
+    n: ring size (>= 2).
+    m: rows of ``x``.
+    k: columns of ``x`` (rows of ``w``).
+    c: columns of one output block (``w`` has ``n c``).
+    dtype: dtype of ``x`` at the MXU (``w`` is cast to it in VMEM) and of
+      the partial sums that travel.
+    out_dtype: the result's dtype.
+    directions: 1 (partial sums to ``i + 1``) or 2 (halves both ways).
+    bn: columns of a ``w`` block.
+    precision: ``jax.lax.Precision`` name for the in-kernel dots.
+    collective_id: barrier semaphore id of the start kernel.
+    vmem_limit: VMEM bytes the compute kernel may use.
+  """
+
+  axis_name: str
+  mesh_axes: tuple[str, ...]
+  n: int
+  m: int
+  k: int
+  c: int
+  dtype: str
+  out_dtype: str
+  directions: int = 2
+  bn: int = 512
+  precision: str = "DEFAULT"
+  collective_id: int | None = None
+  vmem_limit: int | None = None
+
+  def __post_init__(self):
+    if self.directions not in (1, 2):
+      raise ValueError(f"directions must be 1 or 2, got {self.directions}")
+    if self.n < 2:
+      raise ValueError(f"the ring needs n >= 2 devices, got {self.n}")
+    if self.c % self.directions or self.ch % self.bn:
+      raise ValueError(f"c/directions and bn must divide: {self}")
+
+  @property
+  def shifts(self) -> tuple[int, ...]:
+    return (1, -1) if self.directions == 2 else (1,)
+
+  @property
+  def ch(self) -> int:
+    """Columns of one direction's half of a block."""
+    return self.c // self.directions
+
+  @property
+  def nb(self) -> int:
+    """``w`` blocks per half block."""
+    return self.ch // self.bn
+
+  @property
+  def acc_dtype(self):
+    return jnp.int32 if jnp.dtype(self.dtype) == jnp.int8 else jnp.float32
+
+
+def vmem_bytes(spec: RsSpec) -> int:
+  """VMEM the compute kernel needs (scratch and its VMEM output)."""
+  t = jnp.dtype(spec.dtype).itemsize
+  o = jnp.dtype(spec.out_dtype).itemsize
+  half = spec.m * spec.ch
+  return (
+    2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
+    + 2 * spec.k * spec.bn * t  # w blocks
+    + half * 4  # float32 partial of one half
+    + half * t  # received partial
+    + (spec.n - 1) * spec.directions * half * t  # sent partial sums
+    + 2 * half * o  # output blocks
+  )
+
+
+def block_of(me, shift, s, n: int):
+  """The block a direction with ``shift`` works on at step ``s``."""
+  return jax.lax.rem(me - shift * (s + 1) + 2 * n * n, n)
+
+
+def _peer(spec: RsSpec, me, shift: int):
+  return c.peer(
+    spec.mesh_axes, spec.axis_name, jax.lax.rem(me + shift + spec.n, spec.n)
+  )
+
+
+def _shift_of(spec: RsSpec, d):
+  """The shift of direction ``d`` (a traced grid index)."""
+  if spec.directions == 1:
+    return jnp.int32(spec.shifts[0])
+  return jnp.where(d == 0, jnp.int32(1), jnp.int32(-1))
+
+
+# Kernel bodies ---------------------------------------------------------------
+
+
+def start_kernel(*, spec: RsSpec):
+  """Barrier with the ring neighbours (who will write into our buffers)."""
+  me = jax.lax.axis_index(spec.axis_name)
+  n = spec.n
+  barrier = pltpu.get_barrier_semaphore()
+  senders = [jax.lax.rem(me - sh + n, n) for sh in spec.shifts]
+  for src in senders:
+    c.signal(barrier, spec.mesh_axes, spec.axis_name, src)
+  pl.semaphore_wait(barrier, len(senders))
+  if len(senders) > 1:
+    c.second_barrier(
+      spec.mesh_axes,
+      spec.axis_name,
+      [(src, True) for src in senders],
+      len(senders),
+    )
+
+
+def compute_kernel(
+  me_ref,
+  x_ref,
+  w_ref,
+  recv_ref,
+  send_sems,
+  recv_sems,
+  o_ref,
+  sent_ref,
+  part,
+  rbuf,
+  copy_sem,
+  *,
+  spec: RsSpec,
+):
+  """Grid step ``(s, d, j)``: block ``j`` of half ``d`` at step ``s``."""
+  n, nb, bn = spec.n, spec.nb, spec.bn
+  s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  me = me_ref[0]
+
+  part[:, pl.ds(pl.multiple_of(j * bn, bn), bn)] = jnp.dot(
+    x_ref[...],
+    w_ref[...].astype(x_ref.dtype),
+    preferred_element_type=spec.acc_dtype,
+    precision=jax.lax.Precision[spec.precision],
+  )
+
+  # Slot s - 1 holds the neighbour's partial sum of this step's block.
+  @pl.when((s >= 1) & (j == max(nb - 2, 0)))
+  def _():
+    here = recv_ref.at[d, s - 1]
+    c.wait_dma(here, recv_sems.at[d, s - 1])
+    pltpu.make_async_copy(here, rbuf, copy_sem).start()
+
+  def total():
+    return part[...] + rbuf[...].astype(part.dtype)
+
+  @pl.when((s >= 1) & (j == nb - 1))
+  def _():
+    pltpu.make_async_copy(recv_ref.at[d, s - 1], rbuf, copy_sem).wait()
+
+  @pl.when((s < n - 1) & (j == nb - 1))
+  def _():
+    slot = sent_ref.at[s, d]
+    slot[...] = jnp.where(s == 0, part[...], total()).astype(sent_ref.dtype)
+    for dd, sh in enumerate(spec.shifts):
+
+      @pl.when(d == dd)
+      def _(dd=dd, sh=sh):
+        pltpu.make_async_remote_copy(
+          sent_ref.at[s, dd],
+          recv_ref.at[dd, s],
+          send_sems.at[dd, s],
+          recv_sems.at[dd, s],
+          device_id=_peer(spec, me, sh),
+          device_id_type=pl.DeviceIdType.MESH,
+        ).start()
+
+  @pl.when((s == n - 1) & (j == nb - 1))
+  def _():
+    o_ref[...] = total().astype(o_ref.dtype)
+
+
+def done_kernel(sent_ref, send_sems, *, spec: RsSpec):
+  """Waits for every send."""
+  for t in range(spec.n - 1):
+    for d in range(spec.directions):
+      c.wait_dma(sent_ref.at[t, d], send_sems.at[d, t])
+
+
+# pallas_calls ----------------------------------------------------------------
+
+
+def _sem_array(spec: RsSpec):
+  return pltpu.SemaphoreType.DMA((spec.directions, spec.n - 1))
+
+
+def _recv_shape(x, spec: RsSpec):
+  t = jnp.dtype(spec.dtype)
+  return c.shape_like(x, (spec.directions, spec.n - 1, spec.m, spec.ch), t)
+
+
+def _params(spec: RsSpec, collective_id=None):
+  return pltpu.CompilerParams(
+    dimension_semantics=("arbitrary",) * 3,
+    has_side_effects=True,
+    vmem_limit_bytes=spec.vmem_limit,
+    collective_id=collective_id,
+  )
+
+
+def _in_specs(spec: RsSpec):
+  """``x`` (fetched once) and the ``w`` block of step ``s``, half ``d``."""
+  n, nb = spec.n, spec.nb
+  cb = spec.c // spec.bn  # w blocks per output block
+
+  def w_index(s, d, j, me_ref):
+    b = block_of(me_ref[0], _shift_of(spec, d), s, n)
+    return (0, b * cb + d * nb + j)
+
+  return [
+    pl.BlockSpec(
+      (spec.m, spec.k),
+      lambda s, d, j, me: (0, 0),
+      pipeline_mode=pl.Buffered(1),
+    ),
+    pl.BlockSpec((spec.k, spec.bn), w_index),
+  ]
+
+
+def _out_block(spec: RsSpec):
+  # Written only at the last step, one half per direction; before it every
+  # step maps to block (0, 0), first written at (n - 1, 0, nb - 1).
+  n = spec.n
+  return pl.BlockSpec(
+    (spec.m, spec.ch), lambda s, d, j, me: (0, jnp.where(s == n - 1, d, 0))
+  )
+
+
+def _scratch(spec: RsSpec):
+  t = jnp.dtype(spec.dtype)
+  return [
+    pltpu.VMEM((spec.m, spec.ch), spec.acc_dtype),
+    pltpu.VMEM((spec.m, spec.ch), t),
+    pltpu.SemaphoreType.DMA(()),
+  ]
+
+
+def _sent_shape(spec: RsSpec):
+  shape = (spec.n - 1, spec.directions, spec.m, spec.ch)
+  return pltpu.VMEM(shape, jnp.dtype(spec.dtype))
+
+
+def start(x, *, spec: RsSpec):
+  """``-> (recv, send_sems, recv_sems)``; the barrier."""
+
+  def kernel(x_ref, recv_ref, send_sems, recv_sems):
+    del x_ref, recv_ref, send_sems, recv_sems
+    start_kernel(spec=spec)
+
+  return pl.pallas_call(
+    kernel,
+    out_shape=(
+      c.hbm_like(_recv_shape(x, spec)),
+      _sem_array(spec),
+      _sem_array(spec),
+    ),
+    in_specs=[c.ANY],
+    out_specs=(c.HBM, c.SEM, c.SEM),
+    compiler_params=c.params(collective_id=spec.collective_id),
+    name="asyncops_ring_reducescatter_start",
+  )(x)
+
+
+def compute(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec, out_shape):
+  """All ``n`` steps; returns ``(out [m, c], sent partial sums)``."""
+  return pl.pallas_call(
+    functools.partial(compute_kernel, spec=spec),
+    out_shape=(out_shape, _sent_shape(spec)),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(spec.n, spec.directions, spec.nb),
+      in_specs=_in_specs(spec) + [c.HBM, c.SEM, c.SEM],
+      out_specs=(_out_block(spec), pl.BlockSpec(memory_space=pltpu.VMEM)),
+      scratch_shapes=_scratch(spec),
+    ),
+    compiler_params=_params(spec),
+    name="ring_reducescatter_matmul",
+  )(me, x, w, recv, send_sems, recv_sems)
+
+
+def done(recv, sent, send_sems, *, spec: RsSpec):
+  """Waits for every send; returns a token nothing needs to read.
+
+  Reads ``recv`` and ``sent`` so XLA keeps both alive until the sends end
+  (``sent`` is what they read; peers write into ``recv``).
+  """
+
+  def kernel(recv_ref, sent_ref, send_sems, token_ref):
+    del recv_ref
+    done_kernel(sent_ref, send_sems, spec=spec)
+    token_ref[0] = jnp.int32(0)
+
+  return pl.pallas_call(
+    kernel,
+    out_shape=c.shape_like(recv, (1,), jnp.int32),
+    in_specs=[c.HBM, pl.BlockSpec(memory_space=pltpu.VMEM), c.SEM],
+    out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
+    compiler_params=c.params(),
+    name="asyncops_ring_reducescatter_done",
+  )(recv, sent, send_sems)
+
+
+def run(me, x, w, *, spec: RsSpec, out_shape):
+  """The three kernels in order; returns ``[m, c]``."""
+  x = x.astype(spec.dtype)
+  recv, send_sems, recv_sems = start(x, spec=spec)
+  out, sent = compute(
+    me, x, w, recv, send_sems, recv_sems, spec=spec, out_shape=out_shape
+  )
+  done(recv, sent, send_sems, spec=spec)
+  return out
+
+
+def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
+  """The three bodies in one kernel, semaphores as scratch (for Pallas's
+  TPU interpreter, which cannot return semaphores): the start body before
+  the first grid step, the done body after the last."""
+  x = x.astype(spec.dtype)
+
+  def kernel(me_ref, x_ref, w_ref, o_ref, sent_ref, recv_ref, *scratch):
+    ss, rs, *rest = scratch
+    s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first = (s == 0) & (d == 0) & (j == 0)
+    last = (s == spec.n - 1) & (d == spec.directions - 1) & (j == spec.nb - 1)
+
+    @pl.when(first)
+    def _():
+      start_kernel(spec=spec)
+
+    compute_kernel(
+      me_ref,
+      x_ref,
+      w_ref,
+      recv_ref,
+      ss,
+      rs,
+      o_ref,
+      sent_ref,
+      *rest,
+      spec=spec,
+    )
+
+    @pl.when(last)
+    def _():
+      done_kernel(sent_ref, ss, spec=spec)
+
+  out, _, _ = pl.pallas_call(
+    kernel,
+    out_shape=(out_shape, _sent_shape(spec), _recv_shape(x, spec)),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(spec.n, spec.directions, spec.nb),
+      in_specs=_in_specs(spec),
+      out_specs=(
+        _out_block(spec),
+        pl.BlockSpec(memory_space=pltpu.VMEM),
+        c.ANY,
+      ),
+      scratch_shapes=[_sem_array(spec), _sem_array(spec)] + _scratch(spec),
+    ),
+    compiler_params=_params(spec, spec.collective_id),
+    interpret=interpret,
+    name="ring_reducescatter_matmul_one_kernel",
+  )(me, x, w)
+  return out

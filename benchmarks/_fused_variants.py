@@ -1,0 +1,182 @@
+"""The fused ring kernels' variants and their jnp twins.
+
+Variants (registered with :func:`benchmarks._variants.register`):
+
+- ``allgather_matmul_fused`` / ``allgather_matmul_fused_uni``:
+  ``asyncops.collective_matmul``'s fused ring all-gather matmul (two ring
+  directions / one), the flagship's ``A[B_X, D_Y] W[D, F_Y]``;
+  ``allgather_matmul_fused_int8``: its chunks travel as int8 with per-row
+  scales (the result is the dequantized chunks' product).
+- ``reducescatter:asyncops_fused`` / ``..._fused_uni``: the fused ring
+  matmul-reduce-scatter.
+- ``allreduce:asyncops_fused``: the fused matmul-reduce-scatter, then XLA's
+  all-gather.
+
+Twins (:mod:`benchmarks._kernel_costs`): what each computing kernel of
+``asyncops/kernels/_allgather_matmul.py`` and ``_reducescatter_matmul.py``
+does, written with ``jnp`` ops of the same shapes:
+
+- ``ring_allgather_matmul``: every chunk times its rows of ``w``, the
+  result cast: ``dot(x [m, n k], w [n k, f])`` (the unsharded matmul).
+- ``ring_reducescatter_matmul``: every step's product plus the partial
+  sums received, cast: ``x [m, k] @ w [k, n c] + r [m, n c]`` (the kernel
+  writes ``n - 1`` sent blocks and its own: ``n c`` columns).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import _kernel_costs, _variants
+
+AXIS = _variants.AXIS
+_F32 = jnp.float32
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _dt(leaf):
+  return _kernel_costs._DTYPES.get(leaf.dtype, _F32)
+
+
+def _acc(dtype):
+  return jnp.int32 if jnp.dtype(dtype) == jnp.int8 else _F32
+
+
+def _matmul_cast(x, w, out_dtype):
+  if jnp.dtype(x.dtype) == jnp.int8 and jnp.issubdtype(w.dtype, jnp.floating):
+    # Quantized chunks: the kernel multiplies the int8 codes as bf16 and
+    # scales the rows (one multiply per output element, negligible).
+    x = x.astype(jnp.bfloat16)
+  return jnp.dot(
+    x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype)
+  ).astype(out_dtype)
+
+
+def _ag_twin(operands, results):
+  """``dot(x [m, n k], w [n k, f])``: every chunk times its rows."""
+  _, x, w, *rest = operands
+  recv = next(o for o in rest if len(o.dims) == 4)
+  n = recv.dims[1] + 1
+  (m, k), f = x.dims, w.dims[1]
+  fn = functools.partial(_matmul_cast, out_dtype=_dt(results[0]))
+  return fn, (_sds((m, n * k), _dt(x)), _sds((n * k, f), _dt(w)))
+
+
+def _rs_twin(operands, results):
+  _, x, w, recv = operands[:4]
+  out = results[0]
+  m, cols = x.dims[0], w.dims[1]
+
+  def fn(x, w, r):
+    y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
+    return (y + r.astype(y.dtype)).astype(_dt(out))
+
+  return fn, (
+    _sds(x.dims, _dt(x)),
+    _sds(w.dims, _dt(w)),
+    _sds((m, cols), _dt(recv)),
+  )
+
+
+# Longer names first: the coster takes the first registered prefix.
+_kernel_costs.register("ring_allgather_matmul", _ag_twin)
+_kernel_costs.register("ring_reducescatter_matmul", _rs_twin)
+
+
+# Variants ------------------------------------------------------------------
+
+
+def _fused(name: str, module: str = "_fused", **kw):
+  import importlib  # noqa: PLC0415
+
+  mod = importlib.import_module(f"asyncops.collective_matmul.{module}")
+  fn = getattr(mod, name)
+
+  def body(*args, precision=None):
+    with jax.default_matmul_precision(precision or "default"):
+      return fn(*args, AXIS, **kw)
+
+  return body
+
+
+def _flagship(**kw):
+  def build(mesh, precision):
+    f = functools.partial(_fused("allgather_matmul", **kw), precision=precision)
+    return jax.jit(
+      jax.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=(P("x", AXIS), P(None, AXIS)),
+        out_specs=P("x", AXIS),
+      )
+    )
+
+  return build
+
+
+def _family(family, library, **kw):
+  fam = _variants.FAMILIES[family]
+
+  def build(mesh, precision):
+    f = functools.partial(_fused(library, **kw), precision=precision)
+    return jax.jit(
+      jax.shard_map(f, mesh=mesh, in_specs=fam.in_specs, out_specs=fam.out_spec)
+    )
+
+  return build
+
+
+def _args(as_name):
+  return lambda mesh, shape, dtype: _variants.abstract_args(
+    as_name, mesh, shape, dtype
+  )
+
+
+_variants.register(
+  "allgather_matmul_fused", _flagship(directions=2), _args("jit")
+)
+_variants.register(
+  "allgather_matmul_fused_uni", _flagship(directions=1), _args("jit")
+)
+_variants.register(
+  "allgather_matmul_fused_int8",
+  _flagship(directions=2, transfer="int8"),
+  _args("jit"),
+)
+_variants.register(
+  "reducescatter:asyncops_fused",
+  _family("reducescatter", "matmul_reducescatter", directions=2),
+  _args("reducescatter:jit"),
+)
+_variants.register(
+  "reducescatter:asyncops_fused_uni",
+  _family("reducescatter", "matmul_reducescatter", directions=1),
+  _args("reducescatter:jit"),
+)
+_variants.register(
+  "allreduce:asyncops_fused",
+  _family("allreduce", "matmul_allreduce", directions=2),
+  _args("allreduce:jit"),
+)
+
+# method="auto" (until the public functions take method=, these rows run
+# asyncops.collective_matmul._auto directly).
+_variants.register(
+  "allgather_matmul_auto",
+  _flagship(module="_auto", method="auto"),
+  _args("jit"),
+)
+for _fam, _lib in (
+  ("reducescatter", "matmul_reducescatter"),
+  ("allreduce", "matmul_allreduce"),
+):
+  _variants.register(
+    f"{_fam}:asyncops_auto",
+    _family(_fam, _lib, module="_auto", method="auto"),
+    _args(f"{_fam}:jit"),
+  )

@@ -1,0 +1,373 @@
+"""Numerics of the fused ring matmuls and of ``method="auto"`` on CPU.
+
+Two layers:
+
+- the TPU kernel bodies themselves, in Pallas's TPU interpreter (remote
+  DMAs, semaphores and barriers simulated on CPU devices, races detected):
+  the start, compute and done bodies composed in one kernel (the
+  interpreter cannot return semaphores), against ``jax.lax`` references.
+  The interpreter deadlocks with 8 devices in jax 0.10.2 (its buffer
+  allocation blocks on every device at once), so these run on up to 6;
+- the public entry points on 8 CPU devices, where every method lowers to
+  ``jax.lax`` collectives and must equal the reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncops.collective_matmul import _auto, _fused
+from asyncops.kernels import _allgather_matmul as agk
+from asyncops.kernels import _reducescatter_matmul as rsk
+
+
+def _mesh(shape):
+  n = int(np.prod(shape))
+  return jax.make_mesh(shape, ("x", "y"), devices=jax.devices()[:n])
+
+
+def _ints(shape, dtype, seed):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.integers(-3, 4, shape), dtype)
+
+
+def _interpret():
+  return pltpu.InterpretParams(detect_races=True)
+
+
+def _check_interpreter_output(capfd):
+  printed = capfd.readouterr().out
+  assert "RACE DETECTED" not in printed
+  assert "non-zero count" not in printed  # every DMA was waited for
+
+
+# The kernel bodies, interpreted --------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "mesh_shape,directions,blocks,dtype",
+  [
+    ((1, 4), 2, 3, "float32"),
+    ((2, 3), 1, 1, "bfloat16"),
+    ((1, 2), 2, 2, "float32"),
+  ],
+)
+def test_allgather_kernel_bodies(mesh_shape, directions, blocks, dtype, capfd):
+  x_n, n = mesh_shape
+  dtype = jnp.dtype(dtype)
+  a = _ints((16 * x_n, n * 256), dtype, 0)
+  w = _ints((n * 256, n * 128 * blocks), dtype, 1)
+
+  def body(x, y):
+    spec = agk.AgSpec(
+      "y",
+      ("x", "y"),
+      n,
+      x.shape[0],
+      x.shape[1],
+      y.shape[1],
+      dtype.name,
+      dtype.name,
+      dtype.name,
+      directions=directions,
+      bn=128,
+      collective_id=0,
+    )
+    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+    out = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), dtype)
+    return agk.one_kernel(
+      me, x, y, spec=spec, out_shape=out, interpret=_interpret()
+    )
+
+  mesh = _mesh(mesh_shape)
+  f = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P("x", "y"), P(None, "y")),
+      out_specs=P("x", "y"),
+      check_vma=False,
+    )
+  )
+  got = f(
+    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
+    jax.device_put(w, NamedSharding(mesh, P(None, "y"))),
+  )
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _check_interpreter_output(capfd)
+
+
+@pytest.mark.parametrize(
+  "mesh_shape,directions,blocks",
+  [((1, 4), 2, 2), ((2, 3), 1, 1), ((1, 2), 2, 1)],
+)
+def test_reducescatter_kernel_bodies(mesh_shape, directions, blocks, capfd):
+  x_n, n = mesh_shape
+  a = _ints((16 * x_n, n * 128), jnp.float32, 2)
+  w = _ints((n * 128, n * 128 * directions * blocks), jnp.float32, 3)
+
+  def body(x, y):
+    spec = rsk.RsSpec(
+      "y",
+      ("x", "y"),
+      n,
+      x.shape[0],
+      x.shape[1],
+      y.shape[1] // n,
+      "float32",
+      "float32",
+      directions=directions,
+      bn=128,
+      collective_id=0,
+    )
+    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+    out = jax.ShapeDtypeStruct((x.shape[0], spec.c), jnp.float32)
+    return rsk.one_kernel(
+      me, x, y, spec=spec, out_shape=out, interpret=_interpret()
+    )
+
+  mesh = _mesh(mesh_shape)
+  f = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P("x", "y"), P("y", None)),
+      out_specs=P("x", "y"),
+      check_vma=False,
+    )
+  )
+  got = f(
+    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
+    jax.device_put(w, NamedSharding(mesh, P("y", None))),
+  )
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(a @ w))
+  _check_interpreter_output(capfd)
+
+
+def test_wrong_rows_are_caught(monkeypatch, capfd):
+  """The interpreted check fails when a chunk meets the wrong rows of w."""
+
+  def backwards(me, shift, s, n):
+    return jax.lax.rem(me + shift * s + 2 * n * n, n)
+
+  monkeypatch.setattr(agk, "_chunk", backwards)
+  with pytest.raises(AssertionError):
+    test_allgather_kernel_bodies((1, 4), 2, 1, "float32", capfd)
+
+
+# The entry points on 8 CPU devices -----------------------------------------
+
+FAMILIES = {
+  # fn, (global lhs, rhs), in_specs, out_spec, reference(a, w)
+  "allgather": (
+    "allgather_matmul",
+    lambda b, d, f: ((b, d), (d, f)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+  ),
+  "reducescatter": (
+    "matmul_reducescatter",
+    lambda b, d, f: ((b, f), (f, d)),
+    (P("x", "y"), P("y", None)),
+    P("x", "y"),
+  ),
+  "allreduce": (
+    "matmul_allreduce",
+    lambda b, d, f: ((b, f), (f, d)),
+    (P("x", "y"), P("y", None)),
+    P("x", None),
+  ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("method", ["auto", "fused", "xla"])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
+def test_entry_points_equal_the_product(family, method, mesh_shape):
+  name, shapes, in_specs, out_spec = FAMILIES[family]
+  mesh = _mesh(mesh_shape)
+  (ash, wsh) = shapes(64, 32 * 8, 16 * 8)
+  a, w = _ints(ash, jnp.float32, 4), _ints(wsh, jnp.float32, 5)
+  fn = getattr(_auto, name)
+
+  def body(x, y):
+    return fn(x, y, "y", method=method)
+
+  f = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+  )
+  args = [
+    jax.device_put(v, NamedSharding(mesh, s))
+    for v, s in zip((a, w), in_specs, strict=True)
+  ]
+  np.testing.assert_array_equal(np.asarray(f(*args)), np.asarray(a @ w))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_fused_reference_dtypes(dtype):
+  dtype = jnp.dtype(dtype)
+  mesh = _mesh((2, 4))
+  a, w = _ints((32, 256), dtype, 6), _ints((256, 128), dtype, 7)
+
+  def body(x, y):
+    return _fused.allgather_matmul(x, y, "y")
+
+  f = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P("x", "y"), P(None, "y")),
+      out_specs=P("x", "y"),
+    )
+  )
+  got = f(
+    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
+    jax.device_put(w, NamedSharding(mesh, P(None, "y"))),
+  )
+  acc = jnp.int32 if dtype == jnp.int8 else jnp.float32
+  want = jnp.dot(a, w, preferred_element_type=acc).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_bad_method_names_the_argument():
+  with pytest.raises(ValueError, match="method must be one of"):
+    _auto.resolve("fastest", None, "allgather_matmul")
+
+
+@pytest.mark.parametrize(
+  "m,k,f,reason",
+  [
+    (64, 200, 512, "k/2"),
+    (64, 32768, 256, "no w block"),
+  ],
+)
+def test_plan_says_why_it_cannot_run(m, k, f, reason):
+  plan = _fused.plan_allgather(
+    m,
+    k,
+    f,
+    4,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    directions=2,
+    precision="DEFAULT",
+    device_kind="TPU v5 lite",
+  )
+  assert plan.spec is None and reason in plan.reason
+
+
+def test_plan_refuses_types_without_an_mxu_path():
+  plan = _fused.plan_allgather(
+    64,
+    256,
+    512,
+    4,
+    jnp.int32,
+    jnp.int32,
+    jnp.int32,
+    directions=2,
+    precision="DEFAULT",
+    device_kind="TPU v5 lite",
+  )
+  assert plan.spec is None and "int32" in plan.reason
+
+
+@pytest.mark.parametrize(
+  "mesh_shape,directions,w_dtype",
+  [((1, 4), 2, "float32"), ((2, 3), 1, "bfloat16")],
+)
+def test_allgather_int8_transfer_kernel_bodies(
+  mesh_shape, directions, w_dtype, capfd
+):
+  """int8 chunks with per-row, per-half scales: the kernel's product equals
+  the dequantize-then-matmul reference."""
+  x_n, n = mesh_shape
+  rng = np.random.default_rng(4)
+  a = jnp.asarray(rng.normal(size=(16 * x_n, n * 256)), jnp.float32)
+  a = a.at[3].set(0.0)  # an all-zero row: scale 1, codes 0
+  w = _ints((n * 256, n * 128 * 2), w_dtype, 5)
+
+  def body(x, y):
+    spec = agk.AgSpec(
+      "y",
+      ("x", "y"),
+      n,
+      x.shape[0],
+      x.shape[1],
+      y.shape[1],
+      "int8",
+      w_dtype,
+      "float32",
+      directions=directions,
+      bn=128,
+      collective_id=0,
+      quantized=True,
+    )
+    q, scales = _fused.quantize(x, directions)
+    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+    out = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.float32)
+    return agk.one_kernel(
+      me, q, y, spec=spec, out_shape=out, interpret=_interpret(), scales=scales
+    )
+
+  def reference(x, y):
+    deq = _fused.dequantize(*_fused.quantize(x, directions))
+    g = jax.lax.all_gather(deq, "y", axis=1, tiled=True)
+    return jnp.dot(
+      g, y.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
+
+  mesh = _mesh(mesh_shape)
+  args = (
+    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
+    jax.device_put(w, NamedSharding(mesh, P(None, "y"))),
+  )
+
+  def run(fn):
+    return jax.jit(
+      jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(P("x", "y"), P(None, "y")),
+        out_specs=P("x", "y"),
+        check_vma=False,
+      )
+    )(*args)
+
+  got, want = np.asarray(run(body)), np.asarray(run(reference))
+  # Equal up to float32 summation order (|terms| <= 12, 256 n of them); the
+  # quantization error is orders of magnitude larger.
+  atol = 1e-3
+  np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+  exact = np.asarray(jnp.dot(a, w.astype(jnp.float32), precision="highest"))
+  assert np.abs(got - exact).max() > 10 * atol  # int8 is not the exact product
+  np.testing.assert_allclose(
+    got, exact, rtol=0, atol=0.02 * np.abs(exact).max()
+  )
+  _check_interpreter_output(capfd)
+
+
+def test_quantize_round_trip():
+  x = jnp.asarray(np.random.default_rng(6).normal(size=(8, 512)), jnp.float32)
+  x = x.at[2].set(0.0)
+  q, scales = _fused.quantize(x, 2)
+  assert q.dtype == jnp.int8 and scales.shape == (2, 8, agk.SCALE_LANES)
+  back = _fused.dequantize(q, scales)
+  # Within half a code of each half-row's largest magnitude / 127.
+  top = jnp.max(jnp.abs(x.reshape(8, 2, 256)), axis=2)
+  err = jnp.abs(back - x).reshape(8, 2, 256).max(axis=2)
+  assert bool(jnp.all(err <= top / 254 + 1e-6))
+  assert bool(jnp.all(back[2] == 0))
+
+
+def test_transfer_argument_is_checked():
+  with pytest.raises(ValueError, match="transfer must be 'native' or 'int8'"):
+    _fused.allgather_matmul(
+      jnp.ones((8, 8)), jnp.ones((8, 8)), "y", transfer="fp8"
+    )

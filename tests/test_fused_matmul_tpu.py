@@ -1,0 +1,317 @@
+"""The fused ring matmuls and ``method="auto"`` on compiled TPU HLO.
+
+Ahead-of-time compiles (no TPU) at the chapter's shape and a Llama decode
+shape, on v5e and v6e (the fused kernels' targets) and v5p: the start,
+compute and done kernels are there in program order, the start synchronises
+(collective id) and returns the receive buffer ``[d, n - 1, m, k/d]`` (what
+``benchmarks/`` routes), ``w`` is one operand of the compute kernel, the
+program has no defensive copy, and ``auto`` picks the fused kernels for
+prefill-size rows and XLA's collective at decode.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncops.collective_matmul import _auto, _fused
+from asyncops.inspect import analyze, parse_module, tpu_mesh
+
+B, D, F = 1024, 2048, 8192
+TOPOLOGIES = ("v5e:2x4", "v6e:2x4")
+
+
+def _sds(mesh, shape, spec, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _allgather(topology, fn, shape=(B, D, F), dtype=jnp.bfloat16, mesh=(2, 4)):
+  mesh = tpu_mesh(topology, mesh, ("x", "y"))
+  b, d, f = shape
+  jitted = jax.jit(
+    jax.shard_map(
+      fn,
+      mesh=mesh,
+      in_specs=(P("x", "y"), P(None, "y")),
+      out_specs=P("x", "y"),
+    )
+  )
+  args = (
+    _sds(mesh, (b, d), P("x", "y"), dtype),
+    _sds(mesh, (d, f), P(None, "y"), dtype),
+  )
+  return jitted, args
+
+
+def _reducescatter(topology, fn, shape=(B, D, F), dtype=jnp.bfloat16):
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+  b, d, f = shape
+  jitted = jax.jit(
+    jax.shard_map(
+      fn,
+      mesh=mesh,
+      in_specs=(P("x", "y"), P("y", None)),
+      out_specs=P("x", "y"),
+    )
+  )
+  args = (
+    _sds(mesh, (b, f), P("x", "y"), dtype),
+    _sds(mesh, (f, d), P("y", None), dtype),
+  )
+  return jitted, args
+
+
+def _compile(jitted, args):
+  return jitted.trace(*args).lower().compile().as_text()
+
+
+def _calls(text, prefix):
+  return [
+    i
+    for i in parse_module(text).instructions.values()
+    if i.opcode == "custom-call" and i.name.split(".")[0] == prefix
+  ]
+
+
+def _entry_order(text):
+  """Names of our kernels in the entry computation's schedule order."""
+  entry = text[text.index("\nENTRY ") :]
+  return re.findall(r"%((?:asyncops_)?ring_\w+?)(?:\.\d+)? = ", entry)
+
+
+@functools.cache
+def _ag_text(topology, dtype=jnp.bfloat16, precision="default"):
+  def f(a, w):
+    with jax.default_matmul_precision(precision):
+      return _fused.allgather_matmul(a, w, "y")
+
+  return _compile(*_allgather(topology, f, dtype=dtype))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_allgather_kernels_in_order(topology):
+  text = _ag_text(topology)
+  assert _entry_order(text) == [
+    "asyncops_ring_allgather_start",
+    "ring_allgather_matmul",
+    "asyncops_ring_allgather_done",
+  ]
+  (start,) = _calls(text, "asyncops_ring_allgather_start")
+  assert '"barrier_type":"CUSTOM"' in start.attrs  # it synchronises
+  recv = start.leaves[0]
+  m, k = B // 2, D // 4
+  assert (recv.dtype, recv.dims) == ("bf16", (2, 3, m, k // 2))
+  (compute,) = _calls(text, "ring_allgather_matmul")
+  w_operands = [
+    o
+    for o in compute.operands
+    if "parameter" in parse_module(text).instr(o).opcode
+  ]
+  assert len(w_operands) == 2  # x and w, each once
+  report = analyze(text)
+  assert not report.defensive_copies, report.defensive_copies
+
+
+def test_allgather_float32_travels_as_bf16_at_default_precision():
+  """XLA runs a DEFAULT float32 matmul as one bf16 pass, so the chunks move
+  as bf16; at HIGHEST they move (and multiply) in float32."""
+  text = _ag_text("v5e:2x4", jnp.float32)
+  (start,) = _calls(text, "asyncops_ring_allgather_start")
+  assert start.leaves[0].dtype == "bf16"
+  text = _ag_text("v5e:2x4", jnp.float32, "highest")
+  (start,) = _calls(text, "asyncops_ring_allgather_start")
+  assert start.leaves[0].dtype == "f32"
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_allgather_int8_transfers(topology, dtype):
+  """``transfer="int8"``: the chunk halves travel as int8 and their per-row
+  scales as float32 lane tiles, on the same semaphores; nothing is copied."""
+
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y", transfer="int8")
+
+  text = _compile(*_allgather(topology, f, dtype=dtype))
+  assert _entry_order(text) == [
+    "asyncops_ring_allgather_start",
+    "ring_allgather_matmul",
+    "asyncops_ring_allgather_done",
+  ]
+  (start,) = _calls(text, "asyncops_ring_allgather_start")
+  m, k = B // 2, D // 4
+  codes, scales = start.leaves[:2]
+  assert (codes.dtype, codes.dims) == ("s8", (2, 3, m, k // 2))
+  assert (scales.dtype, scales.dims) == ("f32", (2, 3, m, 128))
+  report = analyze(text)
+  assert not report.defensive_copies, report.defensive_copies
+
+
+def test_allgather_one_direction():
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y", directions=1)
+
+  text = _compile(*_allgather("v5e:2x4", f))
+  (start,) = _calls(text, "asyncops_ring_allgather_start")
+  assert start.leaves[0].dims == (1, 3, B // 2, D // 4)
+
+
+def test_allgather_ring_of_eight():
+  """Tensor parallel 8 (a 1x8 ring) at a decode-size row count."""
+
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y")
+
+  text = _compile(
+    *_allgather("v5e:2x4", f, shape=(16, 8192, 8192), mesh=(1, 8))
+  )
+  (start,) = _calls(text, "asyncops_ring_allgather_start")
+  assert start.leaves[0].dims == (2, 7, 16, 512)
+  assert not analyze(text).defensive_copies
+
+
+def test_allgather_panels_when_the_accumulator_does_not_fit():
+  """Rows whose float32 accumulator exceeds the VMEM budget run as panels,
+  each its own ring."""
+  plan = _fused.plan_allgather(
+    8192,
+    2048,
+    7168,
+    4,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    directions=2,
+    precision="DEFAULT",
+    device_kind="TPU v5 lite",
+  )
+  assert plan.panels > 1 and plan.spec.m * plan.panels == 8192
+
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y")
+
+  shape = (2 * 8192, 4 * 2048, 4 * 7168)
+  text = _compile(*_allgather("v5e:2x4", f, shape=shape))
+  assert len(_calls(text, "asyncops_ring_allgather_start")) == plan.panels
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_reducescatter_kernels_in_order(topology):
+  def f(h, w):
+    return _fused.matmul_reducescatter(h, w, "y")
+
+  text = _compile(*_reducescatter(topology, f))
+  assert _entry_order(text) == [
+    "asyncops_ring_reducescatter_start",
+    "ring_reducescatter_matmul",
+    "asyncops_ring_reducescatter_done",
+  ]
+  (start,) = _calls(text, "asyncops_ring_reducescatter_start")
+  m, c = B // 2, D // 4
+  assert start.leaves[0].dims == (2, 3, m, c // 2)
+  assert not analyze(text).defensive_copies
+
+
+def _kernels(text):
+  return {n for n in _entry_order(text)}
+
+
+def test_auto_picks_xla_at_decode_and_fused_at_prefill():
+  def ag(a, w):
+    return _auto.allgather_matmul(a, w, "y")
+
+  decode = _compile(
+    *_allgather("v5e:2x4", ag, shape=(32, 8192, 28672), mesh=(2, 4))
+  )
+  assert not _kernels(decode)
+  assert "method_xla" in decode
+  prefill = _compile(*_allgather("v5e:2x4", ag, shape=(2048, 8192, 28672)))
+  assert "ring_allgather_matmul" in _kernels(prefill)
+  assert "method_fused" in prefill
+
+
+def test_reducescatter_sent_partial_sums_stay_small():
+  """The sent partial sums are a VMEM output the done reads in VMEM; 29 MiB
+  of them (m 4096, tp 8) did not compile, so the plan adds panels."""
+  plan = _fused.plan_reducescatter(
+    4096,
+    3584,
+    1024,
+    8,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    directions=2,
+    precision="DEFAULT",
+    device_kind="TPU v5 lite",
+  )
+  s = plan.spec
+  assert plan.panels > 1
+  assert (s.n - 1) * s.directions * s.m * s.ch * 2 <= 8 * 2**20
+
+  mesh = tpu_mesh("v5e:2x4", (1, 8), ("x", "y"))
+  f = jax.jit(
+    jax.shard_map(
+      functools.partial(_fused.matmul_reducescatter, axis_name="y"),
+      mesh=mesh,
+      in_specs=(P("x", "y"), P("y", None)),
+      out_specs=P("x", "y"),
+    )
+  )
+  text = _compile(
+    f,
+    (
+      _sds(mesh, (4096, 28672), P("x", "y"), jnp.bfloat16),
+      _sds(mesh, (28672, 8192), P("y", None), jnp.bfloat16),
+    ),
+  )
+  assert len(_calls(text, "asyncops_ring_reducescatter_done")) == plan.panels
+  assert not analyze(text).defensive_copies
+
+
+def test_auto_per_family_at_decode_and_for_all_reduce():
+  """Decode rows (Llama-3-70B MLP shard, tp 8): the all-gather keeps XLA
+  (HBM-bound), the reduce-scatter takes the fused kernel (XLA's
+  reduce-scatter waits for the whole matmul); the all-reduce keeps XLA's
+  all-reduce at the chapter's shape (its all-gather half cannot hide)."""
+  kw = {"precision": "DEFAULT", "device_kind": "TPU v5 lite"}
+  ag = _auto.explain_allgather(16, 1024, 3584, 8, jnp.bfloat16, **kw)
+  assert ag.method == "xla" and "HBM" in ag.reason
+  rs = _auto.explain_reducescatter(16, 3584, 1024, 8, jnp.bfloat16, **kw)
+  assert rs.method == "fused" and "partial sums" in rs.reason
+  assert rs.fused_us < rs.xla_us
+  long = _auto.explain_allgather(16384, 1024, 3584, 8, jnp.bfloat16, **kw)
+  assert long.method == "xla" and "panels" in long.reason
+  for dtype in (jnp.bfloat16, jnp.float32):
+    ar = _auto.explain_allreduce(512, 512, 8192, 4, dtype, **kw)
+    assert ar.method == "xla" and ar.fused_us > ar.xla_us
+
+
+def test_auto_explains_its_choice():
+  c = _auto.explain_allgather(
+    16,
+    1024,
+    3584,
+    8,
+    jnp.bfloat16,
+    precision="DEFAULT",
+    device_kind="TPU v5 lite",
+  )
+  assert c.method == "xla" and "HBM" in c.reason
+  c = _auto.explain_allgather(
+    4096,
+    1024,
+    3584,
+    8,
+    jnp.bfloat16,
+    precision="DEFAULT",
+    device_kind="TPU v5 lite",
+  )
+  assert c.method == "fused" and c.fused_us < c.xla_us
+  c = _auto.explain_allgather(
+    4096, 1000, 3584, 8, jnp.bfloat16, precision="DEFAULT", device_kind=None
+  )
+  assert c.method == "xla" and "unavailable" in c.reason
