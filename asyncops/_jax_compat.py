@@ -160,6 +160,15 @@ def manual_axes_kwargs(aval: Any) -> dict[str, Any]:
   return {"vma": getattr(aval, "vma", frozenset())}  # jax 0.9
 
 
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` (a value or an aval) varies over."""
+  aval = x if isinstance(x, _core.AbstractValue) else jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:  # jax >= 0.10
+    return frozenset(getattr(mat, "varying", ()) or ())
+  return frozenset(getattr(aval, "vma", ()) or ())  # jax 0.9
+
+
 def joint_manual_axes_kwargs(avals: Sequence[Any]) -> dict[str, Any]:
   """``ShapeDtypeStruct`` keywords varying over every manual axis any of
   ``avals`` varies over (a matmul's result varies where either operand
@@ -525,6 +534,46 @@ def _tie_lowering(ctx, *args):
 _mlir.register_lowering(tie_p, _tie_lowering)
 
 
+def _tie_nonzero(vals: Sequence[Any]) -> list[Any]:
+  """``tie_p`` over the values that are not symbolic zeros."""
+  from jax.interpreters import ad
+
+  keep = [i for i, v in enumerate(vals) if type(v) is not ad.Zero]
+  out = list(vals)
+  if keep:
+    tied = tie_p.bind(*(vals[i] for i in keep))
+    for i, v in zip(keep, tied, strict=True):
+      out[i] = v
+  return out
+
+
+def _tie_jvp(primals, tangents):
+  # Tangents (and cotangents) keep the tie among themselves: the backward
+  # of compute kept in a window is kept together too. Symbolic zeros stay
+  # zeros (a float0 semaphore tangent has nothing to order).
+  return tie_p.bind(*primals), _tie_nonzero(tangents)
+
+
+def _tie_transpose(cts, *primals):
+  del primals
+  return _tie_nonzero(cts)
+
+
+def _tie_batch(args, dims):
+  return tie_p.bind(*args), dims
+
+
+def _register_tie_rules() -> None:
+  from jax.interpreters import ad, batching
+
+  ad.primitive_jvps[tie_p] = _tie_jvp
+  ad.primitive_transposes[tie_p] = _tie_transpose
+  batching.primitive_batchers[tie_p] = _tie_batch
+
+
+_register_tie_rules()
+
+
 def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   """Keeps pure compute traced after ``start_eqn`` after it and before now.
 
@@ -653,6 +702,30 @@ def _install_finish_hook() -> None:
   frame_cls.to_jaxpr = to_jaxpr
 
 
+def register_dce_rule(prim: Any, rule: Any) -> None:
+  """Registers ``rule(used_outputs, eqn) -> (used_inputs, eqn | None)``
+  for ``prim`` with JAX's dead-code elimination (``pe.dce_rules``,
+  internal: the only hook that sees which outputs of an equation are
+  used)."""
+  _pe.dce_rules[prim] = rule
+
+
+def dce_rules() -> dict:
+  """JAX's table of dead-code rules (for tests that switch one off)."""
+  return _pe.dce_rules
+
+
+def identity_eqn(eqn: Any, invar: Any, outvar: Any) -> Any:
+  """An equation ``outvar = invar`` (``copy_p``, which lowers to nothing)
+  in place of ``eqn``: for dead-code rules, which cannot rename
+  variables."""
+  from jax._src.lax import lax as _lax  # copy_p: not public.
+
+  return _pe.new_jaxpr_eqn(
+    [invar], [outvar], _lax.copy_p, {}, set(), eqn.source_info, eqn.ctx
+  )
+
+
 def without_dead_code(jaxpr: Any) -> Any:
   """``jaxpr`` as lowering sees it: equations nothing uses removed.
 
@@ -736,6 +809,128 @@ def tpu_generation() -> int | None:
   kind = _device_kind.get()
   match = re.match(r"TPU ?v?(\d+)", kind or "")
   return int(match.group(1)) if match else None
+
+
+# Differentiation and batching (asyncops.futures._ad, _batching) --------------
+#
+# Why: the backward of a start/done pair is a transfer started at the done's
+# transpose and awaited at the start's transpose, but JAX transposes one
+# equation at a time and a future's semaphores are integers (float0
+# cotangents), so the reverse transfer's future cannot travel as a
+# cotangent. The rules pair a done with its start when both are linearized
+# in one tangent jaxpr: that needs JAX's per-primitive linearization hook
+# (``primitive_linearizations``, used by ``jax.grad``/``vjp``/``linearize``
+# in 0.10) and a look at which equation produced a tangent tracer (to follow
+# it back through optimization barriers to its start). The transposes meet
+# in the trace they run in. None of this is public API in 0.10.2.
+
+from jax._src.interpreters import ad as _ad  # noqa: E402 (linearization hook)
+
+
+def register_linearization(prim: Primitive, rule: Callable[..., Any]) -> None:
+  """``rule(is_vjp, nonzeros, *primals, **params) -> (primal_out,
+  nonzeros_out, residuals, linearized)``, as for ``jax.lax.sin``."""
+  _ad.primitive_linearizations[prim] = rule
+
+
+def current_trace() -> Any:
+  """The trace that binds primitives now (a transpose's output trace)."""
+  return _core.unsafe_get_current_trace()
+
+
+_FORWARDING = ("optimization_barrier", "asyncops_tie")
+
+
+def _producer(t: Any) -> tuple[Any, int] | None:
+  eqn = (
+    getattr(t, "parent", None)
+    if isinstance(t, _pe.DynamicJaxprTracer)
+    else None
+  )
+  if eqn is None:
+    return None
+  for i, o in enumerate(eqn.outvars):
+    if o is t.val:
+      return eqn, i
+  return None
+
+
+def forwarded_from(t: Any, prim: Primitive) -> tuple[dict, Any] | None:
+  """``(params, input tracer)`` of the ``prim`` equation that made ``t``.
+
+  Follows ``t`` back through optimization barriers (an output is its
+  operand at the same position) within ``t``'s jaxpr; None when ``t`` was
+  made by anything else, or is an input of the jaxpr being traced.
+  """
+  seen = 0
+  while seen < 10_000:
+    seen += 1
+    found = _producer(t)
+    if found is None:
+      return None
+    eqn, i = found
+    if eqn.primitive is prim:
+      return eqn.params, eqn.in_tracers[0]
+    if eqn.primitive.name not in _FORWARDING:
+      return None
+    t = eqn.in_tracers[i]
+  return None
+
+
+def unforwarded(t: Any) -> Any:
+  """``t`` before the optimization barriers it passed through (its jaxpr)."""
+  for _ in range(10_000):
+    found = _producer(t)
+    if found is None or found[0].primitive.name not in _FORWARDING:
+      return t
+    t = found[0].in_tracers[found[1]]
+  return t
+
+
+def same_value(t: Any, u: Any) -> bool:
+  """Whether ``t`` is ``u`` passed through optimization barriers only."""
+  if t is u:
+    return True
+  target = getattr(u, "val", None)
+  for _ in range(10_000):
+    if target is not None and getattr(t, "val", None) is target:
+      return True
+    found = _producer(t)
+    if found is None or found[0].primitive.name not in _FORWARDING:
+      return False
+    t = found[0].in_tracers[found[1]]
+  return False
+
+
+def reaches_inputs(t: Any) -> bool:
+  """Whether tracer ``t`` depends on an input of the jaxpr it is traced in.
+
+  In a tangent jaxpr the inputs are the tangents; a value that depends on
+  none of them (an instantiated zero, a function of residuals only) is a
+  constant, which JAX evaluates rather than transposes.
+  """
+  if not isinstance(t, _pe.DynamicJaxprTracer):
+    return False
+  frame = getattr(t._trace, "frame", None)
+  if frame is None:
+    return False
+  inputs = {id(v) for v in frame.invars}
+  stack, seen = [t], set()
+  while stack:
+    u = stack.pop()
+    if id(u) in seen:
+      continue
+    seen.add(id(u))
+    if id(getattr(u, "val", None)) in inputs:
+      return True
+    eqn = getattr(u, "parent", None)
+    if eqn is not None and getattr(eqn.primitive, "ref_primitive", False):
+      return True  # a new Ref: JAX transposes everything that reads it
+    if eqn is not None:
+      stack.extend(
+        x for x in eqn.in_tracers if isinstance(x, _pe.DynamicJaxprTracer)
+      )
+  return False
 
 
 def tpu_device_kind() -> str | None:

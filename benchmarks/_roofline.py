@@ -96,10 +96,20 @@ def roofline(
     flops = 6 * m * d * (f // y)
     hbm = s * (3 * d * (f // y) + 2 * m * d + m * (f // y))
     links = 2 * s * (y - 1) * m * (d // y)
+  elif family == "mlp_train":
+    # Forward and backward: each of the two matmuls thrice (the product and
+    # the gradients of both operands). Weights read twice and their
+    # gradients written; the activations and their cotangents likewise.
+    # Links: the forward's gather and scatter, the backward's gather of the
+    # output cotangent and scatter of the input's (a weight gradient can
+    # reuse a gathered input, so its second gather is not counted).
+    flops = 12 * m * d * (f // y)
+    hbm = s * (6 * d * (f // y) + 4 * m * d + 3 * m * (f // y))
+    links = 4 * s * (y - 1) * m * (d // y)
   else:
     raise ValueError(
       f"roofline: unknown family {family!r}; use allgather, reducescatter, "
-      "allreduce, mlp, mlp_gated or mlp_sp_gated."
+      "allreduce, mlp, mlp_gated, mlp_sp_gated or mlp_train."
     )
   return Roofline(
     flops / peak, hbm / chip.hbm_bytes_per_s, links / link if y > 1 else 0.0

@@ -30,6 +30,12 @@ global ``(B, D, F)``:
   In[B_XY, D] -> Out[B_XY, D] (the tokens are gathered over Y, scattered
   back after the down projection; X is data parallel). At (B, D, F) =
   (4096, 8192, 28672) this is a Llama-3-70B MLP shard (``run.LLAMA``).
+- ``mlp_train``: the training step of ``mlp``, forward and backward:
+  ``jax.jit(jax.grad(loss))`` with ``loss = sum(out ** 2) / 2`` and the
+  gradients of all three arguments, sharded like them. Ours is
+  ``mlp_block``'s custom backward (three more rings of our kernels); ``jit``
+  is XLA's gradient of the plain program; ``ppermute`` differentiates the
+  chapter's ring (JAX transposes each ``lax.ppermute``).
 """
 
 import dataclasses
@@ -340,6 +346,9 @@ FAMILIES["mlp_sp_gated"] = Family(
   lib_kw=(("activation", jax.nn.silu), ("sequence_parallel", True)),
   **_GATED,
 )
+# Training steps: jit(grad) of a forward family (same shapes and shardings).
+TRAIN = {"mlp_train": "mlp"}
+FAMILIES.update({k: FAMILIES[v] for k, v in TRAIN.items()})
 KINDS = ("unsharded", "jit", "ppermute", "asyncops", "asyncops_bidi")
 KINDS_REF = ("asyncops_ref",)
 
@@ -357,10 +366,16 @@ def _build_family(name: str, mesh, precision):
   family, _, kind = name.partition(":")
   fam = FAMILIES[family]
   local = functools.partial(fam.local, precision=precision)
+  train = family in TRAIN
+  if train:
+    out_shardings = tuple(NamedSharding(mesh, s) for s in fam.in_specs)
+  else:
+    out_shardings = NamedSharding(mesh, fam.out_spec)
   if kind == "unsharded":
-    return jax.jit(local)
+    return jax.jit(_grad(local) if train else local)
   if kind == "jit":
-    return jax.jit(local, out_shardings=NamedSharding(mesh, fam.out_spec))
+    fn = _grad(local) if train else local
+    return jax.jit(fn, out_shardings=out_shardings)
   fns = {
     "ppermute": functools.partial(fam.ppermute, precision=precision),
     "asyncops": _lib_fn(fam.library, precision, fam.lib_kw, fam.kw_args),
@@ -379,11 +394,26 @@ def _build_family(name: str, mesh, precision):
       f"variant {name!r}: unknown kind {kind!r}; choose from "
       f"{KINDS + KINDS_REF}."
     )
-  return jax.jit(
-    jax.shard_map(
-      fns[kind], mesh=mesh, in_specs=fam.in_specs, out_specs=fam.out_spec
-    )
+  fn = jax.shard_map(
+    fns[kind], mesh=mesh, in_specs=fam.in_specs, out_specs=fam.out_spec
   )
+  if train:
+    return jax.jit(_grad(fn), out_shardings=out_shardings)
+  return jax.jit(fn)
+
+
+def _grad(fn):
+  """The training step of ``fn``: gradients of ``sum(fn(...) ** 2) / 2``
+  with respect to every argument (float32 loss)."""
+
+  def loss(*args):
+    y = fn(*args).astype(jnp.float32)
+    return 0.5 * jnp.sum(y * y)
+
+  def step(*args):
+    return jax.grad(loss, tuple(range(len(args))))(*args)
+
+  return step
 
 
 def build(name: str, mesh, *, precision=None):

@@ -519,8 +519,9 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--families",
-    default="allgather,reducescatter",
-    help="allgather,reducescatter,allreduce,mlp,mlp_gated,mlp_sp_gated",
+    default="allgather,reducescatter,mlp_train",
+    help="allgather,reducescatter,allreduce,mlp,mlp_gated,mlp_sp_gated,"
+    "mlp_train (the forward and backward step of mlp)",
   )
   p.add_argument(
     "--llama",

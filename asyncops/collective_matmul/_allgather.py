@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _gather_rings, _layout, _validate
+from asyncops.collective_matmul import _layout, _validate, _vjp
 
 
 def allgather_matmul(
@@ -145,8 +145,17 @@ def canonical(rows_form: bool, x, ws: tuple, axis_name: str, **options):
   implementations: ``options`` are ``n``, ``api``, ``bidirectional`` and
   ``return_gathered``; returns ``(outs, gathered)`` as the rings do.
   """
-  ring = _gather_rings.rows if rows_form else _gather_rings.contracting
-  return ring(x, ws, axis_name, **options)
+  # Differentiable with the backward on our own rings (``_vjp``).
+  return _vjp.gather(
+    rows_form,
+    x,
+    ws,
+    axis_name,
+    options["api"],
+    options["bidirectional"],
+    options["n"],
+    options.get("return_gathered", False),
+  )
 
 
 def _check_weights(lhs, ws: Sequence, names, fold: _layout.Fold, fn: str):

@@ -12,11 +12,13 @@ Non-divisible columns fall back correctly: ``rhs`` is padded with zero
 columns to a multiple of ``n`` and the padding is sliced off the result.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _reducescatter, _validate
+from asyncops.collective_matmul import _reducescatter, _validate, _vjp
 
 
 def matmul_allreduce(
@@ -62,6 +64,23 @@ def matmul_allreduce(
   _validate.operand(lhs, fn, "lhs", matrix=False)
   _validate.operand(rhs, fn, "rhs")
   n = _validate.axis(axis_name, fn)
+  if n > 1 and axis_name in jc.varying_axes(lhs):
+    # Differentiable with a local backward (``_vjp.allreduce``). An lhs
+    # that does not vary over the axis (shard_map(check_vma=False) types
+    # none) keeps JAX's rules: a ring backward, correct either way.
+    return _vjp.allreduce(
+      functools.partial(_forward, api=api, bidirectional=bidirectional, n=n),
+      lhs,
+      rhs,
+      axis_name,
+    )
+  return _forward(
+    lhs, rhs, axis_name, api=api, bidirectional=bidirectional, n=n
+  )
+
+
+def _forward(lhs, rhs, axis_name, *, api, bidirectional, n):
+  fn = "matmul_allreduce"
   f = rhs.shape[1]
   pad = -f % n
   with jax.named_scope(fn):

@@ -61,7 +61,15 @@ def chunks(me, s: int, n: int, bidirectional: bool):
   return jax.lax.rem(me + n - s, n), jax.lax.rem(me + s, n)
 
 
-def run(bufs, bidirectional: bool, axis_name: str, n: int, api: str, consume):
+def run(
+  bufs,
+  bidirectional: bool,
+  axis_name: str,
+  n: int,
+  api: str,
+  consume,
+  stash: list | None = None,
+):
   """Runs an all-gather ring.
 
   Args:
@@ -73,6 +81,11 @@ def run(bufs, bidirectional: bool, axis_name: str, n: int, api: str, consume):
     consume: ``consume(s, sent, carry) -> carry``, the work on the chunks
       held at step ``s`` (``sent``: the buffers as the transfer sees them;
       **read these**, never ``bufs``).
+    stash: if a list, ``bufs`` as the first transfer saw them (this
+      device's own chunk) are appended to it, for a caller that needs them
+      after the ring (a backward pass): reading them there costs no copy,
+      reading ``bufs`` would (the start kernel aliases its source in
+      place, so XLA copies a source that is read later).
 
   Returns:
     A function ``carry -> carry`` running the ``n`` steps.
@@ -85,7 +98,7 @@ def run(bufs, bidirectional: bool, axis_name: str, n: int, api: str, consume):
     shifts = (1, -1)
 
   def go(operands, carry):
-    ring = _ring.Ring(bufs, shifts, axis_name, api)
+    ring = _ring.Ring(bufs, shifts, axis_name, api, keep=stash is not None)
     for s in range(n - 1):
 
       def compute(sent, operands, carry, s=s):
@@ -94,7 +107,10 @@ def run(bufs, bidirectional: bool, axis_name: str, n: int, api: str, consume):
       with jax.named_scope(f"chunk{s}"):
         carry = ring.step(compute, operands, carry)
     with jax.named_scope(f"chunk{n - 1}"):
-      return consume(n - 1, ring.values(), operands, carry)
+      carry = consume(n - 1, ring.values(), operands, carry)
+    if stash is not None:
+      stash.append(ring.kept())
+    return carry
 
   return go
 
@@ -118,6 +134,7 @@ def contracting(
   api: str,
   bidirectional: bool,
   return_gathered: bool,
+  stash: list | None = None,
 ):
   """``[all_gather(x, axis=1, tiled) @ w for w in ws]`` on a ring.
 
@@ -129,6 +146,7 @@ def contracting(
     api: ``"value"`` or ``"ref"``.
     bidirectional: halves of ``x``'s rows travel both ways.
     return_gathered: also build ``all_gather(x, axis=1, tiled)``.
+    stash: see :func:`run`.
 
   Returns:
     ``(outs, gathered)``: a tuple of ``[M, f_i]`` in ``x.dtype``, and
@@ -175,7 +193,9 @@ def contracting(
           g = jax.lax.dynamic_update_slice(g, xj, (jnp.int32(0), c * k))
     return tuple(accs), g
 
-  accs, g = run(bufs, bidirectional, axis_name, n, api, consume)(ws, (accs, g))
+  accs, g = run(bufs, bidirectional, axis_name, n, api, consume, stash)(
+    ws, (accs, g)
+  )
   outs = tuple(a.reshape(m, a.shape[-1]).astype(dt) for a in accs)
   return outs, (None if g is None else g.reshape(m, n * k))
 
@@ -189,6 +209,7 @@ def rows(
   api: str,
   bidirectional: bool,
   return_gathered: bool,
+  stash: list | None = None,
 ):
   """``[all_gather(x, axis=1, tiled) @ w for w in ws]`` for ``x [P, R, k]``.
 
@@ -201,6 +222,7 @@ def rows(
     api: ``"value"`` or ``"ref"``.
     bidirectional: halves of every chunk travel both ways.
     return_gathered: also build ``all_gather(x, axis=1, tiled)``.
+    stash: see :func:`run`.
 
   Returns:
     ``(outs, gathered)``: a tuple of ``[P, n R, f_i]`` in ``x.dtype``, and
@@ -246,6 +268,8 @@ def rows(
             g = lay.write(g, x[a, i], j, i, cs[j])
     return tuple(outs), g
 
-  outs, g = run(bufs, bidirectional, axis_name, n, api, consume)(ws, (outs, g))
+  outs, g = run(bufs, bidirectional, axis_name, n, api, consume, stash)(
+    ws, (outs, g)
+  )
   outs = tuple(o.reshape(p, n * r, o.shape[-1]) for o in outs)
   return outs, (None if g is None else g.reshape(p, n * r, k))

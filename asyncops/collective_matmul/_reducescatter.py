@@ -9,7 +9,7 @@ unfolded by a reshape. See those modules for the algorithms.
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _layout, _scatter_rings, _validate
+from asyncops.collective_matmul import _layout, _validate, _vjp
 
 
 def matmul_reducescatter(
@@ -133,5 +133,13 @@ def canonical(rows_form: bool, x, w, axis_name: str, **options):
   The seam between the public function (validation, folding) and the
   implementations: ``options`` are ``n``, ``api`` and ``bidirectional``.
   """
-  ring = _scatter_rings.rows if rows_form else _scatter_rings.columns
-  return ring(x, w, axis_name, **options)
+  # Differentiable with the backward on our own rings (``_vjp``).
+  return _vjp.scatter(
+    rows_form,
+    x,
+    w,
+    axis_name,
+    options["api"],
+    options["bidirectional"],
+    options["n"],
+  )

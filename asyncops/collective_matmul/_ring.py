@@ -110,24 +110,46 @@ class Ring:
     >>> x_next, = ring.values()                         # doctest: +SKIP
   """
 
-  def __init__(self, sends, shifts, axis_name: str, api: str):
+  def __init__(self, sends, shifts, axis_name: str, api: str, keep=False):
     self.shifts, self.axis_name, self.api = tuple(shifts), axis_name, api
+    self.first = None
     if api == "ref":
       # Two Refs per buffer, alternating as source and destination (the
       # loop is unrolled, so which is which is static): no stacked [2, ...]
-      # copy of the initial value and no slot arithmetic.
+      # copy of the initial value and no slot arithmetic. ``keep``: the
+      # initial value gets a Ref of its own that is only ever a source, so
+      # it can be read after the ring without a copy (two more Refs
+      # alternate as destinations).
+      zeros = jax.numpy.zeros_like
       self.bufs = tuple(
-        (jax.new_ref(x), jax.new_ref(jax.numpy.zeros_like(x))) for x in sends
+        (jax.new_ref(x), jax.new_ref(zeros(x)))
+        + ((jax.new_ref(zeros(x)),) if keep else ())
+        for x in sends
       )
+      self.order = [0, 1] if not keep else [0, 1, 2]
       self.slot = 0
     else:
       self.current = tuple(sends)
+    self.keep = keep
+
+  def _next(self, slot: int) -> int:
+    if len(self.order) == 2:
+      return 1 - slot
+    return 2 if slot == 1 else 1  # 0 -> 1 -> 2 -> 1 -> ...
 
   def values(self) -> tuple[Any, ...]:
     """The buffers held now (what the last step received)."""
     if self.api == "ref":
       return tuple(b[self.slot][...] for b in self.bufs)
     return self.current
+
+  def kept(self) -> tuple[Any, ...]:
+    """The initial buffers as the first transfer saw them (``keep=True``):
+    readable after the ring at no copy, since nothing wrote them."""
+    assert self.keep
+    if self.api == "ref":
+      return tuple(b[0][...] for b in self.bufs)
+    return self.first
 
   def set(self, values) -> None:
     """Replaces the buffers to send next (e.g. an updated partial sum)."""
@@ -140,13 +162,20 @@ class Ring:
   def step(self, compute: Callable[..., Any], *operands: Any) -> Any:
     """One overlapped step; returns ``compute(sent, *operands)``."""
     if self.api == "value":
+      if self.keep and self.first is None:
+        inner = compute
+
+        def compute(sent, *operands):
+          self.first = tuple(sent)
+          return inner(sent, *operands)
+
       self.current, out = step(
         self.current, self.shifts, self.axis_name, compute, *operands
       )
       return out
     from asyncops import stateful
 
-    s, d = self.slot, 1 - self.slot
+    s, d = self.slot, self._next(self.slot)
     with jax.named_scope("ring_step"):
       futs = []
       for b, k in zip(self.bufs, self.shifts, strict=True):

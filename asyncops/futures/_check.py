@@ -412,10 +412,14 @@ def default_check(jaxpr, consts=()) -> None:
   _Flow(live, [None] * len(live.invars), lenient=True, note=_DEAD).run()
 
 
+# A done whose result is unused is removed with its whole transfer
+# (``_primitives._start_dce``); what is left is a split wait (``send_done``
+# kept, ``recv_done`` dropped, or the reverse), whose start must stay.
 _DEAD = (
-  " in the compiled program: its done's result is never used, so JAX "
-  "removes the done as dead code before compiling and the DMA is never "
-  "waited for. Use the done's result (e.g. add 0 * result to an output)"
+  " in the compiled program: one of its split waits (send_done / "
+  "recv_done) has a result nothing uses, so JAX removes that wait as dead "
+  "code and that half of the DMA is never waited for. Use its result, or "
+  "await with the op's done"
 )
 
 

@@ -68,6 +68,32 @@ def _recv_done_abstract(dst, *sems, spec):
   return dst
 
 
+# Dead code -------------------------------------------------------------------
+
+
+def _start_dce(used_outs, eqn):
+  """A start whose future nothing awaits any more is no transfer at all.
+
+  JAX removes a done whose result nothing reads (dead-code elimination
+  before lowering, inside every ``jit``/``shard_map``/loop body). Its
+  start then still returns the aliased source, which the program may use:
+  left alone, the compiled program would start a DMA it never waits for.
+  Since nobody reads what the transfer delivers (on any device: the
+  program is SPMD), the start becomes the identity on its source, and the
+  whole transfer goes, as any dead computation does. A future still
+  awaited somewhere (``send_done`` or ``recv_done`` only) keeps its start.
+  """
+  x1_used, future_used = used_outs[0], any(used_outs[1:])
+  if future_used:
+    return [True] * len(eqn.invars), eqn
+  if not x1_used:
+    return [False] * len(eqn.invars), None
+  return [True], jc.identity_eqn(eqn, eqn.invars[0], eqn.outvars[0])
+
+
+jc.register_dce_rule(start_p, _start_dce)
+
+
 # Emulation (every platform but TPU) ------------------------------------------
 
 
@@ -159,3 +185,6 @@ jc.register_lowering(
 )
 
 __all__ = ["start_p", "done_p", "send_done_p", "recv_done_p", "jax"]
+
+# Differentiation and batching rules register themselves on import.
+from asyncops.futures import _ad, _batching  # noqa: E402,F401

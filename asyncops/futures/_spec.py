@@ -11,11 +11,17 @@ from typing import Literal
 
 import numpy as np
 
-Kind = Literal["ppermute", "bidirectional", "all_gather", "copy"]
+Kind = Literal["ppermute", "bidirectional", "all_gather", "all_to_all", "copy"]
 Transfer = Literal["start", "done"]
 MemorySpace = Literal["any", "vmem"]
 
-KINDS: tuple[str, ...] = ("ppermute", "bidirectional", "all_gather", "copy")
+KINDS: tuple[str, ...] = (
+  "ppermute",
+  "bidirectional",
+  "all_gather",
+  "all_to_all",
+  "copy",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +37,8 @@ class OpSpec:
       by full mesh coordinates.
     axis_size: the size of ``axis_name`` (1 for a local copy).
     perm: ``(source, destination)`` pairs along ``axis_name``; for
-      ``bidirectional`` the rightward pairs (the leftward half is implied).
+      ``bidirectional`` the ring the first half of the rows travels
+      (shift +1 or -1; the second half goes the other way).
     gather_axis: for ``all_gather``, where the new axis goes.
     tiled: for ``all_gather``, concatenate instead of stacking.
     memory_space: where the destination lives (``copy`` only).

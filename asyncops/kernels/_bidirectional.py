@@ -31,6 +31,16 @@ always runs after ``send_done`` (or inside the combined done), so the
 source is held until the copy has read it and the destination is complete
 when it is returned.
 
+Reversed ring. When ``spec.perm`` is the ring ``i -> i - 1`` the halves
+swap directions: the first half goes to ``index - 1`` and the second to
+``index + 1``. That is the transpose of the default ring (the gradient of
+the row half that came from the left goes back to the left), so the
+backward pass of a bidirectional permute is one bidirectional kernel too.
+
+Split axis. The halves are taken along axis 0, except under ``jax.vmap``
+with the batch at axis 0: the rows are then axis 1 (``spec.gather_axis``)
+and each half is a strided DMA, so the batch needs no relayout.
+
 Limits. ``x.shape[0]`` must be even (checked by ``bidirectional_start``).
 On TPU each half is one DMA that Mosaic must be able to slice: 1-D halves
 must be whole tiles (and, on jax 0.9, 2-D arrays whole 128-lane rows);
@@ -50,17 +60,39 @@ from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
 
 
+def direction(spec: OpSpec) -> int:
+  """+1 when the first half travels to ``index + 1`` (the default), -1 when
+  ``spec.perm`` is the reversed ring (the transpose's transfer)."""
+  n = spec.axis_size
+  if n > 2 and spec.perm and (spec.perm[0][1] - spec.perm[0][0]) % n == n - 1:
+    return -1
+  return 1
+
+
 def neighbours(spec: OpSpec) -> tuple[jax.Array, jax.Array]:
-  """Traced ``(right, left)`` ring neighbours of this device."""
+  """Traced ``(right, left)`` ring neighbours of this device.
+
+  "right" receives the first half. It is ``index + 1`` for the default
+  ring and ``index - 1`` for the reversed one (``direction(spec) == -1``).
+  """
   n = spec.axis_size
   me = jax.lax.axis_index(spec.axis_name)
-  return jax.lax.rem(me + 1, n), jax.lax.rem(me + (n - 1), n)
+  plus, minus = jax.lax.rem(me + 1, n), jax.lax.rem(me + (n - 1), n)
+  return (plus, minus) if direction(spec) == 1 else (minus, plus)
+
+
+def split_axis(spec: OpSpec) -> int:
+  """The axis halved: 0, or 1 under ``jax.vmap`` with the batch at 0
+  (``spec.gather_axis`` holds it; the batch then needs no relayout)."""
+  return spec.gather_axis
 
 
 def halves(ref, spec: OpSpec):
-  """``(ref[:h], ref[h:])`` as ref views, ``h = spec.shape[0] // 2``."""
-  h = spec.shape[0] // 2
-  return ref.at[pl.ds(0, h)], ref.at[pl.ds(h, h)]
+  """The two halves of ``ref`` along ``split_axis(spec)``, as ref views."""
+  a = split_axis(spec)
+  h = spec.shape[a] // 2
+  lead = (slice(None),) * a
+  return ref.at[(*lead, pl.ds(0, h))], ref.at[(*lead, pl.ds(h, h))]
 
 
 def bidirectional_start_kernel(
@@ -164,23 +196,25 @@ def start(x, *, spec: OpSpec):
 
 
 def emulate(x, *, spec: OpSpec):
-  h = spec.shape[0] // 2
-  n = spec.axis_size
-  right = [(i, (i + 1) % n) for i in range(n)]
-  left = [(i, (i - 1) % n) for i in range(n)]
+  a = split_axis(spec)
+  lo, hi = jax.numpy.split(x, 2, axis=a)
+  n, d = spec.axis_size, direction(spec)
+  right = [(i, (i + d) % n) for i in range(n)]
+  left = [(i, (i - d) % n) for i in range(n)]
   return jax.numpy.concatenate(
     [
-      jax.lax.ppermute(x[:h], spec.axis_name, right),
-      jax.lax.ppermute(x[h:], spec.axis_name, left),
+      jax.lax.ppermute(lo, spec.axis_name, right),
+      jax.lax.ppermute(hi, spec.axis_name, left),
     ],
-    axis=0,
+    axis=a,
   )
 
 
 def validate(spec: OpSpec) -> None:
-  if not spec.shape or spec.shape[0] % 2:
+  a = split_axis(spec)
+  if len(spec.shape) <= a or spec.shape[a] % 2:
     raise ValueError(
-      f"bidirectional_start: x.shape = {spec.shape}; axis 0 must be even "
+      f"bidirectional_start: x.shape = {spec.shape}; axis {a} must be even "
       "(half of it goes each way). Pad x along axis 0, or use "
       "ppermute_start."
     )

@@ -81,3 +81,7 @@ def _load_all() -> None:
     from asyncops.kernels import _copy  # noqa: F401
   except ImportError:
     pass
+  try:
+    from asyncops.kernels import _all_to_all  # noqa: F401
+  except ImportError:
+    pass

@@ -186,3 +186,6 @@ def _ref_done_discharge(in_avals, out_avals, *args, spec, layout):
 
 jc.register_discharge(ref_start_p, _ref_start_discharge)
 jc.register_discharge(ref_done_p, _ref_done_discharge)
+
+# Differentiation rules register themselves on import.
+from asyncops.stateful import _ad  # noqa: E402,F401

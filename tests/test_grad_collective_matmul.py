@@ -1,0 +1,415 @@
+"""Gradients of the collective matmuls and ``mlp_block`` on 8 CPU devices.
+
+Their backward passes are ``jax.custom_vjp`` rules on our own rings
+(``asyncops.collective_matmul._vjp``). Every form (contracting and row
+gathers, batch dimensions, several weights, ``return_gathered``, the
+all-reduce matmul, gated and sequence-parallel MLP blocks), both APIs, one-
+and two-way rings, float32 and bfloat16, is differentiated with
+``jax.grad`` and compared with ``jax.grad`` of the ``jax.lax`` program it
+replaces; weights are replicated over the other mesh axis, so their
+cotangents are summed over it as JAX sums them. Also: ``jax.checkpoint``
+around them, ``jax.vmap`` of the gradient, second order, and the structure
+of the backward jaxpr (our ring kernels, no full gather of an operand).
+"""
+
+import functools
+
+import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncops import _jax_compat as jc
+from asyncops.collective_matmul import (
+  allgather_matmul,
+  matmul_allreduce,
+  matmul_reducescatter,
+  mlp_block,
+)
+
+RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
+
+
+@functools.cache
+def _mesh(shape=(2, 4)):
+  return jax.make_mesh(shape, ("x", "y"))
+
+
+def _spec(rank, dim):
+  return P(*[("y" if i == dim else None) for i in range(rank)])
+
+
+def _put(mesh, spec, x):
+  return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _data(shape, dtype, seed, scale=1.0):
+  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+  return x.astype(dtype)
+
+
+def _grads(f, args, specs, mesh, wrap=None):
+  """``jax.grad`` of ``sum(sin(f(...)))`` over every argument."""
+
+  def per_device(*a):
+    out = f(*a)
+    leaves = jax.tree.leaves(out)
+    local = sum(jnp.sum(jnp.sin(o.astype(jnp.float32))) for o in leaves)
+    # Summed over the axes it varies over (a replicated value once).
+    axes = tuple(sorted(jc.varying_axes(local)))
+    return jax.lax.psum(local, axes) if axes else local
+
+  body = per_device if wrap is None else wrap(per_device)
+  loss = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
+  args = [
+    jax.device_put(a, NamedSharding(mesh, s))
+    for a, s in zip(args, specs, strict=True)
+  ]
+  return jax.jit(jax.grad(loss, tuple(range(len(args)))))(*args)
+
+
+def _close(got, want, dtype, fan_in):
+  for g, w in zip(got, want, strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    g = np.asarray(g, np.float64)
+    w = np.asarray(w, np.float64)
+    scale = float(np.max(np.abs(w))) or 1.0
+    if dtype == "float32":
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
+    else:  # bf16 products, rounded in other orders
+      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
+      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
+
+
+def _check(ours, ref, shapes, specs, dtype, fan_in, mesh=None, wrap=None):
+  mesh = mesh or _mesh()
+  # Weights scaled by 1/sqrt(fan-in): outputs of order one.
+  args = [
+    _data(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
+    for k, s in enumerate(shapes)
+  ]
+  got = _grads(ours, args, specs, mesh, wrap)
+  want = _grads(ref, args, specs, mesh, wrap)
+  _close(got, want, dtype, fan_in)
+
+
+def _ag_ref(x, *ws, dim=-1):
+  g = jax.lax.all_gather(x, "y", axis=dim % x.ndim, tiled=True)
+  return tuple(g @ w for w in ws)
+
+
+# All-gather matmul -----------------------------------------------------------
+
+
+# (per-device lhs, gather_dim, weight widths, return_gathered)
+AG_FORMS = [
+  ((8, 16), -1, (24,), False),  # contracting
+  ((2, 4, 16), -1, (8, 16), True),  # batch dims, two weights, gathered
+  ((8, 32), 0, (16,), False),  # rows (sequence parallel)
+  ((2, 4, 32), 1, (8, 16), True),  # batch + rows, two weights, gathered
+]
+
+
+def _allgather_case(local, dim, fs, gathered, api, bidi, dtype="float32"):
+  n = _mesh().shape["y"]
+  rank = len(local)
+  d = dim % rank
+  k = local[-1] * (n if d == rank - 1 else 1)
+  glob = tuple(s * n if i == d else s for i, s in enumerate(local))
+  shapes = [glob] + [(k, f) for f in fs]
+  specs = (_spec(rank, d),) + (P(),) * len(fs)
+
+  def ours(x, *ws):
+    return allgather_matmul(
+      x,
+      ws if len(ws) > 1 else ws[0],
+      "y",
+      gather_dim=dim,
+      return_gathered=gathered,
+      api=api,
+      bidirectional=bidi,
+    )
+
+  def ref(x, *ws):
+    outs = _ag_ref(x, *ws, dim=dim)
+    result = outs if len(ws) > 1 else outs[0]
+    if gathered:
+      return result, jax.lax.all_gather(x, "y", axis=d, tiled=True)
+    return result
+
+  _check(ours, ref, shapes, specs, dtype, k)
+
+
+@pytest.mark.parametrize("api,bidi", RINGS)
+@pytest.mark.parametrize("local,dim,fs,gathered", AG_FORMS)
+def test_allgather_matmul_grad(local, dim, fs, gathered, api, bidi):
+  _allgather_case(local, dim, fs, gathered, api, bidi)
+
+
+# Matmul-reduce-scatter ------------------------------------------------------
+
+# (per-device lhs, scatter_dim, f)
+RS_FORMS = [
+  ((8, 16), -1, 32),  # columns
+  ((2, 4, 16), -1, 16),  # batch dims
+  ((16, 8), 0, 8),  # rows (sequence parallel)
+  ((2, 8, 16), 1, 8),  # batch + rows
+]
+
+
+def _reducescatter_case(local, dim, f, api, bidi, dtype="float32"):
+  rank = len(local)
+  d = dim % rank
+  k = local[-1]
+  n = _mesh().shape["y"]
+  # lhs sharded over y along its contracting dimension (k per device).
+  glob = local[:-1] + (k * n,)
+  shapes = [glob, (k * n, f)]
+  specs = (_spec(rank, rank - 1), P("y", None))
+
+  def ours(x, w):
+    return matmul_reducescatter(
+      x, w, "y", scatter_dim=dim, api=api, bidirectional=bidi
+    )
+
+  def ref(x, w):
+    return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=d, tiled=True)
+
+  _check(ours, ref, shapes, specs, dtype, k)
+
+
+@pytest.mark.parametrize("api,bidi", RINGS)
+@pytest.mark.parametrize("local,dim,f", RS_FORMS)
+def test_matmul_reducescatter_grad(local, dim, f, api, bidi):
+  _reducescatter_case(local, dim, f, api, bidi)
+
+
+@pytest.mark.parametrize("api,bidi", [("value", False), ("ref", True)])
+def test_matmul_allreduce_grad(api, bidi):
+  def ours(x, w):
+    return matmul_allreduce(x, w, "y", api=api, bidirectional=bidi)
+
+  def ref(x, w):
+    return jax.lax.psum(x @ w, "y")
+
+  # f = 30 does not divide by 4: padded columns get no gradient.
+  _check(
+    ours,
+    ref,
+    [(2, 4, 64), (64, 30)],
+    (P(None, None, "y"), P("y")),
+    *(
+      "float32",
+      16,
+    ),
+  )
+
+
+def test_allreduce_backward_has_no_communication():
+  """The all-reduce matmul's cotangent is the same on every device: its
+  backward is two local matmuls."""
+  mesh = _mesh()
+
+  def loss(x, w):
+    y = matmul_allreduce(x, w, "y")
+    return jax.lax.psum(jnp.sum(jnp.sin(y)), "x")
+
+  f = jax.shard_map(
+    loss, mesh=mesh, in_specs=(P("x", "y"), P("y")), out_specs=P()
+  )
+  args = (
+    _put(mesh, P("x", "y"), jnp.ones((8, 32))),
+    _put(mesh, P("y"), jnp.ones((32, 16))),
+  )
+  fwd = str(jax.make_jaxpr(f)(*args))
+  text = str(jax.make_jaxpr(jax.grad(f, (0, 1)))(*args))
+  for prim in ("asyncops_start", "all_gather"):
+    assert text.count(prim) == fwd.count(prim) > 0, prim
+  assert "psum_scatter" not in text and "reduce_scatter" not in text
+
+
+# mlp_block -------------------------------------------------------------------
+
+
+def _mlp_ref(x, w_in, w_out, w_gate=None, *, dim=-1, act=jax.nn.gelu):
+  d = dim % x.ndim
+  g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
+  h = act(g @ w_in) if w_gate is None else act(g @ w_gate) * (g @ w_in)
+  return jax.lax.psum_scatter(h @ w_out, "y", scatter_dimension=d, tiled=True)
+
+
+def _mlp_case(sp, gated, api, bidi, dtype="float32", wrap=None):
+  n, d, f = 4, 64, 64
+  if sp:  # x [b, s/n, d], sharded along the tokens
+    glob, xspec, dim = (2, 8 * n, d), P(None, "y", None), 1
+  else:  # x [m, d/n], data over x too
+    glob, xspec, dim = (8, d), P("x", "y"), -1
+  shapes = [glob, (d, f), (f, d)] + ([(d, f)] if gated else [])
+  specs = (xspec, P(None, "y"), P("y", None)) + (
+    (P(None, "y"),) if gated else ()
+  )
+  act = jax.nn.silu if gated else jax.nn.gelu
+
+  def ours(x, w_in, w_out, *g):
+    return mlp_block(
+      x,
+      w_in,
+      w_out,
+      "y",
+      w_gate=g[0] if g else None,
+      activation=act,
+      sequence_parallel=sp,
+      sequence_dim=dim,
+      api=api,
+      bidirectional=bidi,
+    )
+
+  def ref(x, w_in, w_out, *g):
+    return _mlp_ref(x, w_in, w_out, *g, dim=dim, act=act)
+
+  _check(ours, ref, shapes, specs, dtype, d, wrap=wrap)
+
+
+@pytest.mark.parametrize("api,bidi", RINGS)
+@pytest.mark.parametrize("sp,gated", [(False, False), (True, True)])
+def test_mlp_block_grad(sp, gated, api, bidi):
+  _mlp_case(sp, gated, api, bidi)
+
+
+@pytest.mark.parametrize("api", ["value", "ref"])
+def test_mlp_block_grad_bf16(api):
+  _mlp_case(False, True, api, True, "bfloat16")
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [None, jax.checkpoint_policies.nothing_saveable],
+  ids=["default", "nothing_saveable"],
+)
+def test_checkpoint(policy):
+  """``jax.checkpoint`` around the block: the forward rings run again in the
+  backward, the gradients do not change."""
+  _mlp_case(
+    True,
+    False,
+    "value",
+    True,
+    wrap=lambda f: jax.checkpoint(f, policy=policy),
+  )
+
+
+@hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
+@hypothesis.given(
+  which=st.sampled_from(["allgather", "reducescatter"]),
+  form=st.integers(0, 3),
+  ring=st.sampled_from(RINGS),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+def test_hypothesis(which, form, ring, dtype):
+  api, bidi = ring
+  if which == "allgather":
+    local, dim, fs, gathered = AG_FORMS[form]
+    _allgather_case(local, dim, fs, gathered, api, bidi, dtype)
+  else:
+    local, dim, f = RS_FORMS[form]
+    _reducescatter_case(local, dim, f, api, bidi, dtype)
+
+
+# Other transformations and structure ---------------------------------------
+
+
+def test_vmap_of_grad_and_second_order():
+  """``vmap`` batches the custom backward; ``grad`` of a gradient runs
+  through the backward rings' own rules."""
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"))
+
+  def make(fn):
+    def loss(x, w):
+      y = fn(x, w)
+      return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
+
+    return jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+
+  ours = make(lambda x, w: allgather_matmul(x, w, "y"))
+  ref = make(lambda x, w: _ag_ref(x, w)[0])
+  xs = _put(mesh, P(None, "x", "y"), _data((3, 8, 16), "float32", 0))
+  w = _put(mesh, P(None, "y"), _data((16, 8), "float32", 1, 0.25))
+  got = jax.jit(jax.vmap(jax.grad(ours), (0, None)))(xs, w)
+  want = jax.jit(jax.vmap(jax.grad(ref), (0, None)))(xs, w)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+  def second(f):
+    return jax.jit(jax.grad(lambda x, w: jnp.sum(jax.grad(f, 1)(x, w) ** 2)))
+
+  np.testing.assert_allclose(
+    second(ours)(xs[0], w), second(ref)(xs[0], w), rtol=1e-4, atol=1e-5
+  )
+
+
+def test_backward_is_our_rings():
+  """The backward jaxpr of ``mlp_block`` runs our start/done kernels (at
+  least as many transfers as the forward) and gathers nothing in full."""
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+
+  def loss(x, w_in, w_out):
+    y = mlp_block(x, w_in, w_out, "y")
+    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
+
+  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+  args = tuple(
+    _put(mesh, p, jnp.ones(s))
+    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
+  )
+  fwd = str(jax.make_jaxpr(f)(*args))
+  both = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(*args))
+  n_fwd = fwd.count("asyncops_start[")
+  assert n_fwd == 6  # two rings of n - 1 = 3 transfers
+  # Three backward rings: the up projection's scatter (dx) and gather
+  # (dw_in); the down projection's one gather of g feeding dh and dw_out.
+  assert both.count("asyncops_start[") == n_fwd + 9
+  for collective in ("all_gather[", "psum_scatter[", "reduce_scatter["):
+    assert collective not in both, collective
+
+
+def test_jvp_is_refused_with_jax_error():
+  """Forward mode through a custom backward is JAX's documented limit: the
+  collective matmuls are reverse-mode only (``design/training.md``)."""
+  mesh = _mesh()
+  f = jax.shard_map(
+    lambda x, w: allgather_matmul(x, w, "y"),
+    mesh=mesh,
+    in_specs=(P("x", "y"), P()),
+    out_specs=P("x", "y"),
+  )
+  x = _put(mesh, P("x", "y"), jnp.ones((8, 16)))
+  w = _put(mesh, P(), jnp.ones((16, 8)))
+  with pytest.raises(TypeError, match="forward-mode autodiff"):
+    jax.jit(lambda x, w: jax.jvp(f, (x, w), (x, w)))(x, w)
+
+
+def test_unused_gradient_ring_is_removed():
+  """Gradients of the weights only: the up projection's input-gradient
+  ring is dead code and goes entirely (its starts too, see
+  ``futures._primitives._start_dce``), leaving two backward rings."""
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+
+  def loss(x, w_in, w_out):
+    y = mlp_block(x, w_in, w_out, "y")
+    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
+
+  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+  args = tuple(
+    _put(mesh, p, jnp.ones(s))
+    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
+  )
+  traced = jax.jit(jax.grad(f, (1, 2))).trace(*args).jaxpr
+  live = str(jc.without_dead_code(traced.jaxpr))
+  assert live.count("asyncops_start[") == 6 + 6
+  assert live.count("asyncops_done[") == 6 + 6
