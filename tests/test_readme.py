@@ -132,3 +132,16 @@ def test_other_commands_answer_help(cmd):
   assert r.returncode == 0, r.stderr
   for flag in re.findall(r"(--[\w-]+)", cmd):
     assert flag in r.stdout, (cmd, flag)
+
+
+def test_opens_with_the_two_setup_commands():
+  """The first command block is `make demo` and `make test`, both of which
+  create .venv/ when it is missing (the Makefile's stamp rule)."""
+  first = _blocks("sh")[0]
+  assert [ln.split()[:2] for ln in first.splitlines()] == [
+    ["make", "demo"],
+    ["make", "test"],
+  ]
+  makefile = (README.parent / "Makefile").read_text()
+  for target in ("demo", "test"):
+    assert re.search(rf"^{target}: \$\(STAMP\)", makefile, re.M), target
