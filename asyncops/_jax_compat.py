@@ -17,6 +17,7 @@ uses the names defined there.
 
 import contextlib
 import contextvars
+import functools as _functools
 import inspect as _inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -829,8 +830,19 @@ from jax._src.interpreters import ad as _ad  # noqa: E402 (linearization hook)
 
 def register_linearization(prim: Primitive, rule: Callable[..., Any]) -> None:
   """``rule(is_vjp, nonzeros, *primals, **params) -> (primal_out,
-  nonzeros_out, residuals, linearized)``, as for ``jax.lax.sin``."""
-  _ad.primitive_linearizations[prim] = rule
+  nonzeros_out, residuals, linearized)``, as for ``jax.lax.sin``.
+
+  jax 0.9 calls linearization rules without ``is_vjp`` (added in 0.10);
+  there the rule sees ``is_vjp=False``."""
+  if _LIN_HAS_IS_VJP:
+    _ad.primitive_linearizations[prim] = rule
+  else:
+    _ad.primitive_linearizations[prim] = _functools.partial(rule, False)
+
+
+_LIN_HAS_IS_VJP = (
+  "is_vjp" in _inspect.signature(_ad.LinearizeTrace.__init__).parameters
+)
 
 
 def current_trace() -> Any:

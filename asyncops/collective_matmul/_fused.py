@@ -602,7 +602,7 @@ def matmul_allreduce(lhs, rhs, axis_name: str, *, directions: int = 2):
   if pad:
     rhs = jnp.pad(rhs, ((0, 0), (0, pad)))
   block = matmul_reducescatter(lhs, rhs, axis_name, directions=directions)
-  out = jax.lax.all_gather(block, axis_name, axis=1, tiled=True, to="invarying")
+  out = jc.all_gather_invariant(block, axis_name, axis=1, tiled=True)
   return out[:, :f] if pad else out
 
 

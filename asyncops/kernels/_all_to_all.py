@@ -93,7 +93,7 @@ def start(x, *, spec: OpSpec):
   return pl.pallas_call(
     functools.partial(all_to_all_start_kernel, spec=spec),
     out_shape=(
-      jax.ShapeDtypeStruct.like(x),
+      c.shape_like(x),
       c.shape_like(x),
       c.DMA,
       c.DMA,
