@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops import _jax_compat as jc
 from asyncops import stateful
 from asyncops.scheduling import fori_loop, staggered
 
@@ -238,7 +239,7 @@ def _backward_eqns(fn, *args):
   def walk(j):
     for e in j.eqns:
       eqns.append(e)
-      for sub in jax.extend.core.jaxprs_in_params(e.params):
+      for sub in jc.jaxprs_in_params(e.params):
         walk(sub)
 
   walk(jaxpr.jaxpr)
