@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# The suite runs a worker per core (pytest-xdist); TEST_WORKERS=0 runs it
+# in one process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal tests
 
 # Many generated loop programs (tests/test_loop_fuzz.py), each compiled for
 # a TPU topology and run on CPU; prints how many programs, copies and
