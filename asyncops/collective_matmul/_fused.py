@@ -291,13 +291,29 @@ def _ag_tpu(
     collective_id=collective_id,
     quantized=quantized,
   )
-  if plan.spec is None:
-    raise ValueError(f"allgather_matmul(method='fused'): {plan.reason}")
-  spec = plan.spec
+  spec = _planned(plan, "allgather_matmul")
   scales = None
   if quantized:
     x, scales = quantize(x, spec.directions)
   x = x.astype(spec.dtype)
+
+  def run(me, xp, shape, sp):
+    return agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp)
+
+  return _by_panels(run, plan, x, w, spec.f, out_dtype, axis_name, scales)
+
+
+def _planned(plan, fn: str):
+  """``plan``'s kernel spec; a ``ValueError`` with its reason if none."""
+  if plan.spec is None:
+    raise ValueError(f"{fn}(method='fused'): {plan.reason}")
+  return plan.spec
+
+
+def _by_panels(run, plan, x, w, cols, out_dtype, axis_name, scales=None):
+  """``run(me, x_panel, out_shape, scales_panel)`` for each row panel of
+  ``plan`` (each in a ``panel<p>`` scope), concatenated."""
+  spec = plan.spec
   me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
   outs = []
   for p in range(plan.panels):
@@ -305,8 +321,8 @@ def _ag_tpu(
     xp = x[rows] if plan.panels > 1 else x
     sp = None if scales is None else scales[:, rows]
     with jax.named_scope(f"panel{p}"):
-      shape = _common.shape_joint((spec.m, spec.f), jnp.dtype(out_dtype), xp, w)
-      outs.append(agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp))
+      shape = _common.shape_joint((spec.m, cols), jnp.dtype(out_dtype), xp, w)
+      outs.append(run(me, xp, shape, sp))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
 
 
@@ -532,17 +548,12 @@ def _rs_tpu(
     mesh_axes=mesh_axes,
     collective_id=collective_id,
   )
-  if plan.spec is None:
-    raise ValueError(f"matmul_reducescatter(method='fused'): {plan.reason}")
-  spec = plan.spec
-  me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-  outs = []
-  for p in range(plan.panels):
-    xp = x[p * spec.m : (p + 1) * spec.m] if plan.panels > 1 else x
-    with jax.named_scope(f"panel{p}"):
-      shape = _common.shape_joint((spec.m, spec.c), jnp.dtype(out_dtype), xp, w)
-      outs.append(rsk.run(me, xp, w, spec=spec, out_shape=shape))
-  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+  spec = _planned(plan, "matmul_reducescatter")
+
+  def run(me, xp, shape, _):
+    return rsk.run(me, xp, w, spec=spec, out_shape=shape)
+
+  return _by_panels(run, plan, x, w, spec.c, out_dtype, axis_name)
 
 
 jc.register_lowering(
