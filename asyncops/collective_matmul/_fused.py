@@ -365,7 +365,18 @@ def allgather_matmul(
     ``[m, f]`` in ``lhs.dtype``.
 
   Example:
-    >>> out = allgather_matmul(a, w, "y")  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("y",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P(None, "y"), P(None, "y")),
+    ...                out_specs=P(None, "y"))
+    ... def f(a, w):
+    ...   return allgather_matmul(a, w, "y")
+    >>> a = jnp.arange(8.0 * 16).reshape(8, 16) % 5
+    >>> w = jnp.arange(16.0 * 8).reshape(16, 8) % 3
+    >>> bool((f(a, w) == a @ w).all())
+    True
   """
   quantized = _transfer(transfer)
   n = int(jax.lax.axis_size(axis_name))
@@ -582,7 +593,18 @@ def matmul_reducescatter(lhs, rhs, axis_name: str, *, directions: int = 2):
     ``[m, c]`` in ``lhs.dtype``.
 
   Example:
-    >>> out = matmul_reducescatter(h, w2, "y")  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("y",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P(None, "y"), P("y", None)),
+    ...                out_specs=P(None, "y"))
+    ... def f(h, w2):
+    ...   return matmul_reducescatter(h, w2, "y")
+    >>> h = jnp.arange(8.0 * 16).reshape(8, 16) % 5
+    >>> w2 = jnp.arange(16.0 * 8).reshape(16, 8) % 3
+    >>> bool((f(h, w2) == h @ w2).all())
+    True
   """
   n = int(jax.lax.axis_size(axis_name))
   mesh = jax.sharding.get_abstract_mesh()
@@ -605,7 +627,18 @@ def matmul_allreduce(lhs, rhs, axis_name: str, *, directions: int = 2):
   it behind). Columns that do not divide the axis size are padded.
 
   Example:
-    >>> out = matmul_allreduce(a, w, "y")  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("y",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P(None, "y"), P("y", None)),
+    ...                out_specs=P())
+    ... def f(a, w):
+    ...   return matmul_allreduce(a, w, "y")
+    >>> a = jnp.arange(8.0 * 16).reshape(8, 16) % 5
+    >>> w = jnp.arange(16.0 * 12).reshape(16, 12) % 3  # 12: padded to 16
+    >>> bool((f(a, w) == a @ w).all())
+    True
   """
   n = int(jax.lax.axis_size(axis_name))
   f = rhs.shape[1]
