@@ -50,6 +50,8 @@ class Variant:
   wait_alias: bool = True  # the wait kernel aliases the received buffer
   plus_one: bool = False  # return the received buffer + 1 (computed)
   xla: str = ""  # "ppermute" / "all_gather": XLA's own collective instead
+  computed_x: bool = False  # the start sends 2 x (a computed source)
+  wait_reads_x: bool = True  # without alias: the wait kernel takes x too
 
 
 VARIANTS = {
@@ -90,7 +92,10 @@ def _start_kernel(v: Variant):
 
 
 def _wait_kernel(v: Variant):
-  def kernel(x_ref, y_ref, send, recv, o_ref):
+  def kernel(*refs):
+    # A wait that does not take x waits for the send on y (the same size).
+    reads_x = v.alias or v.wait_reads_x
+    x_ref, y_ref, send, recv, o_ref = refs if reads_x else refs[:1] + refs
     del o_ref
     pltpu.make_async_copy(x_ref, x_ref, send).wait()
     if v.remote:
@@ -108,6 +113,8 @@ def program(v: Variant):
       return jax.lax.ppermute(x, "i", ring)
     if v.xla == "all_gather":
       return jax.lax.all_gather(x[: SHARD[0] // 8], "i", tiled=True)
+    if v.computed_x:
+      x = x * 2.0
     sd = jax.ShapeDtypeStruct(x.shape, x.dtype)
     out = pltpu.HBM(x.shape, x.dtype) if v.out_hbm else sd
     sem = pltpu.SemaphoreType.DMA(())
@@ -130,14 +137,15 @@ def program(v: Variant):
       x, y, s, r = res
     else:
       (y, s, r), x = res, pin(x)
+    ins = (x, y, s, r) if v.alias or v.wait_reads_x else (y, s, r)
     got = pl.pallas_call(
       _wait_kernel(v),
       out_shape=out,
-      in_specs=[_ANY, _ANY, _SEM, _SEM],
+      in_specs=[_ANY] * (len(ins) - 2) + [_SEM, _SEM],
       out_specs=_ANY,
-      input_output_aliases={1: 0} if v.wait_alias else {},
+      input_output_aliases={len(ins) - 3: 0} if v.wait_alias else {},
       compiler_params=params,
-    )(x, y, s, r)
+    )(*ins)
     return got + 1.0 if v.plus_one else got
 
   return f

@@ -86,15 +86,21 @@ PROGRAMS = {
 }
 
 
-def measure(topology: str, name: str, remat: bool) -> dict:
-  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
-  f = PROGRAMS[name]
-  loss = jax.shard_map(
+def sharded_loss(f, mesh):
+  """``f``'s loss over the ``(x, y)`` mesh, summed over every device."""
+  # x * 2: the first start aliases a computed buffer, not the (undonated)
+  # parameter, which XLA would have to copy for any in-place kernel.
+  return jax.shard_map(
     lambda x, w: jax.lax.psum(f(x * 2, w), ("x", "y")),
     mesh=mesh,
     in_specs=(P("x", "y"), P()),
     out_specs=P(),
   )
+
+
+def measure(topology: str, name: str, remat: bool) -> dict:
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+  loss = sharded_loss(PROGRAMS[name], mesh)
   if remat:
     loss = jax.checkpoint(loss)
   args = (

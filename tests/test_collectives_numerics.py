@@ -20,7 +20,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import asyncops
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import (
   _all_gather,
   _bidirectional,
@@ -29,6 +28,7 @@ from asyncops.kernels import (
   _ppermute,
   _registry,
 )
+from asyncops.kernels._spec import OpSpec
 
 DTYPES = ("float32", "bfloat16", "int32")
 TRANSFERS = ("start", "done")

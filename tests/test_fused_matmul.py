@@ -17,17 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncops.collective_matmul import _auto, _fused
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _reducescatter_matmul as rsk
-
-
-def _mesh(shape):
-  n = int(np.prod(shape))
-  return jax.make_mesh(shape, ("x", "y"), devices=jax.devices()[:n])
+from tests import util as u
 
 
 def _ints(shape, dtype, seed):
@@ -37,6 +32,34 @@ def _ints(shape, dtype, seed):
 
 def _interpret():
   return pltpu.InterpretParams(detect_races=True)
+
+
+def _ag_spec(n, x, y, dtype, w_dtype, out_dtype, directions, **kw):
+  """The kernels' spec for chunks ``x`` and ``w`` ``y`` on ring ``"y"``."""
+  return agk.AgSpec(
+    "y",
+    ("x", "y"),
+    n,
+    x.shape[0],
+    x.shape[1],
+    y.shape[1],
+    dtype,
+    w_dtype,
+    out_dtype,
+    directions=directions,
+    bn=128,
+    collective_id=0,
+    **kw,
+  )
+
+
+def _one_kernel(kernels, x, y, spec, out_cols, out_dtype, **kw):
+  """The kernel bodies of ``kernels`` composed in one interpreted kernel."""
+  me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+  out = jax.ShapeDtypeStruct((x.shape[0], out_cols), out_dtype)
+  return kernels.one_kernel(
+    me, x, y, spec=spec, out_shape=out, interpret=_interpret(), **kw
+  )
 
 
 def _check_interpreter_output(capfd):
@@ -63,39 +86,13 @@ def test_allgather_kernel_bodies(mesh_shape, directions, blocks, dtype, capfd):
   w = _ints((n * 256, n * 128 * blocks), dtype, 1)
 
   def body(x, y):
-    spec = agk.AgSpec(
-      "y",
-      ("x", "y"),
-      n,
-      x.shape[0],
-      x.shape[1],
-      y.shape[1],
-      dtype.name,
-      dtype.name,
-      dtype.name,
-      directions=directions,
-      bn=128,
-      collective_id=0,
-    )
-    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
-    out = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), dtype)
-    return agk.one_kernel(
-      me, x, y, spec=spec, out_shape=out, interpret=_interpret()
-    )
+    name = dtype.name
+    spec = _ag_spec(n, x, y, name, name, name, directions)
+    return _one_kernel(agk, x, y, spec, y.shape[1], dtype)
 
-  mesh = _mesh(mesh_shape)
-  f = jax.jit(
-    jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(P("x", "y"), P(None, "y")),
-      out_specs=P("x", "y"),
-      check_vma=False,
-    )
-  )
-  got = f(
-    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
-    jax.device_put(w, NamedSharding(mesh, P(None, "y"))),
+  in_specs = (P("x", "y"), P(None, "y"))
+  got = u.run_sharded(
+    body, u.cpu_mesh(mesh_shape), in_specs, P("x", "y"), a, w, check_vma=False
   )
   want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(dtype)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -125,25 +122,11 @@ def test_reducescatter_kernel_bodies(mesh_shape, directions, blocks, capfd):
       bn=128,
       collective_id=0,
     )
-    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
-    out = jax.ShapeDtypeStruct((x.shape[0], spec.c), jnp.float32)
-    return rsk.one_kernel(
-      me, x, y, spec=spec, out_shape=out, interpret=_interpret()
-    )
+    return _one_kernel(rsk, x, y, spec, spec.c, jnp.float32)
 
-  mesh = _mesh(mesh_shape)
-  f = jax.jit(
-    jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(P("x", "y"), P("y", None)),
-      out_specs=P("x", "y"),
-      check_vma=False,
-    )
-  )
-  got = f(
-    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
-    jax.device_put(w, NamedSharding(mesh, P("y", None))),
+  in_specs = (P("x", "y"), P("y", None))
+  got = u.run_sharded(
+    body, u.cpu_mesh(mesh_shape), in_specs, P("x", "y"), a, w, check_vma=False
   )
   np.testing.assert_array_equal(np.asarray(got), np.asarray(a @ w))
   _check_interpreter_output(capfd)
@@ -190,7 +173,6 @@ FAMILIES = {
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
 def test_entry_points_equal_the_product(family, method, mesh_shape):
   name, shapes, in_specs, out_spec = FAMILIES[family]
-  mesh = _mesh(mesh_shape)
   (ash, wsh) = shapes(64, 32 * 8, 16 * 8)
   a, w = _ints(ash, jnp.float32, 4), _ints(wsh, jnp.float32, 5)
   fn = getattr(_auto, name)
@@ -198,37 +180,20 @@ def test_entry_points_equal_the_product(family, method, mesh_shape):
   def body(x, y):
     return fn(x, y, "y", method=method)
 
-  f = jax.jit(
-    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
-  )
-  args = [
-    jax.device_put(v, NamedSharding(mesh, s))
-    for v, s in zip((a, w), in_specs, strict=True)
-  ]
-  np.testing.assert_array_equal(np.asarray(f(*args)), np.asarray(a @ w))
+  got = u.run_sharded(body, u.cpu_mesh(mesh_shape), in_specs, out_spec, a, w)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(a @ w))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_fused_reference_dtypes(dtype):
   dtype = jnp.dtype(dtype)
-  mesh = _mesh((2, 4))
   a, w = _ints((32, 256), dtype, 6), _ints((256, 128), dtype, 7)
 
   def body(x, y):
     return _fused.allgather_matmul(x, y, "y")
 
-  f = jax.jit(
-    jax.shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(P("x", "y"), P(None, "y")),
-      out_specs=P("x", "y"),
-    )
-  )
-  got = f(
-    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
-    jax.device_put(w, NamedSharding(mesh, P(None, "y"))),
-  )
+  in_specs = (P("x", "y"), P(None, "y"))
+  got = u.run_sharded(body, u.cpu_mesh((2, 4)), in_specs, P("x", "y"), a, w)
   acc = jnp.int32 if dtype == jnp.int8 else jnp.float32
   want = jnp.dot(a, w, preferred_element_type=acc).astype(dtype)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -256,8 +221,7 @@ def test_plan_says_why_it_cannot_run(m, k, f, reason):
     jnp.bfloat16,
     jnp.bfloat16,
     directions=2,
-    precision="DEFAULT",
-    device_kind="TPU v5 lite",
+    **u.V5E_PLAN,
   )
   assert plan.spec is None and reason in plan.reason
 
@@ -272,8 +236,7 @@ def test_plan_refuses_types_without_an_mxu_path():
     jnp.int32,
     jnp.int32,
     directions=2,
-    precision="DEFAULT",
-    device_kind="TPU v5 lite",
+    **u.V5E_PLAN,
   )
   assert plan.spec is None and "int32" in plan.reason
 
@@ -294,27 +257,11 @@ def test_allgather_int8_transfer_kernel_bodies(
   w = _ints((n * 256, n * 128 * 2), w_dtype, 5)
 
   def body(x, y):
-    spec = agk.AgSpec(
-      "y",
-      ("x", "y"),
-      n,
-      x.shape[0],
-      x.shape[1],
-      y.shape[1],
-      "int8",
-      w_dtype,
-      "float32",
-      directions=directions,
-      bn=128,
-      collective_id=0,
-      quantized=True,
+    spec = _ag_spec(
+      n, x, y, "int8", w_dtype, "float32", directions, quantized=True
     )
     q, scales = _fused.quantize(x, directions)
-    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
-    out = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.float32)
-    return agk.one_kernel(
-      me, q, y, spec=spec, out_shape=out, interpret=_interpret(), scales=scales
-    )
+    return _one_kernel(agk, q, y, spec, y.shape[1], jnp.float32, scales=scales)
 
   def reference(x, y):
     deq = _fused.dequantize(*_fused.quantize(x, directions))
@@ -323,22 +270,11 @@ def test_allgather_int8_transfer_kernel_bodies(
       g, y.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
 
-  mesh = _mesh(mesh_shape)
-  args = (
-    jax.device_put(a, NamedSharding(mesh, P("x", "y"))),
-    jax.device_put(w, NamedSharding(mesh, P(None, "y"))),
-  )
+  mesh = u.cpu_mesh(mesh_shape)
+  in_specs = (P("x", "y"), P(None, "y"))
 
   def run(fn):
-    return jax.jit(
-      jax.shard_map(
-        fn,
-        mesh=mesh,
-        in_specs=(P("x", "y"), P(None, "y")),
-        out_specs=P("x", "y"),
-        check_vma=False,
-      )
-    )(*args)
+    return u.run_sharded(fn, mesh, in_specs, P("x", "y"), a, w, check_vma=False)
 
   got, want = np.asarray(run(body)), np.asarray(run(reference))
   # Equal up to float32 summation order (|terms| <= 12, 256 n of them); the

@@ -15,54 +15,32 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncops.collective_matmul import _auto, _fused
-from asyncops.inspect import analyze, parse_module, tpu_mesh
+from asyncops.inspect import analyze, parse_module
+from tests import util as u
 
 B, D, F = 1024, 2048, 8192
 TOPOLOGIES = ("v5e:2x4", "v6e:2x4")
 
 
-def _sds(mesh, shape, spec, dtype):
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-
 def _allgather(topology, fn, shape=(B, D, F), dtype=jnp.bfloat16, mesh=(2, 4)):
-  mesh = tpu_mesh(topology, mesh, ("x", "y"))
   b, d, f = shape
-  jitted = jax.jit(
-    jax.shard_map(
-      fn,
-      mesh=mesh,
-      in_specs=(P("x", "y"), P(None, "y")),
-      out_specs=P("x", "y"),
-    )
+  in_specs = (P("x", "y"), P(None, "y"))
+  return u.aot_sharded(
+    topology, fn, ((b, d), (d, f)), in_specs, P("x", "y"), dtype, mesh
   )
-  args = (
-    _sds(mesh, (b, d), P("x", "y"), dtype),
-    _sds(mesh, (d, f), P(None, "y"), dtype),
-  )
-  return jitted, args
 
 
-def _reducescatter(topology, fn, shape=(B, D, F), dtype=jnp.bfloat16):
-  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+def _reducescatter(
+  topology, fn, shape=(B, D, F), dtype=jnp.bfloat16, mesh=(2, 4)
+):
   b, d, f = shape
-  jitted = jax.jit(
-    jax.shard_map(
-      fn,
-      mesh=mesh,
-      in_specs=(P("x", "y"), P("y", None)),
-      out_specs=P("x", "y"),
-    )
+  in_specs = (P("x", "y"), P("y", None))
+  return u.aot_sharded(
+    topology, fn, ((b, f), (f, d)), in_specs, P("x", "y"), dtype, mesh
   )
-  args = (
-    _sds(mesh, (b, f), P("x", "y"), dtype),
-    _sds(mesh, (f, d), P("y", None), dtype),
-  )
-  return jitted, args
 
 
 def _compile(jitted, args):
@@ -186,8 +164,7 @@ def test_allgather_panels_when_the_accumulator_does_not_fit():
     jnp.bfloat16,
     jnp.bfloat16,
     directions=2,
-    precision="DEFAULT",
-    device_kind="TPU v5 lite",
+    **u.V5E_PLAN,
   )
   assert plan.panels > 1 and plan.spec.m * plan.panels == 8192
 
@@ -245,29 +222,15 @@ def test_reducescatter_sent_partial_sums_stay_small():
     jnp.bfloat16,
     jnp.bfloat16,
     directions=2,
-    precision="DEFAULT",
-    device_kind="TPU v5 lite",
+    **u.V5E_PLAN,
   )
   s = plan.spec
   assert plan.panels > 1
   assert (s.n - 1) * s.directions * s.m * s.ch * 2 <= 8 * 2**20
 
-  mesh = tpu_mesh("v5e:2x4", (1, 8), ("x", "y"))
-  f = jax.jit(
-    jax.shard_map(
-      functools.partial(_fused.matmul_reducescatter, axis_name="y"),
-      mesh=mesh,
-      in_specs=(P("x", "y"), P("y", None)),
-      out_specs=P("x", "y"),
-    )
-  )
-  text = _compile(
-    f,
-    (
-      _sds(mesh, (4096, 28672), P("x", "y"), jnp.bfloat16),
-      _sds(mesh, (28672, 8192), P("y", None), jnp.bfloat16),
-    ),
-  )
+  f = functools.partial(_fused.matmul_reducescatter, axis_name="y")
+  shape = (4096, 8192, 28672)
+  text = _compile(*_reducescatter("v5e:2x4", f, shape=shape, mesh=(1, 8)))
   assert len(_calls(text, "asyncops_ring_reducescatter_done")) == plan.panels
   assert not analyze(text).defensive_copies
 
@@ -277,7 +240,7 @@ def test_auto_per_family_at_decode_and_for_all_reduce():
   (HBM-bound), the reduce-scatter takes the fused kernel (XLA's
   reduce-scatter waits for the whole matmul); the all-reduce keeps XLA's
   all-reduce at the chapter's shape (its all-gather half cannot hide)."""
-  kw = {"precision": "DEFAULT", "device_kind": "TPU v5 lite"}
+  kw = u.V5E_PLAN
   ag = _auto.explain_allgather(16, 1024, 3584, 8, jnp.bfloat16, **kw)
   assert ag.method == "xla" and "HBM" in ag.reason
   rs = _auto.explain_reducescatter(16, 3584, 1024, 8, jnp.bfloat16, **kw)
@@ -291,25 +254,9 @@ def test_auto_per_family_at_decode_and_for_all_reduce():
 
 
 def test_auto_explains_its_choice():
-  c = _auto.explain_allgather(
-    16,
-    1024,
-    3584,
-    8,
-    jnp.bfloat16,
-    precision="DEFAULT",
-    device_kind="TPU v5 lite",
-  )
+  c = _auto.explain_allgather(16, 1024, 3584, 8, jnp.bfloat16, **u.V5E_PLAN)
   assert c.method == "xla" and "HBM" in c.reason
-  c = _auto.explain_allgather(
-    4096,
-    1024,
-    3584,
-    8,
-    jnp.bfloat16,
-    precision="DEFAULT",
-    device_kind="TPU v5 lite",
-  )
+  c = _auto.explain_allgather(4096, 1024, 3584, 8, jnp.bfloat16, **u.V5E_PLAN)
   assert c.method == "fused" and c.fused_us < c.xla_us
   c = _auto.explain_allgather(
     4096, 1000, 3584, 8, jnp.bfloat16, precision="DEFAULT", device_kind=None

@@ -540,8 +540,8 @@ def test_all_to_all_kernel_interpreted(mesh_shape, capfd):
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
 
-  from asyncops.futures._spec import OpSpec
   from asyncops.kernels import _common, _registry
+  from asyncops.kernels._spec import OpSpec
 
   n = mesh_shape[1]
   mesh = _mesh(mesh_shape, ("x", "y"))

@@ -16,94 +16,34 @@ batch; a staggered loop (whose carried futures transfer synchronously in
 the backward) still compiles copy-free.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import asyncops
-from asyncops import stateful
 from asyncops.inspect import analyze
-from asyncops.scheduling import fori_loop, staggered
+from examples import grad_windows
 from tests._hlo_util import tpu_mesh
 
 TOPOLOGIES = ("v5e:2x4", "v6e:2x4")
 ROWS, COLS = 512, 512  # per device
 
 
-def _window_value(start, done):
-  def f(x, w):
-    x1, fut = start(x)
-    z, fut = asyncops.overlap(fut, lambda x1, w: jnp.tanh(x1) @ w, x1, w)
-    y = done(fut)
-    return jnp.sum(jnp.sin(y)) * jnp.sum(z)
-
-  return f
-
-
-def _ref_ppermute(x, w):
-  a, b = jax.new_ref(x), jax.new_ref(jnp.zeros_like(x))
-  fut = stateful.ppermute_start(a, b, "y", shift=1)
-  z = jnp.tanh(x) @ w
-  stateful.ppermute_done(fut, a, b)
-  return jnp.sum(jnp.sin(b[...]) * z)
-
-
-def _ring(x, w):
-  def body(i, c):
-    x, acc = c
-    x1, fut = asyncops.ppermute_start(x, "y", shift=1)
-    acc, fut = asyncops.overlap(
-      fut, lambda x, acc: acc + jnp.tanh(x) @ w, x1, acc
-    )
-    return asyncops.ppermute_done(fut), acc
-
-  y, acc = fori_loop(0, 4, body, (x, jnp.zeros_like(x)))
-  return jnp.sum(jnp.sin(y)) + jnp.sum(acc**2)
-
-
+# The programs of examples/grad_windows.py, each with the kernel its reverse
+# transfer must be.
 PROGRAMS = {
-  "ppermute": (
-    _window_value(
-      lambda x: asyncops.ppermute_start(x, "y", shift=1),
-      asyncops.ppermute_done,
-    ),
-    "asyncops_ppermute",
-  ),
-  "bidirectional": (
-    _window_value(
-      lambda x: asyncops.bidirectional_start(x, "y"),
-      asyncops.bidirectional_done,
-    ),
-    "asyncops_bidirectional",
-  ),
-  "all_gather": (
-    _window_value(
-      lambda x: asyncops.all_gather_start(x, "y", axis=0, tiled=True),
-      asyncops.all_gather_done,
-    ),
-    "asyncops_all_to_all",
-  ),
-  "copy": (
-    _window_value(asyncops.copy_start, asyncops.copy_done),
-    "asyncops_copy",
-  ),
-  "ref_ppermute": (_ref_ppermute, "asyncops_ppermute"),
-  "fori_loop_ring": (_ring, "asyncops_ppermute"),
+  name: (grad_windows.PROGRAMS[example], kernel)
+  for name, example, kernel in [
+    ("ppermute", "ppermute", "asyncops_ppermute"),
+    ("bidirectional", "bidirectional", "asyncops_bidirectional"),
+    ("all_gather", "all_gather", "asyncops_all_to_all"),
+    ("copy", "copy", "asyncops_copy"),
+    ("ref_ppermute", "ref ppermute", "asyncops_ppermute"),
+    ("fori_loop_ring", "fori_loop ring", "asyncops_ppermute"),
+  ]
 }
-
-
-def _loss(f, mesh):
-  # x * 2: the first start aliases a computed buffer, not the (undonated)
-  # parameter, which XLA would have to copy for any in-place kernel.
-  return jax.shard_map(
-    lambda x, w: jax.lax.psum(f(x * 2, w), ("x", "y")),
-    mesh=mesh,
-    in_specs=(P("x", "y"), P()),
-    out_specs=P(),
-  )
+_loss = grad_windows.sharded_loss
 
 
 def _args(dtype=jnp.float32):
@@ -155,14 +95,7 @@ def test_staggered_backward_compiles_copy_free():
   """Futures carried across iterations are not paired (their reverse
   transfers are synchronous), but the program stays copy-free."""
   mesh = tpu_mesh("v5e:2x4", (2, 4), ("x", "y"))
-  start = functools.partial(asyncops.ppermute_start, axis_name="y", shift=1)
-
-  def f(x, w):
-    y, acc = staggered(
-      4, start, lambda i, x, acc: acc + jnp.tanh(x) @ w, x, jnp.zeros_like(x)
-    )
-    return jnp.sum(jnp.sin(y)) + jnp.sum(acc**2)
-
+  f = grad_windows.PROGRAMS["staggered"]
   report = analyze(jax.jit(jax.grad(_loss(f, mesh), (0, 1))), *_args())
   report.assert_no_defensive_copies()
   report.assert_no_inflight_copies()

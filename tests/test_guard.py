@@ -26,6 +26,7 @@ from asyncops.inspect import (
   hazards,
   tpu_mesh,
 )
+from benchmarks import edge_copies
 
 THIS = pathlib.Path(__file__).name
 V5E = "v5e:2x4"
@@ -285,53 +286,11 @@ def test_a_write_after_the_done_is_not_a_hazard():
 
 def _edge_kernel(remote: bool):
   """A start-like Pallas kernel: DMA x into a new buffer (local or remote)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import tpu as pltpu
-
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
-
-  def kernel(x_ref, y_ref, send, recv):
-    if remote:
-      me = jax.lax.axis_index("i")
-      pltpu.make_async_remote_copy(
-        x_ref,
-        y_ref,
-        send,
-        recv,
-        device_id=(jax.lax.rem(me + 1, 8),),
-        device_id_type=pl.DeviceIdType.MESH,
-      ).start()
-    else:
-      pltpu.make_async_copy(x_ref, y_ref, send).start()
-
-  def wait(y_ref, send, recv, o_ref):
-    del o_ref
-    pltpu.make_async_copy(y_ref, y_ref, send).wait()
-    if remote:
-      pltpu.make_async_copy(y_ref, y_ref, recv).wait()
-
-  def f(x):
-    x = x * 2.0  # a computed source: no parameter copy
-    sd = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    sem = pltpu.SemaphoreType.DMA(())
-    y, s, r = pl.pallas_call(
-      kernel,
-      out_shape=(sd, sem, sem),
-      in_specs=[any_spec],
-      out_specs=(any_spec, sem_spec, sem_spec),
-      compiler_params=pltpu.CompilerParams(has_side_effects=True),
-    )(x)
-    return pl.pallas_call(
-      wait,
-      out_shape=sd,
-      in_specs=[any_spec, sem_spec, sem_spec],
-      out_specs=any_spec,
-      input_output_aliases={0: 0},
-      compiler_params=pltpu.CompilerParams(has_side_effects=True),
-    )(y, s, r)
-
-  return f
+  return edge_copies.program(
+    edge_copies.Variant(
+      remote=remote, alias=False, computed_x=True, wait_reads_x=False
+    )
+  )
 
 
 @pytest.mark.parametrize("remote", [False, True])
@@ -359,56 +318,9 @@ def test_a_received_buffer_is_copied_at_the_program_edge_on_v5p(remote):
 
 
 def _aliasing_kernel(remote: bool):
-  """A start-like Pallas kernel that aliases its parameter, as ours do."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import tpu as pltpu
-
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  sem_spec = pl.BlockSpec(memory_space=pltpu.SEMAPHORE)
-
-  def kernel(x_ref, aliased_ref, y_ref, send, recv):
-    del aliased_ref
-    if remote:
-      me = jax.lax.axis_index("i")
-      pltpu.make_async_remote_copy(
-        x_ref,
-        y_ref,
-        send,
-        recv,
-        device_id=(jax.lax.rem(me + 1, 8),),
-        device_id_type=pl.DeviceIdType.MESH,
-      ).start()
-    else:
-      pltpu.make_async_copy(x_ref, y_ref, send).start()
-
-  def wait(x_ref, y_ref, send, recv, o_ref):
-    del o_ref
-    pltpu.make_async_copy(x_ref, x_ref, send).wait()
-    if remote:
-      pltpu.make_async_copy(y_ref, y_ref, recv).wait()
-
-  def f(x):
-    sd = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    sem = pltpu.SemaphoreType.DMA(())
-    x, y, s, r = pl.pallas_call(
-      kernel,
-      out_shape=(sd, sd, sem, sem),
-      in_specs=[any_spec],
-      out_specs=(any_spec, any_spec, sem_spec, sem_spec),
-      input_output_aliases={0: 0},
-      compiler_params=pltpu.CompilerParams(has_side_effects=True),
-    )(x)
-    y = pl.pallas_call(
-      wait,
-      out_shape=sd,
-      in_specs=[any_spec, any_spec, sem_spec, sem_spec],
-      out_specs=any_spec,
-      input_output_aliases={1: 0},
-      compiler_params=pltpu.CompilerParams(has_side_effects=True),
-    )(x, y, s, r)
-    return y + 1.0  # a computed result: no copy of the received buffer
-
-  return f
+  """A start-like Pallas kernel that aliases its parameter, as ours do; a
+  computed result (``+ 1``): no copy of the received buffer."""
+  return edge_copies.program(edge_copies.Variant(remote=remote, plus_one=True))
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import NamedSharding
@@ -223,3 +224,52 @@ PATTERNS = {
 }
 for _name, _f in PATTERNS.items():
   globals()[f"pattern_{_name}"] = _pattern(_f)
+
+
+# Sharded programs on CPU and on AOT TPU meshes --------------------------------
+
+# plan_*/explain_* keywords for a v5e at default precision.
+V5E_PLAN = {"precision": "DEFAULT", "device_kind": "TPU v5 lite"}
+
+
+def cpu_mesh(shape, names=MESH_AXES):
+  """A mesh over the first ``prod(shape)`` CPU devices."""
+  n = int(np.prod(shape))
+  return jax.make_mesh(shape, names, devices=jax.devices()[:n])
+
+
+def run_sharded(fn, mesh, in_specs, out_specs, *args, check_vma=True):
+  """``jit(shard_map(fn))`` of ``args``, each placed by its ``in_specs``."""
+  f = jax.jit(
+    jax.shard_map(
+      fn,
+      mesh=mesh,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      check_vma=check_vma,
+    )
+  )
+  placed = [
+    jax.device_put(a, NamedSharding(mesh, s))
+    for a, s in zip(args, in_specs, strict=True)
+  ]
+  return f(*placed)
+
+
+def sharded_sds(mesh, shape, spec, dtype):
+  """An abstract global array sharded by ``spec`` over ``mesh``."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def aot_sharded(topology, fn, shapes, in_specs, out_specs, dtype, mesh=(2, 4)):
+  """``(jitted, abstract args)`` of ``shard_map(fn)`` on an AOT TPU mesh of
+  ``topology`` with axes ``("x", "y")``, one argument per shape."""
+  mesh = tpu_mesh(topology, mesh, MESH_AXES)
+  jitted = jax.jit(
+    jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  )
+  args = tuple(
+    sharded_sds(mesh, s, p, dtype)
+    for s, p in zip(shapes, in_specs, strict=True)
+  )
+  return jitted, args

@@ -85,12 +85,23 @@ def allgather_matmul(
     NameError: ``axis_name`` is not bound.
 
   Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from asyncops.collective_matmul import allgather_matmul
+    >>> mesh = jax.make_mesh((8,), ("y",), axis_types=(AxisType.Auto,))
     >>> # Sequence parallel, gated: x [s/n, d], w_gate and w_up [d, f/n].
-    >>> @jax.shard_map(mesh=mesh, in_specs=(P("y"), P(None, "y"),
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P("y"), P(None, "y"),
     ...                P(None, "y")), out_specs=P(None, "y"))
     ... def f(x, w_gate, w_up):
     ...   g, u = allgather_matmul(x, (w_gate, w_up), "y", gather_dim=0)
-    ...   return jax.nn.silu(g) * u  # doctest: +SKIP
+    ...   return jax.nn.silu(g) * u
+    >>> x = jnp.arange(16.0 * 8).reshape(16, 8) % 5
+    >>> w_gate = jnp.ones((8, 16)) / 8
+    >>> w_up = jnp.arange(8.0 * 16).reshape(8, 16)
+    >>> want = jax.nn.silu(x @ w_gate) * (x @ w_up)
+    >>> bool(jnp.allclose(f(x, w_gate, w_up), want))
+    True
   """
   fn = "allgather_matmul"
   _validate.api(api, fn)

@@ -311,72 +311,73 @@ def resolve(method: str, explain, fn: str) -> tuple[str, Choice | None]:
   return choice.method, choice
 
 
-def allgather_matmul(lhs, rhs, axis_name: str, *, method: Method = "auto"):
-  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs`` by ``method``
-  (``"auto"``, ``"fused"`` or ``"xla"``; see the module docstring)."""
+def _run(fn: str, method, explain, cols: int, fused, xla, lhs, rhs, axis_name):
+  """Runs ``fused`` or ``xla`` on ``(lhs, rhs, axis_name)`` as ``method``
+  says (for ``"auto"``: as ``explain`` of the shapes, ``cols`` the result's
+  columns per device, chooses), inside a ``method_<run>`` named scope."""
   n = int(jax.lax.axis_size(axis_name))
   m, k = lhs.shape
   run, _ = resolve(
     method,
-    lambda: explain_allgather(
+    lambda: explain(
       m,
       k,
-      rhs.shape[1],
+      cols,
       n,
       lhs.dtype,
       precision=_fused.precision_name(),
       device_kind=device_kind(),
     ),
-    "allgather_matmul",
+    fn,
   )
   with jax.named_scope(f"method_{run}"):
     if run == "fused":
-      return _fused.allgather_matmul(lhs, rhs, axis_name)
-    return xla_allgather_matmul(lhs, rhs, axis_name)
+      return fused(lhs, rhs, axis_name)
+    return xla(lhs, rhs, axis_name)
+
+
+def allgather_matmul(lhs, rhs, axis_name: str, *, method: Method = "auto"):
+  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs`` by ``method``
+  (``"auto"``, ``"fused"`` or ``"xla"``; see the module docstring)."""
+  return _run(
+    "allgather_matmul",
+    method,
+    explain_allgather,
+    rhs.shape[1],
+    _fused.allgather_matmul,
+    xla_allgather_matmul,
+    lhs,
+    rhs,
+    axis_name,
+  )
 
 
 def matmul_reducescatter(lhs, rhs, axis_name: str, *, method: Method = "auto"):
   """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension=1, tiled=True)``
   by ``method``."""
-  n = int(jax.lax.axis_size(axis_name))
-  m, k = lhs.shape
-  run, _ = resolve(
-    method,
-    lambda: explain_reducescatter(
-      m,
-      k,
-      rhs.shape[1] // n,
-      n,
-      lhs.dtype,
-      precision=_fused.precision_name(),
-      device_kind=device_kind(),
-    ),
+  return _run(
     "matmul_reducescatter",
+    method,
+    explain_reducescatter,
+    rhs.shape[1] // int(jax.lax.axis_size(axis_name)),
+    _fused.matmul_reducescatter,
+    xla_matmul_reducescatter,
+    lhs,
+    rhs,
+    axis_name,
   )
-  with jax.named_scope(f"method_{run}"):
-    if run == "fused":
-      return _fused.matmul_reducescatter(lhs, rhs, axis_name)
-    return xla_matmul_reducescatter(lhs, rhs, axis_name)
 
 
 def matmul_allreduce(lhs, rhs, axis_name: str, *, method: Method = "auto"):
   """``psum(lhs @ rhs, axis_name)`` by ``method``."""
-  n = int(jax.lax.axis_size(axis_name))
-  m, k = lhs.shape
-  run, _ = resolve(
-    method,
-    lambda: explain_allreduce(
-      m,
-      k,
-      rhs.shape[1],
-      n,
-      lhs.dtype,
-      precision=_fused.precision_name(),
-      device_kind=device_kind(),
-    ),
+  return _run(
     "matmul_allreduce",
+    method,
+    explain_allreduce,
+    rhs.shape[1],
+    _fused.matmul_allreduce,
+    xla_matmul_allreduce,
+    lhs,
+    rhs,
+    axis_name,
   )
-  with jax.named_scope(f"method_{run}"):
-    if run == "fused":
-      return _fused.matmul_allreduce(lhs, rhs, axis_name)
-    return xla_matmul_allreduce(lhs, rhs, axis_name)

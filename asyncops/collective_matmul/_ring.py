@@ -79,8 +79,19 @@ def step(
     ``sends``) and ``compute``'s result.
 
   Example:
-    >>> (nxt,), acc = step((x,), (-1,), "y", lambda s, w: s[0] @ w, w)
-    ... # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("y",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P("y"), P()), out_specs=P("y"))
+    ... def f(x, w):
+    ...   (nxt,), acc = step((x,), (-1,), "y", lambda s, w: s[0] @ w, w)
+    ...   return nxt, acc
+    >>> nxt, acc = f(jnp.arange(8.0).reshape(8, 1), jnp.full((1, 1), 2.0))
+    >>> nxt.ravel().tolist()  # from the next device
+    [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 0.0]
+    >>> acc.ravel().tolist()  # this device's x @ w
+    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
   """
   with jax.named_scope("ring_step"):
     started = [
@@ -105,9 +116,18 @@ class Ring:
     api: ``"value"`` (futures) or ``"ref"`` (double-buffered Refs).
 
   Example:
-    >>> ring = Ring((x,), (-1,), "y", "value")         # doctest: +SKIP
-    >>> out = ring.step(lambda s, w: s[0] @ w, w)       # doctest: +SKIP
-    >>> x_next, = ring.values()                         # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("y",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P("y"), P()), out_specs=P("y"))
+    ... def f(x, w):
+    ...   ring = Ring((x,), (-1,), "y", "value")
+    ...   out = ring.step(lambda s, w: s[0] @ w, w)
+    ...   x_next, = ring.values()
+    ...   return x_next + out
+    >>> f(jnp.arange(8.0).reshape(8, 1), jnp.full((1, 1), 2.0)).ravel().tolist()
+    [1.0, 4.0, 7.0, 10.0, 13.0, 16.0, 19.0, 14.0]
   """
 
   def __init__(self, sends, shifts, axis_name: str, api: str, keep=False):

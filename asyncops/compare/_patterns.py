@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-import asyncops
+from asyncops import futures
 from asyncops import scheduling as sch
 from asyncops import stateful as st
 
@@ -31,7 +31,7 @@ def work(x):
 
 
 def _start_y(x, shift=1):
-  return asyncops.ppermute_start(x, Y, shift=shift)
+  return futures.ppermute_start(x, Y, shift=shift)
 
 
 def _roll(x, axis=Y, k=1):
@@ -51,7 +51,7 @@ def _empty(x):
 def basic_value(x, w):
   del w
   x, fut = _start_y(x)
-  return (asyncops.ppermute_done(fut),)
+  return (futures.ppermute_done(fut),)
 
 
 def basic_ref(x, w):
@@ -74,7 +74,7 @@ def op_between_value(x, w):
   del w
   x, fut = _start_y(x)
   z, fut = sch.overlap(fut, lambda x: x + 1.0, x)
-  return asyncops.ppermute_done(fut), z
+  return futures.ppermute_done(fut), z
 
 
 def op_between_ref(x, w):
@@ -96,7 +96,7 @@ def unrolled_value(n):
     del w
 
     def body(i, x):
-      return asyncops.ppermute_done(_start_y(x)[1])
+      return futures.ppermute_done(_start_y(x)[1])
 
     return (sch.fori_loop(0, n, body, x),)
 
@@ -154,7 +154,7 @@ def between_value(x, w):
   del w
   x, fut = _start_y(x)
   z, fut = sch.overlap(fut, work, x)
-  return asyncops.ppermute_done(fut), z
+  return futures.ppermute_done(fut), z
 
 
 def between_ref(x, w):
@@ -174,7 +174,7 @@ def between_lax(x, w):
 def matmul_value(x, w):
   x, fut = _start_y(x)
   z, fut = sch.overlap(fut, lambda x, w: x @ w, x, w)
-  return asyncops.ppermute_done(fut), z
+  return futures.ppermute_done(fut), z
 
 
 def matmul_ref(x, w):
@@ -192,9 +192,9 @@ def matmul_lax(x, w):
 def two_in_flight_value(x, w):
   del w
   x1, f1 = _start_y(x)
-  x2, f2 = asyncops.ppermute_start(x * 3.0, X, shift=1)
+  x2, f2 = futures.ppermute_start(x * 3.0, X, shift=1)
   z, (f1, f2) = sch.overlap((f1, f2), lambda a, b: work(a) * b, x1, x2)
-  return asyncops.ppermute_done(f1) + asyncops.ppermute_done(f2), z
+  return futures.ppermute_done(f1) + futures.ppermute_done(f2), z
 
 
 def two_in_flight_ref(x, w):
@@ -221,7 +221,7 @@ def ring_value(n):
     def body(i, x):
       x, fut = _start_y(x)
       z, fut = sch.overlap(fut, work, x)
-      return asyncops.ppermute_done(fut) + z
+      return futures.ppermute_done(fut) + z
 
     return (sch.fori_loop(0, n, body, x),)
 
@@ -263,12 +263,12 @@ def staggered_value(n):
 
     def body(i, carry):
       fut, acc = carry
-      x, fut = _start_y(asyncops.ppermute_done(fut))
+      x, fut = _start_y(futures.ppermute_done(fut))
       acc, fut = sch.overlap(fut, lambda x, a: a + work(x), x, acc)
       return fut, acc
 
     fut, acc = sch.fori_loop(0, n, body, (fut, acc))
-    return asyncops.ppermute_done(fut), acc
+    return futures.ppermute_done(fut), acc
 
   return f
 
@@ -356,9 +356,9 @@ def accumulate_lax(n):
 
 
 def all_gather_value(x, w):
-  x, fut = asyncops.all_gather_start(x, Y)
+  x, fut = futures.all_gather_start(x, Y)
   z, fut = sch.overlap(fut, lambda x, w: x @ w, x, w)
-  return asyncops.all_gather_done(fut), z
+  return futures.all_gather_done(fut), z
 
 
 def all_gather_ref(x, w):
@@ -377,9 +377,9 @@ def all_gather_lax(x, w):
 
 def copy_value(x, w):
   del w
-  x, fut = asyncops.copy_start(x)
+  x, fut = futures.copy_start(x)
   z, fut = sch.overlap(fut, work, x)
-  return asyncops.copy_done(fut), z
+  return futures.copy_done(fut), z
 
 
 def copy_ref(x, w):

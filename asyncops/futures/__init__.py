@@ -17,4 +17,4 @@ from asyncops.futures._emulation import emulation as emulation
 from asyncops.futures._future import Future as Future
 from asyncops.futures._future import FutureError as FutureError
 from asyncops.futures._future import NeverAwaitedWarning as NeverAwaitedWarning
-from asyncops.futures._spec import OpSpec as OpSpec
+from asyncops.kernels._spec import OpSpec as OpSpec

@@ -47,8 +47,8 @@ from jax.interpreters import ad
 
 from asyncops import _jax_compat as jc
 from asyncops.futures import _primitives as prims
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _registry
+from asyncops.kernels._spec import OpSpec
 
 _MISSING = object()
 

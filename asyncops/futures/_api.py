@@ -12,8 +12,8 @@ from asyncops import _jax_compat as jc
 from asyncops.futures import _check as _lifecycle
 from asyncops.futures import _emulation, _primitives, _validate
 from asyncops.futures._future import Future, FutureError, _user_frame
-from asyncops.futures._spec import MemorySpace, OpSpec
 from asyncops.kernels import _registry
+from asyncops.kernels._spec import MemorySpace, OpSpec
 
 
 def _start(x, spec: OpSpec):

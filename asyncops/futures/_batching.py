@@ -29,7 +29,7 @@ from jax.interpreters import batching
 from asyncops.futures import _ad
 from asyncops.futures import _primitives as prims
 from asyncops.futures._future import FutureError
-from asyncops.futures._spec import OpSpec
+from asyncops.kernels._spec import OpSpec
 
 
 def _source_axis(spec: OpSpec, b: int) -> int:

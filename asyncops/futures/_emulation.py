@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from asyncops import _jax_compat as jc
-from asyncops.futures._spec import Transfer
+from asyncops.kernels._spec import Transfer
 
 _TRANSFERS = ("start", "done")
 

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import jax
 
 from asyncops import _jax_compat as jc
-from asyncops.futures._spec import OpSpec
+from asyncops.kernels._spec import OpSpec
 
 State = Literal["inflight", "sent", "ready"]
 

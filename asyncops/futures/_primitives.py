@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common, _done, _registry
+from asyncops.kernels._spec import OpSpec
 
 
 def n_send(spec: OpSpec) -> int:

@@ -51,9 +51,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from asyncops import _jax_compat as jc
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
+from asyncops.kernels._spec import OpSpec
 
 
 def dst_shape(spec: OpSpec) -> tuple[int, ...]:

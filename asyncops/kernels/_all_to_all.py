@@ -43,9 +43,9 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
+from asyncops.kernels._spec import OpSpec
 
 
 def all_to_all_start_kernel(

@@ -109,10 +109,7 @@ class AgSpec:
   quantized: bool = False
 
   def __post_init__(self):
-    if self.directions not in (1, 2):
-      raise ValueError(f"directions must be 1 or 2, got {self.directions}")
-    if self.n < 2:
-      raise ValueError(f"the ring needs n >= 2 devices, got {self.n}")
+    c.check_ring(self.directions, self.n)
     if self.quantized and jnp.dtype(self.dtype) != jnp.int8:
       raise ValueError(f"quantized chunks travel as int8, got {self.dtype}")
     if self.k % self.directions or self.f % self.bn:
@@ -167,12 +164,6 @@ def _chunk(me, shift: int, s, n: int):
   return jax.lax.rem(me - shift * s + 2 * n * n, n)
 
 
-def _peer(spec: AgSpec, me, shift: int):
-  return c.peer(
-    spec.mesh_axes, spec.axis_name, jax.lax.rem(me + shift + spec.n, spec.n)
-  )
-
-
 # Kernel bodies ---------------------------------------------------------------
 
 
@@ -185,20 +176,8 @@ def start_kernel(
   n - 1, m, 128])``; each half's scales travel with it on its semaphores.
   """
   me = jax.lax.axis_index(spec.axis_name)
-  n, kh = spec.n, spec.kh
-  barrier = pltpu.get_barrier_semaphore()
-  # Each device tells the peers that send to it that it has entered.
-  senders = [jax.lax.rem(me - sh + n, n) for sh in spec.shifts]
-  for src in senders:
-    c.signal(barrier, spec.mesh_axes, spec.axis_name, src)
-  pl.semaphore_wait(barrier, len(senders))
-  if len(senders) > 1:
-    c.second_barrier(
-      spec.mesh_axes,
-      spec.axis_name,
-      [(src, True) for src in senders],
-      len(senders),
-    )
+  kh = spec.kh
+  c.ring_barrier(spec, me)
   for d, sh in enumerate(spec.shifts):
     pairs = [(x_ref.at[:, pl.ds(d * kh, kh)], recv_ref.at[d, 0])]
     if scales is not None:
@@ -209,7 +188,7 @@ def start_kernel(
         dst,
         send_sems.at[d, 0],
         recv_sems.at[d, 0],
-        device_id=_peer(spec, me, sh),
+        device_id=c.ring_peer(spec, me, sh),
         device_id_type=pl.DeviceIdType.MESH,
       ).start()
 
@@ -295,7 +274,7 @@ def compute_kernel(*refs, spec: AgSpec):
             buf.at[dd, s + 1],
             send_sems.at[dd, s + 1],
             recv_sems.at[dd, s + 1],
-            device_id=_peer(spec, me, sh),
+            device_id=c.ring_peer(spec, me, sh),
             device_id_type=pl.DeviceIdType.MESH,
           ).start()
 

@@ -127,6 +127,42 @@ def second_barrier(mesh_axes, axis_name, peers_to_signal, count) -> None:
   pl.run_scoped(body, pltpu.SemaphoreType.REGULAR)
 
 
+def ring_peer(spec, me: jax.Array, shift: int) -> tuple[jax.Array, ...]:
+  """Mesh coordinates of the device ``shift`` hops from ``me`` on the ring
+  of ``spec`` (any spec with ``mesh_axes``, ``axis_name`` and ``n``)."""
+  return peer(
+    spec.mesh_axes, spec.axis_name, jax.lax.rem(me + shift + spec.n, spec.n)
+  )
+
+
+def ring_barrier(spec, me: jax.Array) -> None:
+  """The ring kernels' two-round barrier with the devices that send to
+  ``me`` (one per shift in ``spec.shifts``); the second round runs on a
+  kernel-local semaphore when there are two senders (PR #27963)."""
+  n = spec.n
+  barrier = pltpu.get_barrier_semaphore()
+  # Each device tells the peers that send to it that it has entered.
+  senders = [jax.lax.rem(me - sh + n, n) for sh in spec.shifts]
+  for src in senders:
+    signal(barrier, spec.mesh_axes, spec.axis_name, src)
+  pl.semaphore_wait(barrier, len(senders))
+  if len(senders) > 1:
+    second_barrier(
+      spec.mesh_axes,
+      spec.axis_name,
+      [(src, True) for src in senders],
+      len(senders),
+    )
+
+
+def check_ring(directions: int, n: int) -> None:
+  """Validates a ring spec's ``directions`` and ring size ``n``."""
+  if directions not in (1, 2):
+    raise ValueError(f"directions must be 1 or 2, got {directions}")
+  if n < 2:
+    raise ValueError(f"the ring needs n >= 2 devices, got {n}")
+
+
 def wait_dma(ref, sem) -> None:
   """Waits until ``sem`` has seen a transfer the size of ``ref``."""
   pltpu.make_async_copy(ref, ref, sem).wait()

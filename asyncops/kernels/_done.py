@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
+from asyncops.kernels._spec import OpSpec
 
 
 def _dst_spec(spec: OpSpec):

@@ -100,10 +100,7 @@ class RsSpec:
   vmem_limit: int | None = None
 
   def __post_init__(self):
-    if self.directions not in (1, 2):
-      raise ValueError(f"directions must be 1 or 2, got {self.directions}")
-    if self.n < 2:
-      raise ValueError(f"the ring needs n >= 2 devices, got {self.n}")
+    c.check_ring(self.directions, self.n)
     if self.c % self.directions or self.ch % self.bn:
       raise ValueError(f"c/directions and bn must divide: {self}")
 
@@ -146,12 +143,6 @@ def block_of(me, shift, s, n: int):
   return jax.lax.rem(me - shift * (s + 1) + 2 * n * n, n)
 
 
-def _peer(spec: RsSpec, me, shift: int):
-  return c.peer(
-    spec.mesh_axes, spec.axis_name, jax.lax.rem(me + shift + spec.n, spec.n)
-  )
-
-
 def _shift_of(spec: RsSpec, d):
   """The shift of direction ``d`` (a traced grid index)."""
   if spec.directions == 1:
@@ -165,19 +156,7 @@ def _shift_of(spec: RsSpec, d):
 def start_kernel(*, spec: RsSpec):
   """Barrier with the ring neighbours (who will write into our buffers)."""
   me = jax.lax.axis_index(spec.axis_name)
-  n = spec.n
-  barrier = pltpu.get_barrier_semaphore()
-  senders = [jax.lax.rem(me - sh + n, n) for sh in spec.shifts]
-  for src in senders:
-    c.signal(barrier, spec.mesh_axes, spec.axis_name, src)
-  pl.semaphore_wait(barrier, len(senders))
-  if len(senders) > 1:
-    c.second_barrier(
-      spec.mesh_axes,
-      spec.axis_name,
-      [(src, True) for src in senders],
-      len(senders),
-    )
+  c.ring_barrier(spec, me)
 
 
 def compute_kernel(
@@ -234,7 +213,7 @@ def compute_kernel(
           recv_ref.at[dd, s],
           send_sems.at[dd, s],
           recv_sems.at[dd, s],
-          device_id=_peer(spec, me, sh),
+          device_id=c.ring_peer(spec, me, sh),
           device_id_type=pl.DeviceIdType.MESH,
         ).start()
 

@@ -8,7 +8,7 @@ is adding one module.
 import dataclasses
 from collections.abc import Callable
 
-from asyncops.futures._spec import OpSpec
+from asyncops.kernels._spec import OpSpec
 
 
 def _identity(dst, spec):

@@ -148,10 +148,18 @@ def fori_loop(
     TypeError: ``body_fun`` is not callable, or ``unroll`` is not an int.
 
   Example:
-    >>> def body(i, x):  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, asyncops
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+    >>> def body(i, x):
     ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
     ...   return asyncops.ppermute_done(fut)
-    >>> y = asyncops.scheduling.fori_loop(0, 7, body, x)  # doctest: +SKIP
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    ... def f(x):
+    ...   return asyncops.scheduling.fori_loop(0, 7, body, x)
+    >>> f(jnp.arange(8.0)).tolist()  # seven hops right: one hop left
+    [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 0.0]
   """
   if not callable(body_fun):
     raise TypeError(

@@ -62,9 +62,18 @@ def overlap(fut: Any, fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
     TypeError: ``fut`` holds no future, or ``fn`` is not callable.
 
   Example:
-    >>> x, fut = asyncops.ppermute_start(x, "i", shift=1)  # doctest: +SKIP
-    >>> z, fut = asyncops.scheduling.overlap(fut, jnp.sin, x)  # doctest: +SKIP
-    >>> y = asyncops.ppermute_done(fut)  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, asyncops
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    ... def f(x):
+    ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
+    ...   z, fut = asyncops.scheduling.overlap(fut, jnp.sin, x)
+    ...   return asyncops.ppermute_done(fut) + z
+    >>> x = jnp.arange(8.0)
+    >>> bool(jnp.allclose(f(x), jnp.roll(x, 1) + jnp.sin(x)))
+    True
   """
   if not callable(fn):
     raise TypeError(

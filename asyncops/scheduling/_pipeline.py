@@ -69,12 +69,21 @@ def staggered(
     ValueError: ``steps`` is not a static int >= 0.
 
   Example:
+    >>> import functools
+    >>> import jax, jax.numpy as jnp, asyncops
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from asyncops.scheduling import staggered
+    >>> mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
     >>> start = functools.partial(asyncops.ppermute_start, axis_name="i",
-    ...                           shift=1)  # doctest: +SKIP
-    >>> acc = lambda i, x, out: out + x  # doctest: +SKIP
-    >>> zero = jnp.zeros_like(x)  # doctest: +SKIP
-    >>> from asyncops.scheduling import staggered  # doctest: +SKIP
-    >>> y, out = staggered(8, start, acc, x, zero)  # doctest: +SKIP
+    ...                           shift=1)
+    >>> acc = lambda i, x, out: out + x
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    ... def f(x):
+    ...   return staggered(8, start, acc, x, jnp.zeros_like(x))
+    >>> y, out = f(jnp.arange(8.0))
+    >>> out.tolist()  # every device added up all eight values
+    [28.0, 28.0, 28.0, 28.0, 28.0, 28.0, 28.0, 28.0]
   """
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
     raise ValueError(

@@ -34,7 +34,7 @@ from jax.interpreters import ad
 
 from asyncops import _jax_compat as jc
 from asyncops.futures import _ad as fad
-from asyncops.futures._spec import OpSpec
+from asyncops.kernels._spec import OpSpec
 from asyncops.stateful._layout import Layout
 from asyncops.stateful._primitives import ref_done_p, ref_start_p
 

@@ -19,8 +19,8 @@ from asyncops import _jax_compat as jc
 from asyncops.futures import _api as _futures_api
 from asyncops.futures import _check, _emulation, _validate
 from asyncops.futures._future import FutureError, _user_frame
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _registry
+from asyncops.kernels._spec import OpSpec
 from asyncops.stateful import _future, _hazards, _slots
 from asyncops.stateful._future import RefFuture
 from asyncops.stateful._layout import Layout, RefView, same_base, view

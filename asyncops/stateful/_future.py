@@ -19,7 +19,7 @@ import jax
 
 from asyncops import _jax_compat as jc
 from asyncops.futures._future import FutureError, NeverAwaitedWarning
-from asyncops.futures._spec import OpSpec
+from asyncops.kernels._spec import OpSpec
 from asyncops.stateful._layout import Layout
 
 # token -> where a start whose future is still fresh was traced.

@@ -22,9 +22,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from asyncops import _jax_compat as jc
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common as c
 from asyncops.kernels import _registry
+from asyncops.kernels._spec import OpSpec
 from asyncops.stateful._layout import Layout
 
 SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.futures._spec import OpSpec
 from asyncops.kernels import _common, _registry
+from asyncops.kernels._spec import OpSpec
 from asyncops.stateful import _future, _kernels
 from asyncops.stateful._layout import Layout
 
