@@ -377,22 +377,6 @@ def test_backward_is_our_rings():
     assert collective not in both, collective
 
 
-def test_jvp_is_refused_with_jax_error():
-  """Forward mode through a custom backward is JAX's documented limit: the
-  collective matmuls are reverse-mode only (``design/training.md``)."""
-  mesh = _mesh()
-  f = jax.shard_map(
-    lambda x, w: allgather_matmul(x, w, "y"),
-    mesh=mesh,
-    in_specs=(P("x", "y"), P()),
-    out_specs=P("x", "y"),
-  )
-  x = _put(mesh, P("x", "y"), jnp.ones((8, 16)))
-  w = _put(mesh, P(), jnp.ones((16, 8)))
-  with pytest.raises(TypeError, match="forward-mode autodiff"):
-    jax.jit(lambda x, w: jax.jvp(f, (x, w), (x, w)))(x, w)
-
-
 def test_unused_gradient_ring_is_removed():
   """Gradients of the weights only: the up projection's input-gradient
   ring is dead code and goes entirely (its starts too, see
