@@ -1,7 +1,9 @@
 """Backward passes of the collective matmuls, on the same overlapped rings.
 
 Each canonical ring (``_gather_rings``, ``_scatter_rings``) is a
-``jax.custom_vjp`` whose backward is two more rings of our own kernels: the
+``jax.custom_jvp`` whose tangent is a linear map (``_linear.call``: the
+tangent rings, for ``jax.jvp``/``jax.linearize``) transposed by a backward
+of two more rings of our own kernels (for ``jax.grad``): the
 gradient of an all-gather matmul needs a matmul-reduce-scatter (for the
 gathered operand) and an all-gather matmul (for the weights), and the
 gradient of a matmul-reduce-scatter needs two all-gather matmuls. Nothing
@@ -65,7 +67,7 @@ def _like(ct, primal):
 
   A weight replicated over other mesh axes (``w_in`` over the data axis)
   meets, inside the forward, activations that vary over them; outside a
-  ``custom_vjp`` JAX would sum its cotangent over those axes (the data
+  custom rule JAX would sum its cotangent over those axes (the data
   parallel gradient all-reduce). Here we do: ``psum`` over the axes the
   cotangent varies over and the primal does not.
   """
