@@ -1,6 +1,6 @@
 """Gradients of the collective matmuls and ``mlp_block`` on 8 CPU devices.
 
-Their backward passes are ``jax.custom_vjp`` rules on our own rings
+Their backward passes are custom rules on our own rings
 (``asyncops.collective_matmul._vjp``). Every form (contracting and row
 gathers, batch dimensions, several weights, ``return_gathered``, the
 all-reduce matmul, gated and sequence-parallel MLP blocks), both APIs, one-

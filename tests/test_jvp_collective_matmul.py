@@ -56,18 +56,25 @@ def _stack(tree):
   return jax.tree.map(one, tree)
 
 
-def _modes(f, specs):
+def _modes(f, specs, fixed):
   """``f``'s value and tangent by ``jax.jvp``, and its tangent by
-  ``jax.linearize`` (both taken outside the ``shard_map``), in one
-  program."""
+  ``jax.linearize`` (both taken outside the ``shard_map``), in one program.
+  ``fixed``: arguments (by position) held constant, so their tangents are
+  symbolic zeros."""
   mesh = _mesh()
   sm = jax.shard_map(
     lambda *a: _stack(f(*a)), mesh=mesh, in_specs=specs, out_specs=ALL
   )
 
+  def of_live(*live):
+    it = iter(live)
+    return sm(
+      *[fixed[i] if i in fixed else next(it) for i in range(len(specs))]
+    )
+
   def run(primals, tangents):
-    y, ty = jax.jvp(sm, primals, tangents)
-    _, lin = jax.linearize(sm, *primals)
+    y, ty = jax.jvp(of_live, primals, tangents)
+    _, lin = jax.linearize(of_live, *primals)
     return y, ty, lin(*tangents)
 
   return jax.jit(run)
@@ -105,54 +112,12 @@ def _check(ours, ref, shapes, specs, dtype, fan_in, zero=()):
   tans = [_data(s, dtype, 10 + k, 0.5) for k, s in enumerate(shapes)]
   args, tans = _put(args, specs), _put(tans, specs)
   live = [i for i in range(len(args)) if i not in zero]
+  fixed = {i: args[i] for i in zero}
   p = tuple(args[i] for i in live)
   t = tuple(tans[i] for i in live)
-  if zero:  # closing over the other arguments makes their tangents zero
-    specs_live = tuple(specs[i] for i in live)
-    got = _modes(_partial(ours, args, live, specs), specs_live)
-    want = _modes(_partial(ref, args, live, specs), specs_live)
-  else:
-    got, want = _modes(ours, specs), _modes(ref, specs)
-  y, ty, ly = got(p, t)
-  y_ref, ty_ref, _ = want(p, t)
+  y, ty, ly = _modes(ours, specs, fixed)(p, t)
+  y_ref, ty_ref, _ = _modes(ref, specs, fixed)(p, t)
   _close((y, ty, ly), (y_ref, ty_ref, ty_ref), dtype, fan_in)
-
-
-def _partial(f, args, live, specs):
-  """``f`` of the ``live`` arguments, the others fixed (passed through
-  ``shard_map`` as constants of the right per-device shape)."""
-  fixed = {i: a for i, a in enumerate(args) if i not in live}
-  mesh = _mesh()
-
-  def per_device(*a):
-    full, it = [], iter(a)
-    for i in range(len(args)):
-      if i in fixed:
-        full.append(_local(fixed[i], specs[i], mesh))
-      else:
-        full.append(next(it))
-    return f(*full)
-
-  return per_device
-
-
-def _local(x, spec, mesh):
-  """This device's block of the global constant ``x`` (inside shard_map)."""
-  starts = []
-  for d, part in enumerate(tuple(spec) + (None,) * (x.ndim - len(spec))):
-    if part is None:
-      starts.append((0, x.shape[d]))
-      continue
-    names = part if isinstance(part, tuple) else (part,)
-    size = int(np.prod([mesh.shape[a] for a in names]))
-    idx = 0
-    for a in names:
-      idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
-    b = x.shape[d] // size
-    starts.append((idx * b, b))
-  return jax.lax.dynamic_slice(
-    x, [s for s, _ in starts], [b for _, b in starts]
-  )
 
 
 def _spec(rank, dim):
@@ -475,7 +440,7 @@ def _fused_case(which):
       ref,
       P(),
       P("x", "y"),
-      (512, 256),
+      (1024, 256),
       _fused.reducescatter_matmul_p,
     )
   if which == "reducescatter":
@@ -484,13 +449,20 @@ def _fused_case(which):
     def ref(x, w):
       return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=1, tiled=True)
 
-    return ours, ref, P("y"), P("x", "y"), (512, 512), _fused.allgather_matmul_p
+    return (
+      ours,
+      ref,
+      P("y"),
+      P("x", "y"),
+      (1024, 1024),
+      _fused.allgather_matmul_p,
+    )
   ours = functools.partial(_fused.matmul_allreduce, axis_name="y")
 
   def ref(x, w):
     return jax.lax.psum(x @ w, "y")
 
-  return ours, ref, P("y"), P("x"), (512, 512), _fused.allgather_matmul_p
+  return ours, ref, P("y"), P("x"), (1024, 1024), _fused.allgather_matmul_p
 
 
 @pytest.mark.parametrize("which", ["allgather", "reducescatter", "allreduce"])
@@ -501,7 +473,7 @@ def test_fused_kernels_grad_and_jvp(which):
   mesh = _mesh()
   specs = (P("x", "y"), wspec)
   x, w = _put(
-    [_data((16, 512), "float32", 0), _data(wshape, "float32", 1, 1 / 16)],
+    [_data((16, 1024), "float32", 0), _data(wshape, "float32", 1, 1 / 32)],
     specs,
   )
 
