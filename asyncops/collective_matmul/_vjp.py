@@ -180,8 +180,9 @@ def _allgather_jvp(rows_form, axis_name, options, primals, tangents):
   fwd = functools.partial(
     _allgather_tangent, rows_form, axis_name, options, x.shape
   )
+  has = tuple(v is not None for v in lin)
   bwd = functools.partial(
-    _allgather_transpose, rows_form, axis_name, options, lin
+    _allgather_transpose, rows_form, axis_name, options, has
   )
   return out, _linear.call(fwd, bwd, (stash[0], ws), lin, out)
 
@@ -210,12 +211,11 @@ def _allgather_tangent(rows_form, axis_name, options, x_shape, res, lin):
   return outs, gathered
 
 
-def _allgather_transpose(rows_form, axis_name, options, lin, res, ct):
+def _allgather_transpose(rows_form, axis_name, options, has, res, ct):
+  """The backward rings, for the tangents that are there (``has``); the
+  other gradient's ring is dead code and goes."""
   dx, dws = _allgather_bwd(rows_form, axis_name, options, res, ct)
-  return (
-    None if lin[0] is None else dx,
-    None if lin[1] is None else tuple(dws),
-  )
+  return (dx if has[0] else None, tuple(dws) if has[1] else None)
 
 
 def _allgather_bwd(rows_form, axis_name, options, res, ct):
@@ -279,6 +279,7 @@ def _reducescatter_jvp(rows_form, axis_name, options, primals, tangents):
   tx, tw = tangents
   out = _raw_scatter(rows_form, x, w, axis_name, options)
   lin = (None if _zero(tx) else tx, None if _zero(tw) else tw)
+  has = tuple(v is not None for v in lin)
 
   def fwd(res, lin):  # RS(tx @ w) + RS(x @ tw)
     (x, w), (tx, tw) = res, lin
@@ -291,7 +292,7 @@ def _reducescatter_jvp(rows_form, axis_name, options, primals, tangents):
 
   def bwd(res, g):
     dx, dw = _reducescatter_bwd(rows_form, axis_name, options, res, g)
-    return (None if lin[0] is None else dx, None if lin[1] is None else dw)
+    return (dx if has[0] else None, dw if has[1] else None)
 
   return out, _linear.call(fwd, bwd, (x, w), lin, out)
 
@@ -336,6 +337,7 @@ def _allreduce_jvp(forward, axis_name, primals, tangents):
   tl, tr = tangents
   out = forward(lhs, rhs, axis_name)
   lin = (None if _zero(tl) else tl, None if _zero(tr) else tr)
+  has = tuple(v is not None for v in lin)
 
   def fwd(res, lin):  # forward(tl, rhs) + forward(lhs, tr)
     (lhs, rhs), (tl, tr) = res, lin
@@ -348,7 +350,7 @@ def _allreduce_jvp(forward, axis_name, primals, tangents):
 
   def bwd(res, g):
     dl, dr = _allreduce_bwd(forward, axis_name, res, g)
-    return (None if lin[0] is None else dl, None if lin[1] is None else dr)
+    return (dl if has[0] else None, dr if has[1] else None)
 
   return out, _linear.call(fwd, bwd, (lhs, rhs), lin, out)
 
