@@ -84,6 +84,12 @@ def _version(text: str) -> tuple[int, ...]:
 
 JAX_VERSION = _version(jax.__version__)
 
+# jax 0.9 transposes a program over ``jax.Ref``s with cotangents that lost
+# their varying manual axes ("expected cotangent type f32[...]{V:(x,y)}"
+# inside shard_map): reverse mode through the Ref API's primitives needs
+# jax 0.10 (``asyncops.stateful._ad`` refuses it earlier, with the fix).
+REF_REVERSE_MODE = JAX_VERSION >= (0, 10)
+
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE
@@ -467,6 +473,43 @@ def ref_inner_aval(ref: Any) -> Any:
 def register_discharge(prim: Primitive, rule: Callable[..., Any]) -> None:
   """``rule(in_avals, out_avals, *vals, **params) -> (new_ins, outs)``."""
   _discharge.register_discharge_rule(prim)(rule)
+
+
+# The collective matmuls are ``jax.custom_jvp`` functions; with
+# ``api="ref"`` their body makes Refs. Outside differentiation a
+# ``custom_jvp_call`` stays in the jaxpr until lowering, and JAX removes
+# state before that, but only ``custom_vjp_call`` has a discharge rule in
+# jax 0.9 and 0.10 ("No state discharge rule implemented for primitive:
+# custom_jvp_call"). Discharge happens after every transformation, so the
+# rule evaluates the discharged body and drops the JVP rule, as JAX's own
+# rule for ``custom_vjp_call`` does. Registered only where JAX has none.
+def _discharged(closed: Any) -> Any:
+  if JAX_VERSION >= (0, 10):
+    return _discharge.discharge_state(closed)
+  jaxpr, consts = _discharge.discharge_state(closed.jaxpr, closed.consts)
+  return _core.ClosedJaxpr(jaxpr, consts)
+
+
+def _custom_jvp_call_discharge(in_avals, out_avals, *args, **params):
+  del out_avals
+  call = params["call_jaxpr"]
+  dis = _discharged(call)
+  outs = _core.eval_jaxpr(dis.jaxpr, dis.consts, *args)
+  vals, refs = outs[: len(call.out_avals)], iter(outs[len(call.out_avals) :])
+  new_ins = [
+    next(refs) if isinstance(a, _state.AbstractRef) else None for a in in_avals
+  ]
+  return new_ins, vals
+
+
+def _register_custom_jvp_discharge() -> None:
+  from jax._src import custom_derivatives as _cd  # the primitive
+
+  if _cd.custom_jvp_call_p not in _discharge._discharge_rules:
+    register_discharge(_cd.custom_jvp_call_p, _custom_jvp_call_discharge)
+
+
+_register_custom_jvp_discharge()
 
 
 def current_frame(x: Any) -> Any:

@@ -1,6 +1,6 @@
 """Gradients of the collective matmuls and ``mlp_block`` on 8 CPU devices.
 
-Their backward passes are ``jax.custom_vjp`` rules on our own rings
+Their backward passes are custom rules on our own rings
 (``asyncops.collective_matmul._vjp``). Every form (contracting and row
 gathers, batch dimensions, several weights, ``return_gathered``, the
 all-reduce matmul, gated and sequence-parallel MLP blocks), both APIs, one-
@@ -375,22 +375,6 @@ def test_backward_is_our_rings():
   assert both.count("asyncops_start[") == n_fwd + 9
   for collective in ("all_gather[", "psum_scatter[", "reduce_scatter["):
     assert collective not in both, collective
-
-
-def test_jvp_is_refused_with_jax_error():
-  """Forward mode through a custom backward is JAX's documented limit: the
-  collective matmuls are reverse-mode only (``design/training.md``)."""
-  mesh = _mesh()
-  f = jax.shard_map(
-    lambda x, w: allgather_matmul(x, w, "y"),
-    mesh=mesh,
-    in_specs=(P("x", "y"), P()),
-    out_specs=P("x", "y"),
-  )
-  x = _put(mesh, P("x", "y"), jnp.ones((8, 16)))
-  w = _put(mesh, P(), jnp.ones((16, 8)))
-  with pytest.raises(TypeError, match="forward-mode autodiff"):
-    jax.jit(lambda x, w: jax.jvp(f, (x, w), (x, w)))(x, w)
 
 
 def test_unused_gradient_ring_is_removed():

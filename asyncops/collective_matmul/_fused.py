@@ -668,6 +668,9 @@ def rs_supported(
   return None if plan.spec is not None else plan.reason
 
 
+# Their JVP and transpose rules (a module of their own; needs the above).
+from asyncops.collective_matmul import _fused_ad  # noqa: E402, F401
+
 __all__ = [
   "rs_supported",
   "allgather_matmul",

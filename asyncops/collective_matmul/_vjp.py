@@ -1,7 +1,9 @@
 """Backward passes of the collective matmuls, on the same overlapped rings.
 
 Each canonical ring (``_gather_rings``, ``_scatter_rings``) is a
-``jax.custom_vjp`` whose backward is two more rings of our own kernels: the
+``jax.custom_jvp`` whose tangent is a linear map (``_linear.call``: the
+tangent rings, for ``jax.jvp``/``jax.linearize``) transposed by a backward
+of two more rings of our own kernels (for ``jax.grad``): the
 gradient of an all-gather matmul needs a matmul-reduce-scatter (for the
 gathered operand) and an all-gather matmul (for the weights), and the
 gradient of a matmul-reduce-scatter needs two all-gather matmuls. Nothing
@@ -47,7 +49,13 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _bwd_rings, _gather_rings, _scatter_rings
+from asyncops.collective_matmul import (
+  _bwd_rings,
+  _gather_rings,
+  _layout,
+  _linear,
+  _scatter_rings,
+)
 
 
 def _t(x):
@@ -59,7 +67,7 @@ def _like(ct, primal):
 
   A weight replicated over other mesh axes (``w_in`` over the data axis)
   meets, inside the forward, activations that vary over them; outside a
-  ``custom_vjp`` JAX would sum its cotangent over those axes (the data
+  custom rule JAX would sum its cotangent over those axes (the data
   parallel gradient all-reduce). Here we do: ``psum`` over the axes the
   cotangent varies over and the primal does not.
   """
@@ -71,6 +79,43 @@ def _like(ct, primal):
   if missing:
     ct = jax.lax.pcast(ct, missing, to="varying")
   return ct.astype(primal.dtype)
+
+
+def _zero(t) -> bool:
+  """Whether a ``custom_jvp`` tangent (``symbolic_zeros=True``) is zero."""
+  return isinstance(t, jax.custom_derivatives.SymbolicZero)
+
+
+def _inst(t, primal):
+  """A tangent, zeros instantiated (for a weight whose tangent is zero
+  while another's is not)."""
+  return jnp.zeros_like(primal) if _zero(t) else t
+
+
+def _unsent(rows_form, sent, x_shape, opts):
+  """``x`` back from the buffers its ring's first start saw."""
+  if not opts["bidirectional"]:
+    return sent[0]
+  if not rows_form:  # one kernel halves axis 0 (value), or two halves (ref)
+    return sent[0] if len(sent) == 1 else jnp.concatenate(sent, axis=0)
+  p, r, _ = x_shape
+  lay = _layout.RowSplit(p, r, opts["n"], _layout.choose_split(p, r, True))
+  return lay.join(sent[0] if len(sent) == 1 else jnp.stack(sent))
+
+
+def _gathered_zeros(rows_form, x_shape, sent, n):
+  """The tangent of ``return_gathered``'s operand when ``x``'s is zero."""
+  shape = list(x_shape)
+  shape[1 if rows_form else -1] *= n
+  return (
+    jax.lax.pcast(
+      jnp.zeros(shape, sent[0].dtype),
+      tuple(jc.varying_axes(sent[0])),
+      to="varying",
+    )
+    if jc.varying_axes(sent[0])
+    else jnp.zeros(shape, sent[0].dtype)
+  )
 
 
 def _raw_gather(rows_form, x, ws, axis_name, options, stash=None):
@@ -99,7 +144,7 @@ def _options(rows_form, x, n, scatter, api, bidirectional, **extra):
 # All-gather matmul ---------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
 def allgather(rows_form, x, ws, axis_name, options):
   """A canonical all-gather ring (``_gather_rings``), differentiable.
 
@@ -117,14 +162,60 @@ def allgather(rows_form, x, ws, axis_name, options):
   return _raw_gather(rows_form, x, ws, axis_name, options)
 
 
-def _allgather_fwd(rows_form, x, ws, axis_name, options):
+def _allgather_jvp(rows_form, axis_name, options, primals, tangents):
+  x, ws = primals
+  tx, tws = tangents
   # The first start aliases x in place (the Ref API's first Ref holds it):
   # keeping x for the backward would make XLA copy it. Keep the buffers as
   # that start saw them (the same bytes, laid out as the ring sends them),
   # which the backward's weight-gradient ring sends again.
   stash = []
   out = _raw_gather(rows_form, x, ws, axis_name, options, stash)
-  return out, (stash[0], ws)
+  lin = (
+    None if _zero(tx) else tx,
+    None
+    if all(_zero(t) for t in tws)
+    else tuple(_inst(t, w) for t, w in zip(tws, ws, strict=True)),
+  )
+  fwd = functools.partial(
+    _allgather_tangent, rows_form, axis_name, options, x.shape
+  )
+  has = tuple(v is not None for v in lin)
+  bwd = functools.partial(
+    _allgather_transpose, rows_form, axis_name, options, has
+  )
+  return out, _linear.call(fwd, bwd, (stash[0], ws), lin, out)
+
+
+def _allgather_tangent(rows_form, axis_name, options, x_shape, res, lin):
+  """``AG(tx) @ w + AG(x) @ tw`` (and ``AG(tx)``): the tangent rings."""
+  sent, ws = res
+  tx, tws = lin
+  opts = dict(options)
+  outs = gathered = None
+  if tx is not None:
+    outs, gathered = _raw_gather(rows_form, tx, ws, axis_name, options)
+  if tws is not None:
+    x = _unsent(rows_form, sent, x_shape, opts)
+    plain = dict(opts, return_gathered=False)
+    more, _ = _raw_gather(
+      rows_form, x, tws, axis_name, tuple(sorted(plain.items()))
+    )
+    outs = (
+      more
+      if outs is None
+      else tuple(a + b for a, b in zip(outs, more, strict=True))
+    )
+  if opts["return_gathered"] and gathered is None:
+    gathered = _gathered_zeros(rows_form, x_shape, sent, opts["n"])
+  return outs, gathered
+
+
+def _allgather_transpose(rows_form, axis_name, options, has, res, ct):
+  """The backward rings, for the tangents that are there (``has``); the
+  other gradient's ring is dead code and goes."""
+  dx, dws = _allgather_bwd(rows_form, axis_name, options, res, ct)
+  return (dx if has[0] else None, tuple(dws) if has[1] else None)
 
 
 def _allgather_bwd(rows_form, axis_name, options, res, ct):
@@ -163,13 +254,13 @@ def _allgather_bwd(rows_form, axis_name, options, res, ct):
   return _like(dx, sent[0]), dws  # sent[0]: x's manual axes
 
 
-allgather.defvjp(_allgather_fwd, _allgather_bwd)
+allgather.defjvp(_allgather_jvp, symbolic_zeros=True)
 
 
 # Matmul-reduce-scatter -------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3, 4))
 def reducescatter(rows_form, x, w, axis_name, options):
   """A canonical reduce-scatter ring (``_scatter_rings``), differentiable.
 
@@ -183,8 +274,27 @@ def reducescatter(rows_form, x, w, axis_name, options):
   return _raw_scatter(rows_form, x, w, axis_name, options)
 
 
-def _reducescatter_fwd(rows_form, x, w, axis_name, options):
-  return reducescatter(rows_form, x, w, axis_name, options), (x, w)
+def _reducescatter_jvp(rows_form, axis_name, options, primals, tangents):
+  x, w = primals
+  tx, tw = tangents
+  out = _raw_scatter(rows_form, x, w, axis_name, options)
+  lin = (None if _zero(tx) else tx, None if _zero(tw) else tw)
+  has = tuple(v is not None for v in lin)
+
+  def fwd(res, lin):  # RS(tx @ w) + RS(x @ tw)
+    (x, w), (tx, tw) = res, lin
+    terms = []
+    if tx is not None:
+      terms.append(_raw_scatter(rows_form, tx, w, axis_name, options))
+    if tw is not None:
+      terms.append(_raw_scatter(rows_form, x, tw, axis_name, options))
+    return functools.reduce(jnp.add, terms)
+
+  def bwd(res, g):
+    dx, dw = _reducescatter_bwd(rows_form, axis_name, options, res, g)
+    return (dx if has[0] else None, dw if has[1] else None)
+
+  return out, _linear.call(fwd, bwd, (x, w), lin, out)
 
 
 def _reducescatter_bwd(rows_form, axis_name, options, res, g):
@@ -201,13 +311,13 @@ def _reducescatter_bwd(rows_form, axis_name, options, res, g):
   return _like(dx, x), _like(dw, w)
 
 
-reducescatter.defvjp(_reducescatter_fwd, _reducescatter_bwd)
+reducescatter.defjvp(_reducescatter_jvp, symbolic_zeros=True)
 
 
 # All-reduce matmul -----------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 3))
 def allreduce(forward, lhs, rhs, axis_name):
   """``forward(lhs, rhs, axis_name)`` (``psum(lhs @ rhs)`` on our rings),
   with a backward of two local matmuls.
@@ -222,8 +332,27 @@ def allreduce(forward, lhs, rhs, axis_name):
   return forward(lhs, rhs, axis_name)
 
 
-def _allreduce_fwd(forward, lhs, rhs, axis_name):
-  return forward(lhs, rhs, axis_name), (lhs, rhs)
+def _allreduce_jvp(forward, axis_name, primals, tangents):
+  lhs, rhs = primals
+  tl, tr = tangents
+  out = forward(lhs, rhs, axis_name)
+  lin = (None if _zero(tl) else tl, None if _zero(tr) else tr)
+  has = tuple(v is not None for v in lin)
+
+  def fwd(res, lin):  # forward(tl, rhs) + forward(lhs, tr)
+    (lhs, rhs), (tl, tr) = res, lin
+    terms = []
+    if tl is not None:
+      terms.append(forward(tl, rhs, axis_name))
+    if tr is not None:
+      terms.append(forward(lhs, tr, axis_name))
+    return functools.reduce(jnp.add, terms)
+
+  def bwd(res, g):
+    dl, dr = _allreduce_bwd(forward, axis_name, res, g)
+    return (dl if has[0] else None, dr if has[1] else None)
+
+  return out, _linear.call(fwd, bwd, (lhs, rhs), lin, out)
 
 
 def _allreduce_bwd(forward, axis_name, res, g):
@@ -243,7 +372,7 @@ def _allreduce_bwd(forward, axis_name, res, g):
   return _like(dl, lhs), _like(dr, rhs)
 
 
-allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
+allreduce.defjvp(_allreduce_jvp, symbolic_zeros=True)
 
 
 # The seams the public functions call --------------------------------------

@@ -142,8 +142,23 @@ def _split(args, layout: Layout):
 # Linearization (jax.grad, jax.vjp, jax.linearize) ------------------------
 
 
+def _require_reverse_mode(spec: OpSpec) -> None:
+  """Refuses reverse mode on a jax that cannot transpose Ref programs."""
+  if jc.REF_REVERSE_MODE:
+    return
+  raise NotImplementedError(
+    f"asyncops: jax.grad / jax.vjp / jax.linearize through the Ref API "
+    f"({spec.kind} over {spec.axis_name!r}) needs jax >= 0.10; this is jax "
+    f"{jax.__version__}, which transposes Ref programs with cotangents "
+    "that lost their varying mesh axes. Fix: pip install 'jax>=0.10', or "
+    "use the value API (asyncops.futures, api='value'), whose gradients "
+    "work on this jax. (jax.jvp works here.)"
+  )
+
+
 def _ref_start_lin(is_vjp, nzs, *args, spec, layout, token):
   del is_vjp, nzs
+  _require_reverse_mode(spec)
   sems = ref_start_p.bind(*args, spec=spec, layout=layout, token=token)
   _, slots, _ = _split(args, layout)
 
@@ -158,6 +173,7 @@ def _ref_start_lin(is_vjp, nzs, *args, spec, layout, token):
 
 def _ref_done_lin(is_vjp, nzs, *args, spec, layout):
   del is_vjp, nzs
+  _require_reverse_mode(spec)
   ref_done_p.bind(*args, spec=spec, layout=layout)
   _, slots, sems = _split(args, layout)
 

@@ -1,0 +1,513 @@
+"""Forward mode through the collective matmuls and ``mlp_block``.
+
+They are ``jax.custom_jvp`` functions whose tangent map is linear and
+transposed by the overlapped backward rings (``collective_matmul._vjp``,
+``_linear``): ``jax.jvp`` and ``jax.linearize`` run the tangent rings and
+must equal JAX's derivatives of the ``jax.lax`` programs, on 8 CPU devices,
+both APIs, one- and two-way rings, float32 and bfloat16. Also: tangents of
+some arguments only (symbolic zeros), ``vmap`` of the tangent map and
+``grad`` of ``vmap`` (the batching rule keeps the custom transpose),
+forward-over-reverse, and the Ref API's reverse mode on the oldest jax.
+"""
+
+import functools
+
+import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import asyncops
+from asyncops import _jax_compat as jc
+from asyncops.collective_matmul import (
+  allgather_matmul,
+  matmul_allreduce,
+  matmul_reducescatter,
+  mlp_block,
+)
+
+RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
+ALL = P(("x", "y"))
+
+
+@functools.cache
+def _mesh():
+  return jax.make_mesh((2, 4), ("x", "y"))
+
+
+def _data(shape, dtype, seed, scale=1.0):
+  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+  return x.astype(dtype)
+
+
+def _stack(tree):
+  """Every device's value, stacked along a new axis 0 (``out_specs`` ALL)."""
+
+  def one(y):
+    missing = tuple(a for a in ("x", "y") if a not in jc.varying_axes(y))
+    if missing:
+      y = jax.lax.pcast(y, missing, to="varying")
+    return y[None]
+
+  return jax.tree.map(one, tree)
+
+
+def _modes(f, specs, fixed):
+  """``f``'s value and tangent by ``jax.jvp``, and its tangent by
+  ``jax.linearize`` (both taken outside the ``shard_map``), in one program.
+  ``fixed``: arguments (by position) held constant, so their tangents are
+  symbolic zeros."""
+  mesh = _mesh()
+  sm = jax.shard_map(
+    lambda *a: _stack(f(*a)), mesh=mesh, in_specs=specs, out_specs=ALL
+  )
+
+  def of_live(*live):
+    it = iter(live)
+    return sm(
+      *[fixed[i] if i in fixed else next(it) for i in range(len(specs))]
+    )
+
+  def run(primals, tangents):
+    y, ty = jax.jvp(of_live, primals, tangents)
+    _, lin = jax.linearize(of_live, *primals)
+    return y, ty, lin(*tangents)
+
+  return jax.jit(run)
+
+
+def _put(args, specs):
+  mesh = _mesh()
+  return tuple(
+    jax.device_put(a, NamedSharding(mesh, s))
+    for a, s in zip(args, specs, strict=True)
+  )
+
+
+def _close(got, want, dtype, fan_in):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    g = np.asarray(g, np.float64)
+    w = np.asarray(w, np.float64)
+    scale = float(np.max(np.abs(w))) or 1.0
+    if dtype == "float32":
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
+    else:  # bf16 products, rounded in other orders
+      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
+      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
+
+
+def _check(ours, ref, shapes, specs, dtype, fan_in, zero=()):
+  """Compares ``jax.jvp`` and ``jax.linearize`` of ``ours`` with
+  ``jax.jvp`` of ``ref``; arguments in ``zero`` get symbolic-zero
+  tangents (forward mode of a function of the others)."""
+  args = [
+    _data(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
+    for k, s in enumerate(shapes)
+  ]
+  tans = [_data(s, dtype, 10 + k, 0.5) for k, s in enumerate(shapes)]
+  args, tans = _put(args, specs), _put(tans, specs)
+  live = [i for i in range(len(args)) if i not in zero]
+  fixed = {i: args[i] for i in zero}
+  p = tuple(args[i] for i in live)
+  t = tuple(tans[i] for i in live)
+  y, ty, ly = _modes(ours, specs, fixed)(p, t)
+  y_ref, ty_ref, _ = _modes(ref, specs, fixed)(p, t)
+  _close((y, ty, ly), (y_ref, ty_ref, ty_ref), dtype, fan_in)
+
+
+def _spec(rank, dim):
+  return P(*[("y" if i == dim else None) for i in range(rank)])
+
+
+# All-gather matmul ------------------------------------------------------------
+
+# (per-device lhs, gather_dim, weight widths, return_gathered)
+AG_FORMS = [
+  ((8, 16), -1, (24,), False),  # contracting
+  ((2, 4, 16), -1, (8, 16), True),  # batch dims, two weights, gathered
+  ((8, 32), 0, (16,), False),  # rows (sequence parallel)
+  ((2, 4, 32), 1, (8, 16), True),  # batch + rows, two weights, gathered
+]
+
+
+def _allgather_case(form, api, bidi, dtype, zero=()):
+  local, dim, fs, gathered = AG_FORMS[form]
+  n = _mesh().shape["y"]
+  rank = len(local)
+  d = dim % rank
+  k = local[-1] * (n if d == rank - 1 else 1)
+  glob = tuple(s * n if i == d else s for i, s in enumerate(local))
+  shapes = [glob] + [(k, f) for f in fs]
+  specs = (_spec(rank, d),) + (P(),) * len(fs)
+
+  def ours(x, *ws):
+    return allgather_matmul(
+      x,
+      ws if len(ws) > 1 else ws[0],
+      "y",
+      gather_dim=dim,
+      return_gathered=gathered,
+      api=api,
+      bidirectional=bidi,
+    )
+
+  def ref(x, *ws):
+    g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
+    outs = tuple(g @ w for w in ws)
+    result = outs if len(ws) > 1 else outs[0]
+    return (result, g) if gathered else result
+
+  _check(ours, ref, shapes, specs, dtype, k, zero)
+
+
+# Every form meets two of the four rings, every ring two forms per op.
+CASES = [(f, *RINGS[(f + j) % 4]) for f in range(4) for j in (0, 2)]
+
+
+@pytest.mark.parametrize("form,api,bidi", CASES)
+def test_allgather_matmul(form, api, bidi):
+  _allgather_case(form, api, bidi, "float32")
+
+
+# Matmul-reduce-scatter ------------------------------------------------------
+
+# (per-device lhs, scatter_dim, f)
+RS_FORMS = [
+  ((8, 16), -1, 32),  # columns
+  ((2, 4, 16), -1, 16),  # batch dims
+  ((16, 8), 0, 8),  # rows (sequence parallel)
+  ((2, 8, 16), 1, 8),  # batch + rows
+]
+
+
+def _reducescatter_case(form, api, bidi, dtype, zero=()):
+  local, dim, f = RS_FORMS[form]
+  rank = len(local)
+  d = dim % rank
+  k = local[-1]
+  n = _mesh().shape["y"]
+  shapes = [local[:-1] + (k * n,), (k * n, f)]
+  specs = (_spec(rank, rank - 1), P("y", None))
+
+  def ours(x, w):
+    return matmul_reducescatter(
+      x, w, "y", scatter_dim=dim, api=api, bidirectional=bidi
+    )
+
+  def ref(x, w):
+    return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=d, tiled=True)
+
+  _check(ours, ref, shapes, specs, dtype, k, zero)
+
+
+@pytest.mark.parametrize("form,api,bidi", CASES)
+def test_matmul_reducescatter(form, api, bidi):
+  _reducescatter_case(form, api, bidi, "float32")
+
+
+# All-reduce matmul and mlp_block ----------------------------------------------
+
+
+@pytest.mark.parametrize("api,bidi", [("value", False), ("ref", True)])
+def test_matmul_allreduce(api, bidi):
+  def ours(x, w):
+    return matmul_allreduce(x, w, "y", api=api, bidirectional=bidi)
+
+  def ref(x, w):
+    return jax.lax.psum(x @ w, "y")
+
+  # f = 30 does not divide by 4: padded columns.
+  shapes = [(2, 4, 64), (64, 30)]
+  _check(ours, ref, shapes, (P(None, None, "y"), P("y")), "float32", 16)
+
+
+def _mlp_case(sp, gated, api, bidi, dtype, zero=()):
+  n, d, f = 4, 64, 64
+  if sp:  # x [b, s/n, d], sharded along the tokens
+    glob, xspec, dim = (2, 8 * n, d), P(None, "y", None), 1
+  else:  # x [m, d/n], data over x too
+    glob, xspec, dim = (8, d), P("x", "y"), -1
+  shapes = [glob, (d, f), (f, d)] + ([(d, f)] if gated else [])
+  specs = (xspec, P(None, "y"), P("y", None)) + (
+    (P(None, "y"),) if gated else ()
+  )
+  act = jax.nn.silu if gated else jax.nn.gelu
+
+  def ours(x, w_in, w_out, *g):
+    return mlp_block(
+      x,
+      w_in,
+      w_out,
+      "y",
+      w_gate=g[0] if g else None,
+      activation=act,
+      sequence_parallel=sp,
+      sequence_dim=dim,
+      api=api,
+      bidirectional=bidi,
+    )
+
+  def ref(x, w_in, w_out, *g):
+    dd = dim % x.ndim
+    gx = jax.lax.all_gather(x, "y", axis=dd, tiled=True)
+    h = act(gx @ w_in) if not g else act(gx @ g[0]) * (gx @ w_in)
+    return jax.lax.psum_scatter(
+      h @ w_out, "y", scatter_dimension=dd, tiled=True
+    )
+
+  _check(ours, ref, shapes, specs, dtype, d, zero)
+
+
+@pytest.mark.parametrize(
+  "sp,gated,api,bidi",
+  [
+    (False, False, "value", False),
+    (True, True, "ref", True),
+    (False, True, "ref", False),
+    (True, False, "value", True),
+  ],
+)
+def test_mlp_block(sp, gated, api, bidi):
+  _mlp_case(sp, gated, api, bidi, "float32")
+
+
+def test_mlp_block_bf16():
+  _mlp_case(False, True, "ref", True, "bfloat16")
+
+
+@hypothesis.settings(max_examples=6, deadline=None, derandomize=True)
+@hypothesis.given(
+  which=st.sampled_from(["allgather", "reducescatter", "mlp"]),
+  form=st.integers(0, 3),
+  ring=st.sampled_from(RINGS),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+  zero=st.sampled_from([(), (0,), (1,)]),
+)
+def test_hypothesis(which, form, ring, dtype, zero):
+  """Also tangents of some arguments only (the others' are symbolic
+  zeros, and their tangent rings are left out)."""
+  api, bidi = ring
+  if which == "allgather":
+    _allgather_case(form, api, bidi, dtype, zero)
+  elif which == "reducescatter":
+    _reducescatter_case(form, api, bidi, dtype, zero)
+  else:
+    _mlp_case(form % 2 == 1, form >= 2, api, bidi, dtype, zero)
+
+
+# Other transformations -----------------------------------------------------
+
+
+def _ag_programs():
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"))
+
+  def make(fn):
+    def f(x, w):
+      return jax.lax.psum(jnp.sum(jnp.sin(fn(x, w))), ("x", "y"))
+
+    return jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P())
+
+  ours = make(lambda x, w: allgather_matmul(x, w, "y", bidirectional=True))
+  ref = make(lambda x, w: jax.lax.all_gather(x, "y", axis=1, tiled=True) @ w)
+  xs = jax.device_put(
+    _data((3, 8, 16), "float32", 0), NamedSharding(mesh, P(None, "x", "y"))
+  )
+  w = jax.device_put(
+    _data((16, 8), "float32", 1, 0.25), NamedSharding(mesh, P(None, "y"))
+  )
+  return ours, ref, xs, w
+
+
+def test_vmap_of_jvp_and_grad_of_vmap():
+  """``vmap`` of the tangent map batches it (one batched ring); ``grad``
+  of a ``vmap`` transposes the batched map with the batched backward."""
+  ours, ref, xs, w = _ag_programs()
+
+  def tangents(f):
+    return jax.jit(jax.vmap(lambda x, t: jax.jvp(f, (x, w), (t, w))[1], (0, 0)))
+
+  np.testing.assert_allclose(
+    tangents(ours)(xs, xs * 0.5), tangents(ref)(xs, xs * 0.5), rtol=2e-5
+  )
+
+  def grad_of_vmap(f):
+    return jax.jit(
+      jax.grad(lambda xs, w: jnp.sum(jax.vmap(f, (0, None))(xs, w)), (0, 1))
+    )
+
+  for g, r in zip(
+    grad_of_vmap(ours)(xs, w), grad_of_vmap(ref)(xs, w), strict=True
+  ):
+    np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-5)
+
+
+def test_forward_over_reverse():
+  """``jax.jvp`` of ``jax.grad`` (a Hessian-vector product): the backward
+  rings' primitives differentiate forward again."""
+  ours, ref, xs, w = _ag_programs()
+  x = xs[0]
+
+  def hvp(f):
+    return jax.jit(
+      lambda x, w: jax.jvp(jax.grad(f, (0, 1)), (x, w), (jnp.cos(x), w))[1]
+    )
+
+  for g, r in zip(hvp(ours)(x, w), hvp(ref)(x, w), strict=True):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_grad_is_still_the_backward_rings():
+  """``jax.grad`` transposes the tangent map with the backward rings: the
+  same transfers as before forward mode existed (two forward rings and
+  three backward rings of ``n - 1``), no ``all_gather`` or
+  ``psum_scatter``, and nothing of the tangent rings."""
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+
+  def loss(x, w_in, w_out):
+    y = mlp_block(x, w_in, w_out, "y")
+    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
+
+  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+  args = _put([jnp.ones(s) for s in [(8, 64), (64, 64), (64, 64)]], specs)
+  text = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(*args))
+  assert text.count("asyncops_start[") == 6 + 9
+  assert "asyncops_linear" not in text
+  for collective in ("all_gather[", "psum_scatter[", "reduce_scatter["):
+    assert collective not in text, collective
+
+
+# The Ref API's own primitives: reverse mode needs jax >= 0.10 -----------
+
+
+def test_ref_api_reverse_mode_needs_jax_0_10():
+  """On jax >= 0.10 ``jax.grad`` through the Ref API's primitives works
+  (it equals the value API's); on older jax it is refused at trace time,
+  naming the fix."""
+  mesh = _mesh()
+  spec = P(("x", "y"))
+
+  def ref_shift(x):
+    src, dst = jax.new_ref(x), jax.new_ref(jnp.zeros_like(x))
+    fut = asyncops.stateful.ppermute_start(src, dst, "y", shift=1)
+    asyncops.stateful.ppermute_done(fut, src, dst)
+    return jnp.sum(jnp.sin(dst[...]))
+
+  def value_shift(x):
+    _, fut = asyncops.futures.ppermute_start(x, "y", shift=1)
+    y = asyncops.futures.ppermute_done(fut)
+    return jnp.sum(jnp.sin(y))
+
+  def grad_of(f):
+    body = jax.shard_map(
+      lambda x: jax.lax.psum(f(x), ("x", "y")),
+      mesh=mesh,
+      in_specs=spec,
+      out_specs=P(),
+    )
+    return jax.jit(jax.grad(body))
+
+  x = jax.device_put(_data((64, 128), "float32", 0), NamedSharding(mesh, spec))
+  if jc.REF_REVERSE_MODE:
+    np.testing.assert_allclose(
+      grad_of(ref_shift)(x), grad_of(value_shift)(x), rtol=1e-6
+    )
+  else:
+    with pytest.raises(NotImplementedError, match=r"jax >= 0\.10.*Fix"):
+      grad_of(ref_shift).trace(x)
+
+
+# The fused ring kernels (collective_matmul._fused) ---------------------------
+
+
+def _fused_case(which):
+  from asyncops.collective_matmul import _fused  # noqa: PLC0415
+
+  if which == "allgather":
+    ours = functools.partial(_fused.allgather_matmul, axis_name="y")
+
+    def ref(x, w):
+      return jax.lax.all_gather(x, "y", axis=1, tiled=True) @ w
+
+    return (
+      ours,
+      ref,
+      P(),
+      P("x", "y"),
+      (1024, 256),
+      _fused.reducescatter_matmul_p,
+    )
+  if which == "reducescatter":
+    ours = functools.partial(_fused.matmul_reducescatter, axis_name="y")
+
+    def ref(x, w):
+      return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=1, tiled=True)
+
+    return (
+      ours,
+      ref,
+      P("y"),
+      P("x", "y"),
+      (1024, 1024),
+      _fused.allgather_matmul_p,
+    )
+  ours = functools.partial(_fused.matmul_allreduce, axis_name="y")
+
+  def ref(x, w):
+    return jax.lax.psum(x @ w, "y")
+
+  return ours, ref, P("y"), P("x"), (1024, 1024), _fused.allgather_matmul_p
+
+
+@pytest.mark.parametrize("which", ["allgather", "reducescatter", "allreduce"])
+def test_fused_kernels_grad_and_jvp(which):
+  """The fused primitives' rules: gradients and JVPs equal the ``jax.lax``
+  program's, and each backward uses the other fused ring for ``d lhs``."""
+  ours, ref, wspec, ospec, wshape, other = _fused_case(which)
+  mesh = _mesh()
+  specs = (P("x", "y"), wspec)
+  x, w = _put(
+    [_data((16, 1024), "float32", 0), _data(wshape, "float32", 1, 1 / 32)],
+    specs,
+  )
+
+  def programs(fn):
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=ospec)
+
+    def loss(x, w):
+      return jnp.sum(jnp.sin(sm(x, w)))
+
+    grad = jax.jit(jax.grad(loss, (0, 1)))
+    jvp = jax.jit(lambda p, t: jax.jvp(sm, p, t))
+    return grad, jvp, loss
+
+  with jax.default_matmul_precision("highest"):
+    g, j, loss = programs(ours)
+    gr, jr, _ = programs(ref)
+    got = (*g(x, w), *j((x, w), (jnp.cos(x), w)))
+    want = (*gr(x, w), *jr((x, w), (jnp.cos(x), w)))
+    for a, b in zip(got, want, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    text = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
+  assert other.name in text
+
+
+def test_fused_int8_transfer_is_not_differentiable():
+  from asyncops.collective_matmul import _fused  # noqa: PLC0415
+
+  mesh = _mesh()
+  f = jax.shard_map(
+    lambda x, w: _fused.allgather_matmul(x, w, "y", transfer="int8"),
+    mesh=mesh,
+    in_specs=(P("x", "y"), P()),
+    out_specs=P("x", "y"),
+  )
+  x, w = _put([jnp.ones((16, 512)), jnp.ones((512, 256))], (P("x", "y"), P()))
+  with pytest.raises(NotImplementedError, match="transfer='native'"):
+    jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w)))).trace(x, w)
