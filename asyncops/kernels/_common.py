@@ -22,6 +22,7 @@ semaphores; separately compiled programs may reuse them).
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -179,6 +180,27 @@ DMA = pltpu.SemaphoreType.DMA(())
 def params(*, collective_id: int | None = None) -> pltpu.CompilerParams:
   """Compiler params: kernels are never dead code, they move data."""
   return jc.tpu_compiler_params(collective_id=collective_id)
+
+
+def start_call(kernel, x, out_shapes, *, spec, name: str):
+  """Calls a start kernel that sends one buffer ``x``.
+
+  ``kernel(x_ref, aliased_x_ref, o_ref, send_sem, recv_sem, *, spec)``
+  returns ``x`` aliased (so XLA keeps the source alive until the done), the
+  destination buffer and the send and receive DMA semaphores.
+  ``out_shapes`` is ``(source shape, destination shape)``.
+  """
+  return pl.pallas_call(
+    functools.partial(kernel, spec=spec),
+    out_shape=(*out_shapes, DMA, DMA),
+    in_specs=[ANY],
+    out_specs=(ANY, ANY, SEM, SEM),
+    input_output_aliases={0: 0},
+    compiler_params=params(
+      collective_id=None if spec.axis_size == 1 else spec.collective_id
+    ),
+    name=name,
+  )(x)
 
 
 def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
