@@ -43,8 +43,6 @@ links better. Axis size 1 is a local copy with no barrier. Dtypes must be
 DMA-able (``_common.MOVABLE_DTYPES``).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -102,22 +100,13 @@ def wait_recv(o_ref, sems, *, spec: OpSpec):
 
 
 def start(x, *, spec: OpSpec):
-  return pl.pallas_call(
-    functools.partial(all_gather_start_kernel, spec=spec),
-    out_shape=(
-      jc.shape_like(x),
-      c.shape_like(x, dst_shape(spec)),
-      c.DMA,
-      c.DMA,
-    ),
-    in_specs=[c.ANY],
-    out_specs=(c.ANY, c.ANY, c.SEM, c.SEM),
-    input_output_aliases={0: 0},
-    compiler_params=c.params(
-      collective_id=None if spec.axis_size == 1 else spec.collective_id
-    ),
+  return c.start_call(
+    all_gather_start_kernel,
+    x,
+    (jc.shape_like(x), c.shape_like(x, dst_shape(spec))),
+    spec=spec,
     name="asyncops_all_gather_start",
-  )(x)
+  )
 
 
 def emulate(x, *, spec: OpSpec):
