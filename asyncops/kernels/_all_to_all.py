@@ -37,8 +37,6 @@ sends ``n - 1`` slots at once. Dtypes must be DMA-able
 (``_common.MOVABLE_DTYPES``).
 """
 
-import functools
-
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -90,22 +88,13 @@ def wait_recv(o_ref, sems, *, spec: OpSpec):
 
 
 def start(x, *, spec: OpSpec):
-  return pl.pallas_call(
-    functools.partial(all_to_all_start_kernel, spec=spec),
-    out_shape=(
-      c.shape_like(x),
-      c.shape_like(x),
-      c.DMA,
-      c.DMA,
-    ),
-    in_specs=[c.ANY],
-    out_specs=(c.ANY, c.ANY, c.SEM, c.SEM),
-    input_output_aliases={0: 0},
-    compiler_params=c.params(
-      collective_id=None if spec.axis_size == 1 else spec.collective_id
-    ),
+  return c.start_call(
+    all_to_all_start_kernel,
+    x,
+    (c.shape_like(x), c.shape_like(x)),
+    spec=spec,
     name="asyncops_all_to_all_start",
-  )(x)
+  )
 
 
 def emulate(x, *, spec: OpSpec):
