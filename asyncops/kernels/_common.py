@@ -169,6 +169,14 @@ def wait_dma(ref, sem) -> None:
   pltpu.make_async_copy(ref, ref, sem).wait()
 
 
+def wait_recv_slots(o_ref, sems, *, spec) -> None:
+  """Waits for the ``axis_size - 1`` slots of ``o_ref`` the peers write
+  (one receive semaphore, one slot-sized DMA per peer)."""
+  (recv_sem,) = sems
+  for _ in range(spec.axis_size - 1):
+    wait_dma(o_ref.at[0], recv_sem)
+
+
 ANY = pl.BlockSpec(memory_space=jc.ANY)
 # Buffers that must stay in HBM (XLA would otherwise move small ones to VMEM
 # and copy them back).
