@@ -56,13 +56,7 @@ def all_to_all_start_kernel(
     pltpu.make_async_copy(x_ref.at[me], o_ref.at[me], send_sem).start()
   if n == 1:
     return
-  peers = [jax.lax.rem(me + k, n) for k in range(1, n)]
-  with jax.named_scope("barrier"):
-    barrier = pltpu.get_barrier_semaphore()
-    for p in peers:
-      c.signal(barrier, axes, name, p)
-    pl.semaphore_wait(barrier, n - 1)
-    c.second_barrier(axes, name, [(p, True) for p in peers], n - 1)
+  peers = c.all_peers_barrier(spec, me)
   with jax.named_scope("dma"):
     for p in peers:
       pltpu.make_async_remote_copy(

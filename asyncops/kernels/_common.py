@@ -156,6 +156,22 @@ def ring_barrier(spec, me: jax.Array) -> None:
     )
 
 
+def all_peers_barrier(spec, me: jax.Array) -> list[jax.Array]:
+  """The barrier of kernels where every device sends to every other on
+  ``spec.axis_name`` (``axis_size >= 2``), then a second round on a
+  kernel-local semaphore (PR #27963). Returns the peers,
+  ``(me + k) % n`` for ``k`` in ``1 .. n - 1``."""
+  n, axes, name = spec.axis_size, spec.mesh_axes, spec.axis_name
+  peers = [jax.lax.rem(me + k, n) for k in range(1, n)]
+  with jax.named_scope("barrier"):
+    barrier = pltpu.get_barrier_semaphore()
+    for p in peers:
+      signal(barrier, axes, name, p)
+    pl.semaphore_wait(barrier, n - 1)
+    second_barrier(axes, name, [(p, True) for p in peers], n - 1)
+  return peers
+
+
 def check_ring(directions: int, n: int) -> None:
   """Validates a ring spec's ``directions`` and ring size ``n``."""
   if directions not in (1, 2):
