@@ -109,9 +109,18 @@ def ppermute_start(x, axis_name: str, perm=None, *, shift: int | None = None):
     ValueError: a perm index out of range or a duplicate source/destination.
 
   Example:
-    >>> x, fut = asyncops.ppermute_start(x, "i", shift=1)  # doctest: +SKIP
-    >>> z = x @ w                                           # doctest: +SKIP
-    >>> y = asyncops.ppermute_done(fut)                     # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, asyncops
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P("i"), P()), out_specs=P("i"))
+    ... def f(x, w):
+    ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
+    ...   z = x @ w  # overlaps the transfer
+    ...   return asyncops.ppermute_done(fut) + z
+    >>> x, w = jnp.arange(32.0).reshape(8, 4), jnp.eye(4)
+    >>> bool(jnp.allclose(f(x, w), jnp.roll(x, 1, axis=0) + x @ w))
+    True
   """
   fn = "ppermute_start"
   _validate.array(x, fn)

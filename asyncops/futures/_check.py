@@ -447,7 +447,21 @@ def check_futures(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     FutureError: naming the start's source line and the rule broken.
 
   Example:
-    >>> asyncops.futures.check_futures(f, x)  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, asyncops
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+    >>> wait = jax.jit(asyncops.ppermute_done)
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    ... def f(x):
+    ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
+    ...   return wait(fut) + wait(fut)  # awaited twice
+    >>> x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    >>> try:
+    ...   asyncops.futures.check_futures(f, x)
+    ... except asyncops.FutureError as e:
+    ...   print("awaited or handed on 2 times" in str(e))
+    True
   """
   closed = jax.make_jaxpr(fn)(*args, **kwargs)
   outs, _ = _Flow(closed.jaxpr, [None] * len(closed.jaxpr.invars)).run()

@@ -28,8 +28,17 @@ communicating kernel's buffers in memory it allocates), none of which
 touch a buffer in flight.
 
 Example:
-  >>> from asyncops.inspect import assert_copy_free  # doctest: +SKIP
-  >>> assert_copy_free(jax.jit(f), x, topology="v5e:2x4")  # doctest: +SKIP
+  >>> import jax, jax.numpy as jnp, asyncops
+  >>> from jax.sharding import AxisType, PartitionSpec as P
+  >>> from asyncops.inspect import assert_copy_free
+  >>> mesh = jax.make_mesh((8,), ("i",), axis_types=(AxisType.Auto,))
+  >>> def hop(x):
+  ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
+  ...   return asyncops.ppermute_done(fut) + x
+  >>> f = jax.jit(jax.shard_map(hop, in_specs=P("i"), out_specs=P("i")))
+  >>> x = jax.device_put(jnp.zeros((64, 128)), jax.NamedSharding(mesh, P("i")))
+  >>> len(assert_copy_free(f, x, topology="v5e:2x4").kernel_pairs)
+  1
 """
 
 from __future__ import annotations
@@ -320,8 +329,18 @@ def assert_copy_free(jitted: Any, *args: Any, topology: str | None = None):
     ValueError: the program was not compiled for TPU.
 
   Example:
-    >>> mesh = tpu_mesh("v5e:2x4", (8,), ("i",))  # doctest: +SKIP
-    >>> assert_copy_free(jax.jit(f), x)  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, asyncops
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = tpu_mesh("v5e:2x4", (8,), ("i",))
+    >>> def hop(x):
+    ...   x, fut = asyncops.ppermute_start(x, "i", shift=1)
+    ...   return asyncops.ppermute_done(fut) + x
+    >>> f = jax.shard_map(hop, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    >>> x = jax.ShapeDtypeStruct((64, 128), jnp.float32,
+    ...                          sharding=NamedSharding(mesh, P("i")))
+    >>> r = assert_copy_free(jax.jit(f), x)  # raises on a hazard
+    >>> len(r.kernel_pairs), r.kernel_pairs[0].kind
+    (1, 'kernel')
   """
   jitted = getattr(jitted, "__wrapped_jit__", jitted)
   compiled = compile_for_check(jitted, args, topology)

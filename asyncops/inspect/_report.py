@@ -2,12 +2,13 @@
 
 Example:
 
+  >>> from asyncops.inspect import analyze
   >>> r = analyze('''HloModule m, is_scheduled=true
   ... ENTRY %main (p: f32[8]) -> f32[8] {
   ...   %p = f32[8]{0} parameter(0)
   ...   ROOT %c = f32[8]{0} copy(%p)
-  ... }''')  # doctest: +SKIP
-  >>> [c.kind for c in r.copies]  # doctest: +SKIP
+  ... }''')
+  >>> [c.kind for c in r.copies]
   ['output']
 """
 

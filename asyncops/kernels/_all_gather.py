@@ -43,8 +43,6 @@ links better. Axis size 1 is a local copy with no barrier. Dtypes must be
 DMA-able (``_common.MOVABLE_DTYPES``).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -70,13 +68,7 @@ def all_gather_start_kernel(
     pltpu.make_async_copy(x_ref, o_ref.at[me], send_sem).start()
   if n == 1:
     return
-  peers = [jax.lax.rem(me + k, n) for k in range(1, n)]
-  with jax.named_scope("barrier"):
-    barrier = pltpu.get_barrier_semaphore()
-    for p in peers:
-      c.signal(barrier, axes, name, p)
-    pl.semaphore_wait(barrier, n - 1)
-    c.second_barrier(axes, name, [(p, True) for p in peers], n - 1)
+  peers = c.all_peers_barrier(spec, me)
   with jax.named_scope("dma"):
     for p in peers:
       pltpu.make_async_remote_copy(
@@ -95,29 +87,17 @@ def wait_send(x_ref, sems, *, spec: OpSpec):
     c.wait_dma(x_ref, send_sem)
 
 
-def wait_recv(o_ref, sems, *, spec: OpSpec):
-  (recv_sem,) = sems
-  for _ in range(spec.axis_size - 1):
-    c.wait_dma(o_ref.at[0], recv_sem)
+wait_recv = c.wait_recv_slots
 
 
 def start(x, *, spec: OpSpec):
-  return pl.pallas_call(
-    functools.partial(all_gather_start_kernel, spec=spec),
-    out_shape=(
-      jc.shape_like(x),
-      c.shape_like(x, dst_shape(spec)),
-      c.DMA,
-      c.DMA,
-    ),
-    in_specs=[c.ANY],
-    out_specs=(c.ANY, c.ANY, c.SEM, c.SEM),
-    input_output_aliases={0: 0},
-    compiler_params=c.params(
-      collective_id=None if spec.axis_size == 1 else spec.collective_id
-    ),
+  return c.start_call(
+    all_gather_start_kernel,
+    x,
+    (jc.shape_like(x), c.shape_like(x, dst_shape(spec))),
+    spec=spec,
     name="asyncops_all_gather_start",
-  )(x)
+  )
 
 
 def emulate(x, *, spec: OpSpec):

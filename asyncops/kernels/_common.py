@@ -22,6 +22,7 @@ semaphores; separately compiled programs may reuse them).
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -155,6 +156,22 @@ def ring_barrier(spec, me: jax.Array) -> None:
     )
 
 
+def all_peers_barrier(spec, me: jax.Array) -> list[jax.Array]:
+  """The barrier of kernels where every device sends to every other on
+  ``spec.axis_name`` (``axis_size >= 2``), then a second round on a
+  kernel-local semaphore (PR #27963). Returns the peers,
+  ``(me + k) % n`` for ``k`` in ``1 .. n - 1``."""
+  n, axes, name = spec.axis_size, spec.mesh_axes, spec.axis_name
+  peers = [jax.lax.rem(me + k, n) for k in range(1, n)]
+  with jax.named_scope("barrier"):
+    barrier = pltpu.get_barrier_semaphore()
+    for p in peers:
+      signal(barrier, axes, name, p)
+    pl.semaphore_wait(barrier, n - 1)
+    second_barrier(axes, name, [(p, True) for p in peers], n - 1)
+  return peers
+
+
 def check_ring(directions: int, n: int) -> None:
   """Validates a ring spec's ``directions`` and ring size ``n``."""
   if directions not in (1, 2):
@@ -168,6 +185,14 @@ def wait_dma(ref, sem) -> None:
   pltpu.make_async_copy(ref, ref, sem).wait()
 
 
+def wait_recv_slots(o_ref, sems, *, spec) -> None:
+  """Waits for the ``axis_size - 1`` slots of ``o_ref`` the peers write
+  (one receive semaphore, one slot-sized DMA per peer)."""
+  (recv_sem,) = sems
+  for _ in range(spec.axis_size - 1):
+    wait_dma(o_ref.at[0], recv_sem)
+
+
 ANY = pl.BlockSpec(memory_space=jc.ANY)
 # Buffers that must stay in HBM (XLA would otherwise move small ones to VMEM
 # and copy them back).
@@ -179,6 +204,27 @@ DMA = pltpu.SemaphoreType.DMA(())
 def params(*, collective_id: int | None = None) -> pltpu.CompilerParams:
   """Compiler params: kernels are never dead code, they move data."""
   return jc.tpu_compiler_params(collective_id=collective_id)
+
+
+def start_call(kernel, x, out_shapes, *, spec, name: str):
+  """Calls a start kernel that sends one buffer ``x``.
+
+  ``kernel(x_ref, aliased_x_ref, o_ref, send_sem, recv_sem, *, spec)``
+  returns ``x`` aliased (so XLA keeps the source alive until the done), the
+  destination buffer and the send and receive DMA semaphores.
+  ``out_shapes`` is ``(source shape, destination shape)``.
+  """
+  return pl.pallas_call(
+    functools.partial(kernel, spec=spec),
+    out_shape=(*out_shapes, DMA, DMA),
+    in_specs=[ANY],
+    out_specs=(ANY, ANY, SEM, SEM),
+    input_output_aliases={0: 0},
+    compiler_params=params(
+      collective_id=None if spec.axis_size == 1 else spec.collective_id
+    ),
+    name=name,
+  )(x)
 
 
 def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:

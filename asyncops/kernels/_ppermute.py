@@ -117,22 +117,13 @@ def wait_recv(o_ref, sems, *, spec: OpSpec):
 
 
 def start(x, *, spec: OpSpec):
-  return pl.pallas_call(
-    functools.partial(ppermute_start_kernel, spec=spec),
-    out_shape=(
-      jc.shape_like(x),
-      c.shape_like(x, spec.shape),
-      c.DMA,
-      c.DMA,
-    ),
-    in_specs=[c.ANY],
-    out_specs=(c.ANY, c.ANY, c.SEM, c.SEM),
-    input_output_aliases={0: 0},
-    compiler_params=c.params(
-      collective_id=None if spec.axis_size == 1 else spec.collective_id
-    ),
+  return c.start_call(
+    ppermute_start_kernel,
+    x,
+    (jc.shape_like(x), c.shape_like(x, spec.shape)),
+    spec=spec,
     name="asyncops_ppermute_start",
-  )(x)
+  )
 
 
 def emulate(x, *, spec: OpSpec):

@@ -67,8 +67,23 @@ def assume_disjoint() -> Iterator[None]:
   **You take over the proof**: a wrong assertion is a DMA race on TPU.
 
   Example:
-    >>> with asyncops.stateful.assume_disjoint():  # doctest: +SKIP
-    ...   buf[k] = x  # k is known (to you) to differ from the sent slot
+    >>> import jax, jax.numpy as jnp
+    >>> from asyncops import stateful
+    >>> mesh = jax.make_mesh((8,), ("i",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=jax.P("i"), out_specs=jax.P("i"))
+    ... def f(x):
+    ...   buf = jax.new_ref(jnp.stack([x, jnp.zeros_like(x), x]))
+    ...   k = 2 * (jax.lax.axis_index("i") >= 0)  # always 2, not proven
+    ...   fut = stateful.ppermute_start(buf.at[0], buf.at[1], "i", shift=1)
+    ...   with stateful.assume_disjoint():  # you know k misses slots 0, 1
+    ...     buf[k] = buf[k] * 10
+    ...   stateful.ppermute_done(fut, buf.at[0], buf.at[1])
+    ...   return buf[1] + buf[2]
+    >>> x = jnp.arange(8.0)
+    >>> bool(jnp.array_equal(f(x), jnp.roll(x, 1) + 10 * x))
+    True
   """
   token = _assumed.set(True)
   try:
