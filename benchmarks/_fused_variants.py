@@ -95,7 +95,9 @@ def _ag_twin(operands, results):
   :func:`ring_steps`): the shapes of the dots the kernel runs (each step's
   chunk times its rows of ``w``; the kernel tiles them in ``[k/d, bn]``
   blocks inside one pipeline)."""
-  _, x, w, *rest = operands
+  # Operands: me, x, [x scales [d, m, 128]], w, recv, [recv scales], sems.
+  _, x, *rest = operands
+  w = next(o for o in rest if len(o.dims) == 2)
   recv = next(o for o in rest if len(o.dims) == 4)
   n = recv.dims[1] + 1
   (m, k), f = x.dims, w.dims[1]
