@@ -16,8 +16,12 @@ Twins (:mod:`benchmarks._kernel_costs`): what each computing kernel of
 ``asyncops/kernels/_allgather_matmul.py`` and ``_reducescatter_matmul.py``
 does, written with ``jnp`` ops of the same shapes:
 
-- ``ring_allgather_matmul``: every chunk times its rows of ``w``, the
-  result cast: ``dot(x [m, n k], w [n k, f])`` (the unsharded matmul).
+- ``ring_allgather_matmul``: one ``x [m, k] @ w [k, f]`` dot per ring
+  step (each step's chunk times its rows of ``w``) added into a float32
+  accumulator, cast once (:func:`ring_steps`). Not the unsharded matmul:
+  XLA's estimate of one ``[m, n k] x [n k, f]`` dot is the work of a
+  different program (and, simulated with its weight prefetch charged,
+  serialises the weight read before the dot, which the kernel streams).
 - ``ring_reducescatter_matmul``: every step's product plus the partial
   sums received, cast: ``x [m, k] @ w [k, n c] + r [m, n c]`` (the kernel
   writes ``n - 1`` sent blocks and its own: ``n c`` columns).
@@ -57,14 +61,48 @@ def _matmul_cast(x, w, out_dtype):
   ).astype(out_dtype)
 
 
+def ring_steps(x, w, *, out_dtype):
+  """The all-gather kernel's work, one ring step at a time: ``x [n, m, k]``
+  (the chunk each step holds), ``w [n, k, f]`` (its rows); step ``s`` adds
+  ``x[s] @ w[s]`` into a float32 (int32 for int8) accumulator, cast once at
+  the end. XLA decides where the accumulator lives, as it would for this
+  program written by hand."""
+  acc = None
+  floating = jnp.issubdtype(w.dtype, jnp.floating)
+  # float32 chunks travel only at HIGHEST precision (``_fused``); bfloat16
+  # chunks meet a float32 w in one bfloat16 pass (DEFAULT).
+  highest = jnp.dtype(x.dtype) == jnp.float32
+  for s in range(x.shape[0]):
+    xs, ws = x[s], w[s]
+    if jnp.dtype(xs.dtype) == jnp.int8 and floating:
+      xs = xs.astype(jnp.bfloat16)  # quantized codes meet the MXU as bf16
+    if floating and jnp.dtype(ws.dtype).itemsize > jnp.dtype(xs.dtype).itemsize:
+      # The kernel reads w as stored and rounds it in VMEM: the same work
+      # as a dot in w's dtype at DEFAULT precision (one bfloat16 pass).
+      xs = xs.astype(ws.dtype)
+    y = jnp.dot(
+      xs,
+      ws.astype(xs.dtype),
+      preferred_element_type=_acc(xs.dtype),
+      precision=jax.lax.Precision.HIGHEST if highest else None,
+    )
+    acc = y if acc is None else acc + y
+  return acc.astype(out_dtype)
+
+
 def _ag_twin(operands, results):
-  """``dot(x [m, n k], w [n k, f])``: every chunk times its rows."""
-  _, x, w, *rest = operands
+  """One ``[m, k] x [k, f]`` dot per ring step, accumulated (see
+  :func:`ring_steps`): the shapes of the dots the kernel runs (each step's
+  chunk times its rows of ``w``; the kernel tiles them in ``[k/d, bn]``
+  blocks inside one pipeline)."""
+  # Operands: me, x, [x scales [d, m, 128]], w, recv, [recv scales], sems.
+  _, x, *rest = operands
+  w = next(o for o in rest if len(o.dims) == 2)
   recv = next(o for o in rest if len(o.dims) == 4)
   n = recv.dims[1] + 1
   (m, k), f = x.dims, w.dims[1]
-  fn = functools.partial(_matmul_cast, out_dtype=_dt(results[0]))
-  return fn, (_sds((m, n * k), _dt(x)), _sds((n * k, f), _dt(w)))
+  fn = functools.partial(ring_steps, out_dtype=_dt(results[0]))
+  return fn, (_sds((n, m, k), _dt(x)), _sds((n, k, f), _dt(w)))
 
 
 def _rs_twin(operands, results):

@@ -756,16 +756,32 @@ class _Sim:
 
     Its first output is the receive buffer ``[d, n - 1, ...]``: everything
     this device receives during the whole ring, slot ``t`` of direction
-    ``c`` arriving one hop from the neighbour. Direction 0 of two travels
-    ``+1``, the other ``-1``; a single direction travels ``-1``. The hops
-    run one after the other (each device forwards what it received), so
-    the latency is ``n - 1`` hops; the bytes queue on each directed link.
+    ``c`` (``+1`` for direction 0 of two, else ``-1``).
+
+    - ``ring_allgather``: direct sends. Every device sends each half
+      straight to the ``n - 1`` peers ``shift * (t + 1)`` away (slot
+      ``t``), each a separate unicast routed over the grid, so a link
+      carries one copy per destination that crosses it; latency: the
+      longest path.
+    - otherwise (``ring_reducescatter``): a ring. Slot ``t`` arrives one
+      hop from the neighbour, each device forwarding what it received, so
+      the latency is ``n - 1`` hops; the bytes queue on each directed link.
     """
     recv = ins.arrays[0]
     d = recv.dims[0] if recv.dims else 1
     shifts = (1, -1) if d == 2 else (-1,)
     load: dict[tuple, float] = {}
     latency = 0.0
+    if ins.name[len("asyncops_") :].startswith("ring_allgather"):
+      n1 = recv.dims[1] if len(recv.dims) > 1 else 1
+      slot = recv.nbytes / d / n1
+      for sh in shifts:
+        for t in range(1, n1 + 1):
+          part, lat = self._ici(ring_sends(self.rings, sh * t), slot)
+          for k, v in part.items():
+            load[k] = load.get(k, 0.0) + v
+          latency = max(latency, lat)
+      return load, latency
     for sh in shifts:
       part, lat = self._ici(ring_sends(self.rings, sh), recv.nbytes / d)
       for k, v in part.items():

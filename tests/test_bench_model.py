@@ -247,3 +247,52 @@ def test_run_measure_keeps_its_signature():
   )
   assert row["step_us"] == pytest.approx(tl.step_s * 1e6)
   assert "ppermute" in bench_run.table([row], row["step_us"])
+
+
+@pytest.fixture(scope="module")
+def fused_chapter():
+  """The fused all-gather matmul at the chapter's shape (bf16, v5e:2x4,
+  tp 4), compiled and modelled like a table row."""
+  from benchmarks import _fused_variants, _measure  # noqa: PLC0415, F401
+
+  spec = _measure.Spec(
+    "allgather_matmul_fused", "v5e:2x4", None, (1024, 2048, 8192), jnp.bfloat16
+  )
+  with _measure.cache_off():
+    return _measure.measure(spec)
+
+
+def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
+  """The fused kernel costs XLA's estimate of the dots it runs, one
+  ``[m, k] x [k, f]`` per ring step into a float32 accumulator (not one
+  unsharded dot with its weight prefetch serialised before it), never less
+  than the FLOPs at peak; its start's sends are routed peer by peer."""
+  from benchmarks import _fused_variants, _measure  # noqa: PLC0415
+
+  res = fused_chapter
+  tl = res.timeline
+  assert not tl.flags, tl.flags
+  n, m, k, f = 4, 512, 512, 2048
+  device = _measure.mesh_for("v5e:2x4", "ring", None).devices.flat[0]
+  s = jax.sharding.SingleDeviceSharding(device)
+  args = (
+    jax.ShapeDtypeStruct((n, m, k), jnp.bfloat16, sharding=s),
+    jax.ShapeDtypeStruct((n, k, f), jnp.bfloat16, sharding=s),
+  )
+  fn = lambda x, w: _fused_variants.ring_steps(x, w, out_dtype=jnp.bfloat16)  # noqa: E731
+  twin_text = jax.jit(fn).trace(*args).lower().compile().as_text()
+  steps = _timeline.simulate(_hlo.parse(twin_text), CHIP, prefetch="charged")
+  assert tl.twin_s == pytest.approx(steps.step_s)
+  assert tl.twin_s >= 2 * m * n * k * f / CHIP.bf16_flops
+  # The ring steps are one dot per step, each of the kernel's chunk shape.
+  assert twin_text.count("convolution(") + twin_text.count(" dot(") == n
+  # No result copy: the kernel's output is the program's result.
+  kinds = [e.name.split(".")[0] for e in tl.events if e.track == "compute"]
+  assert not [k for k in kinds if k.startswith("copy")], kinds
+  # Direct sends: each of the 8 devices sends its chunk to its 3 peers,
+  # each copy routed on its own (some peers are 2 or 3 hops away), so the
+  # links carry more than one link-crossing per copy.
+  (start,) = [e for e in tl.events if e.track == "ici"]
+  assert start.dur > 0
+  chunk = m * k * 2
+  assert sum(start.args["links"].values()) > 8 * (n - 1) * chunk

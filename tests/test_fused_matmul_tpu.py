@@ -92,6 +92,17 @@ def test_allgather_kernels_in_order(topology):
   assert len(w_operands) == 2  # x and w, each once
   report = analyze(text)
   assert not report.defensive_copies, report.defensive_copies
+  _assert_result_written_in_place(text, compute)
+
+
+def _assert_result_written_in_place(text, compute):
+  """The compute kernel starts no remote DMA (the start sends every chunk
+  directly), so XLA neither treats it as communicating nor copies its
+  result out: the program's result is the kernel's output, in HBM."""
+  assert '"has_communication":true' not in compute.attrs
+  entry = text[text.index("\nENTRY ") :]
+  assert not re.search(r"= \S+ copy(-start)?\(", entry), "the result is copied"
+  assert compute.leaves[0].memory_space == 0  # HBM, not staged in VMEM
 
 
 def test_allgather_float32_travels_as_bf16_at_default_precision():

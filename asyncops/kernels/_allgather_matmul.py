@@ -1,48 +1,57 @@
-"""Fused ring all-gather matmul: ``all_gather(x, 1, tiled) @ w``.
+"""Fused all-gather matmul: ``all_gather(x, 1, tiled) @ w``.
 
 Algorithm. Inside ``shard_map`` over a ring of ``n`` devices, device ``i``
 holds ``x`` ``[m, k]`` (chunk ``i`` of the contracting dimension) and every
-row of ``w`` ``[n k, f]``. The chunks travel around the ring; every device
-multiplies each chunk by its ``k`` rows of ``w`` as the chunk arrives and
-accumulates the ``[m, f]`` product in float32 **in VMEM** (it never goes
-back to HBM between steps), then writes the result once.
+row of ``w`` ``[n k, f]``. Every device sends its chunk to every peer at
+once; each device multiplies each chunk by its ``k`` rows of ``w`` as the
+chunk arrives and accumulates the ``[m, f]`` product in float32 (int32 for
+int8) **in VMEM** (it never goes back to HBM between steps), then writes
+the result once, in bf16/f32/int8 as the output asks.
 
 Two directions (``directions=2``): the columns of every chunk are split in
-halves; the first half travels to ``i + 1``, the second to ``i - 1``, so
-both directions of every ring link carry data and each link carries half a
-chunk per step. Each row of ``w`` belongs to exactly one (chunk, half), so
-``w`` is read from HBM once, streamed in ``[k/2, bn]`` blocks. (Splitting
-rows instead, as the value-API ring does, reads ``w`` twice.) One
-direction: whole chunks travel to ``i - 1``.
+halves; step ``s`` uses the first half of chunk ``i - s`` and the second
+half of chunk ``i + s``, so the nearest peers on both sides feed the first
+steps and each half meets its own ``[k/2, bn]`` blocks of ``w`` (each row
+of ``w`` belongs to exactly one (chunk, half): ``w`` is read from HBM
+once). One direction: step ``s`` uses the whole chunk ``i + s``.
 
 Kernels, in program order (all three appear in the compiled HLO):
 
-1. ``asyncops_ring_allgather_start``: a two-round barrier with the ring
-   neighbours (the second round on a kernel-local semaphore, jax-ml/jax PR
-   #27963), then the first hop of every direction: ``x``'s halves into the
-   neighbours' receive buffers. Returns the receive buffer ``[d, n - 1, m,
-   k/d]`` (slot ``t`` of direction ``c`` holds the half used at step
+1. ``asyncops_ring_allgather_start``: a two-round barrier with every peer
+   of the ring (each writes into this device's receive buffer; the second
+   round on a kernel-local semaphore, jax-ml/jax PR #27963), then **direct
+   sends**: half ``d`` of ``x`` to the
+   peer ``shift_d * (t + 1)`` away, into its slot ``t``, for ``t = 0 ..
+   n - 2``, nearest first. Returns the receive buffer ``[d, n - 1, m,
+   k/d]`` (slot ``t`` of direction ``d`` holds the half used at step
    ``t + 1``; its first output, which ``benchmarks/`` routes) and DMA
    semaphore arrays ``[d, n - 1]`` for sends and receives.
-2. ``ring_allgather_matmul``: grid ``(n, f / bn)``. Step ``s`` multiplies
-   the halves it holds (``x`` at step 0) by their ``w`` blocks (streamed by
-   the Pallas pipeline) into the float32 VMEM accumulator. After block
-   ``max(nf - 2, 0)`` of step ``s < n - 1`` it waits for the halves of
-   step ``s + 1``, forwards them one hop further (the next device needs
-   them a whole step later) and starts copying them into the other slot of
+2. ``ring_allgather_matmul``: grid ``(n, f / bn, d)``. Step ``s``
+   multiplies the halves it holds (``x`` at step 0) by their ``w`` blocks
+   (streamed by the Pallas pipeline) into the float32 VMEM accumulator.
+   After block ``max(nf - 2, 0)`` of step ``s < n - 1`` it waits for the
+   halves of step ``s + 1`` and starts copying them into the other slot of
    a VMEM double buffer, so the copy overlaps the step's last block. The
-   last step adds its product and writes ``[m, bn]`` output blocks.
-3. ``asyncops_ring_allgather_done``: waits for every send (the start's and
-   each forward); it takes the result, so it runs after the compute kernel
-   that starts the forwards.
+   last step adds its product and writes ``[m, bn]`` output blocks. It
+   starts **no remote DMA**, and returns an SMEM token besides the result.
+3. ``asyncops_ring_allgather_done``: waits for every send; it takes the
+   token (not the result), so it runs after the compute kernel and the
+   sends stay in flight under the matmul.
 
-XLA allocates the outputs of a kernel that communicates so that peers could
-write into them; when such an output is the program's result XLA copies it
-(measured on v5e: a 5 us copy of a 2 MiB bfloat16 result). Moving the last
-step into a separate, non-communicating kernel avoids that copy but hands
-the float32 accumulator between kernels, which ``benchmarks/`` charges as
-two HBM round trips (each kernel is costed by a standalone jnp twin); it
-modelled 57.8 us against 44.6 us for this form (v5e, chapter shape, bf16).
+Why direct sends and a token. XLA treats a kernel that starts a remote DMA
+as communicating and copies such a kernel's result before it leaves the
+program (measured on v5e and v6e: the result placed in VMEM, then a
+synchronous copy to HBM, 5 us at the chapter's bf16 shape, 36 us at
+prefill; pinning the output to HBM moves the copy to the ROOT). A kernel
+that reads its result later (a done taking the result) makes XLA stage it
+in VMEM and evict it too. With the sends in the start kernel and the done
+ordered by a token, the compute kernel's output *is* the program's result,
+in HBM. The price is link traffic: a ring forwards each chunk (``n - 1``
+link crossings per chunk), direct sends route one copy per peer (``4``
+crossings per chunk instead of ``3`` on a 4-ring with wraparound, more on
+the open lines of small slices and at ``n = 8``). Where the matmul is
+longer than the transfers (the shapes this kernel is for), that is hidden;
+``benchmarks/_timeline.py`` routes each copy on its own.
 
 Quantized transfers (``AgSpec.quantized``): ``x`` arrives as int8 codes
 with one float32 scale per row and half (``[d, m, 128]``, the scale
@@ -57,7 +66,11 @@ Limits. ``k / d`` a multiple of 128; ``f`` divisible by ``bn``; the
 accumulator ``[m, f]`` (float32; int32 for int8), two ``[m, k]`` chunk
 buffers and the ``w`` blocks must fit in VMEM (the caller splits ``m`` into
 panels when they do not). One ring axis; other mesh axes keep this device's
-coordinates.
+coordinates. All ``n - 1`` receive slots are allocated up front (``(n - 1)
+m k`` elements of HBM), as a forwarding ring's are. A step waits for its
+chunk inside the kernel: the benchmark model sees the transfers end at the
+done, not a stall at an early step if the nearest peers' halves arrive
+late (they are sent first).
 """
 
 import dataclasses
@@ -176,21 +189,37 @@ def start_kernel(
   n - 1, m, 128])``; each half's scales travel with it on its semaphores.
   """
   me = jax.lax.axis_index(spec.axis_name)
-  kh = spec.kh
-  c.ring_barrier(spec, me)
-  for d, sh in enumerate(spec.shifts):
-    pairs = [(x_ref.at[:, pl.ds(d * kh, kh)], recv_ref.at[d, 0])]
-    if scales is not None:
-      pairs.append((scales[0].at[d], scales[1].at[d, 0]))
-    for src, dst in pairs:
-      pltpu.make_async_remote_copy(
-        src,
-        dst,
-        send_sems.at[d, 0],
-        recv_sems.at[d, 0],
-        device_id=c.ring_peer(spec, me, sh),
-        device_id_type=pl.DeviceIdType.MESH,
-      ).start()
+  n, kh = spec.n, spec.kh
+  barrier = pltpu.get_barrier_semaphore()
+  # Every peer writes into this device's receive buffer, so each device
+  # tells every peer it has entered (its buffers exist) before any send.
+  senders = [jax.lax.rem(me + t, n) for t in range(1, n)]
+  for src in senders:
+    c.signal(barrier, spec.mesh_axes, spec.axis_name, src)
+  pl.semaphore_wait(barrier, len(senders))
+  if len(senders) > 1:
+    c.second_barrier(
+      spec.mesh_axes,
+      spec.axis_name,
+      [(src, True) for src in senders],
+      len(senders),
+    )
+  # Direct sends, nearest first: half d goes to the peer sh * (t + 1) away,
+  # which uses it at step t + 1 (its slot t).
+  for t in range(n - 1):
+    for d, sh in enumerate(spec.shifts):
+      pairs = [(x_ref.at[:, pl.ds(d * kh, kh)], recv_ref.at[d, t])]
+      if scales is not None:
+        pairs.append((scales[0].at[d], scales[1].at[d, t]))
+      for src, dst in pairs:
+        pltpu.make_async_remote_copy(
+          src,
+          dst,
+          send_sems.at[d, t],
+          recv_sems.at[d, t],
+          device_id=c.ring_peer(spec, me, sh * (t + 1)),
+          device_id_type=pl.DeviceIdType.MESH,
+        ).start()
 
 
 def compute_kernel(*refs, spec: AgSpec):
@@ -198,9 +227,11 @@ def compute_kernel(*refs, spec: AgSpec):
   ``s`` (the two halves of a step meet different ``w`` rows, so they are
   two grid steps; ``w`` is one operand, read once).
 
-  ``refs``: ``me, x, [x scales], w, recv, [recv scales], send_sems,
-  recv_sems, out, acc, chunk buffer, [scale buffer], copy_sems`` (the
-  bracketed ones for quantized chunks).
+  ``refs``: ``me, x, [x scales], w, recv, [recv scales], recv_sems, out,
+  token, acc, chunk buffer, [scale buffer], copy_sems`` (the bracketed ones
+  for quantized chunks). It starts no remote DMA, so XLA does not treat it
+  as communicating and writes its result in place (a communicating
+  kernel's result is copied once more before it leaves the program).
   """
   q = spec.quantized
   refs = list(refs)
@@ -208,14 +239,18 @@ def compute_kernel(*refs, spec: AgSpec):
   xs_ref = refs.pop(0) if q else None
   w_ref, recv_ref = refs.pop(0), refs.pop(0)
   rs_ref = refs.pop(0) if q else None
-  send_sems, recv_sems, o_ref, acc_ref, xbuf = refs[:5]
+  recv_sems, o_ref, tok_ref, acc_ref, xbuf = refs[:5]
   sbuf = refs[5] if q else None
   copy_sems = refs[-1]
   nd = spec.directions
   n, kh, bn, nf = spec.n, spec.kh, spec.bn, spec.nf
   s, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   slot = jax.lax.rem(s, 2)
-  me = me_ref[0]
+  del me_ref  # only the w index map reads it
+
+  @pl.when((s == 0) & (j == 0) & (d == 0))
+  def _():
+    tok_ref[0] = jnp.int32(0)
 
   def local_copies(dd, src_slot, dst_slot):
     out = [
@@ -256,34 +291,20 @@ def compute_kernel(*refs, spec: AgSpec):
   def _():
     o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
 
-  # Slot s holds the halves of step s + 1: wait for them, forward them (the
-  # neighbour uses them as its slot s + 1, a whole step from now) unless
-  # this is the last slot, and copy them into VMEM for the next step.
+  # Slot s holds the halves of step s + 1: wait for them and copy them into
+  # VMEM for the next step (the copy overlaps this step's last block).
   @pl.when((s < n - 1) & (j == max(nf - 2, 0)) & (d == nd - 1))
   def _():
-    for dd, sh in enumerate(spec.shifts):
+    for dd in range(nd):
       moving = [recv_ref] + ([rs_ref] if q else [])
       for buf in moving:
         c.wait_dma(buf.at[dd, s], recv_sems.at[dd, s])
-
-      @pl.when(s <= n - 3)
-      def _(dd=dd, sh=sh, moving=moving):
-        for buf in moving:
-          pltpu.make_async_remote_copy(
-            buf.at[dd, s],
-            buf.at[dd, s + 1],
-            send_sems.at[dd, s + 1],
-            recv_sems.at[dd, s + 1],
-            device_id=c.ring_peer(spec, me, sh),
-            device_id_type=pl.DeviceIdType.MESH,
-          ).start()
-
       for src, dst in local_copies(dd, s, 1 - slot):
         pltpu.make_async_copy(src, dst, copy_sems.at[dd]).start()
 
 
 def done_kernel(recv_ref, send_sems, *, spec: AgSpec, recv_scales=None):
-  """Waits for every send (the start's and each forward)."""
+  """Waits for every send of the start."""
   for d in range(spec.directions):
     for t in range(spec.n - 1):
       c.wait_dma(recv_ref.at[d, t], send_sems.at[d, t])
@@ -401,22 +422,25 @@ def start(xs, *, spec: AgSpec):
   return tuple(out[:nq]), out[nq], out[nq + 1]
 
 
-def compute(me, xs, w, recvs, send_sems, recv_sems, *, spec: AgSpec, out_shape):
-  """The chunk matmuls and the forwards; returns the ``[m, f]`` result."""
+def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape):
+  """The chunk matmuls; returns the ``[m, f]`` result and a token (an SMEM
+  scalar the done takes, so it runs after this kernel without reading the
+  result: a later reader of the result makes XLA stage it in VMEM and copy
+  it out)."""
   nq = len(xs)
   return pl.pallas_call(
     functools.partial(compute_kernel, spec=spec),
-    out_shape=out_shape,
+    out_shape=(out_shape, c.shape_like(xs[0], (1,), jnp.int32)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(spec.n, spec.nf, spec.directions),
-      in_specs=_in_specs(spec) + [c.HBM] * nq + [c.SEM, c.SEM],
-      out_specs=_out_block(spec),
+      in_specs=_in_specs(spec) + [c.HBM] * nq + [c.SEM],
+      out_specs=(_out_block(spec), _SMEM),
       scratch_shapes=_scratch(spec),
     ),
     compiler_params=_params(spec),
     name="ring_allgather_matmul",
-  )(me, *_order(xs, w, recvs), send_sems, recv_sems)
+  )(me, *_order(xs, w, recvs), recv_sems)
 
 
 def _order(xs, w, recvs):
@@ -424,12 +448,13 @@ def _order(xs, w, recvs):
   return (*xs, w, *recvs)
 
 
-def done(xs, recvs, out, send_sems, *, spec: AgSpec):
+def done(xs, recvs, token, send_sems, *, spec: AgSpec):
   """Waits for every send; returns a token nothing needs to read.
 
   Reads the sources and receive buffers (so XLA keeps them alive until the
-  sends end) and ``out`` (so it runs after the compute kernel, which starts
-  the forwards it waits for). It has side effects, so XLA keeps it.
+  sends end) and the compute kernel's ``token`` (so it runs after it: the
+  transfers stay in flight under the matmul). It has side effects, so XLA
+  keeps it.
   """
   nq = len(xs)
 
@@ -447,11 +472,11 @@ def done(xs, recvs, out, send_sems, *, spec: AgSpec):
   return pl.pallas_call(
     kernel,
     out_shape=c.shape_like(xs[0], (1,), jnp.int32),
-    in_specs=[c.ANY] * nq + [c.HBM] * nq + [c.ANY, c.SEM],
+    in_specs=[c.ANY] * nq + [c.HBM] * nq + [_SMEM, c.SEM],
     out_specs=_SMEM,
     compiler_params=c.params(),
     name="asyncops_ring_allgather_done",
-  )(*xs, *recvs, out, send_sems)
+  )(*xs, *recvs, token, send_sems)
 
 
 def run(me, x, w, *, spec: AgSpec, out_shape, scales=None):
@@ -462,10 +487,10 @@ def run(me, x, w, *, spec: AgSpec, out_shape, scales=None):
   """
   xs = (x,) if scales is None else (x, scales)
   recvs, send_sems, recv_sems = start(xs, spec=spec)
-  out = compute(
-    me, xs, w, recvs, send_sems, recv_sems, spec=spec, out_shape=out_shape
+  out, token = compute(
+    me, xs, w, recvs, recv_sems, spec=spec, out_shape=out_shape
   )
-  done(xs, recvs, out, send_sems, spec=spec)
+  done(xs, recvs, token, send_sems, spec=spec)
   return out
 
 
@@ -497,7 +522,10 @@ def one_kernel(
       scl = (anys[1], recvs[1]) if spec.quantized else None
       start_kernel(anys[0], recvs[0], ss, rs, spec=spec, scales=scl)
 
-    compute_kernel(me_ref, *blocks, *recvs, ss, rs, o_ref, *scratch, spec=spec)
+    tok_ref, *scratch = scratch
+    compute_kernel(
+      me_ref, *blocks, *recvs, rs, o_ref, tok_ref, *scratch, spec=spec
+    )
 
     @pl.when((s == spec.n - 1) & (j == spec.nf - 1) & (d == nd - 1))
     def _():
@@ -516,7 +544,9 @@ def one_kernel(
       grid=(spec.n, spec.nf, nd),
       in_specs=_in_specs(spec) + [c.ANY] * nq,
       out_specs=(_out_block(spec),) + (c.ANY,) * nq,
-      scratch_shapes=[_sem_array(spec), _sem_array(spec)] + _scratch(spec),
+      scratch_shapes=[_sem_array(spec), _sem_array(spec)]
+      + [pltpu.SMEM((1,), jnp.int32)]
+      + _scratch(spec),
     ),
     compiler_params=_params(spec, spec.collective_id),
     interpret=interpret,
