@@ -12,7 +12,9 @@ jitted function. ``precision`` is passed to every matmul.
   and ``optimization_barrier`` pinning each chunk matmul between them.
 - ``allgather_matmul`` / ``allgather_matmul_bidi``:
   ``asyncops.collective_matmul.allgather_matmul`` when it exists;
-  ``allgather_matmul_ref`` / ``allgather_matmul_ref_bidi``: ``api="ref"``.
+  ``allgather_matmul_ref`` / ``allgather_matmul_ref_bidi``: ``api="ref"``;
+  ``allgather_matmul_int8[_bidi]`` / ``allgather_matmul_fp8[_bidi]``:
+  ``transfer="int8"`` / ``"float8_e4m3fn"`` (opt-in with ``--variants``).
 
 The rest of the family is named ``<family>:<kind>`` (see
 :data:`FAMILIES`), e.g. ``reducescatter:jit``; kinds are ``unsharded``
@@ -152,6 +154,24 @@ def available() -> list[str]:
     out.append("allgather_matmul_auto")
   out += [n for n in _REGISTERED if ":" not in n and n not in out]
   return out
+
+
+def library_quantized() -> list[str]:
+  """The flagship with quantized transfers (``transfer="int8"`` /
+  ``"float8_e4m3fn"``), one- and two-way; opt-in (``--variants``): they
+  compute the dequantized product, not the exact one."""
+  fn = _library("allgather_matmul")
+  try:
+    if fn is None or "transfer" not in inspect.signature(fn).parameters:
+      return []
+  except (TypeError, ValueError):
+    return []
+  return [
+    "allgather_matmul_int8",
+    "allgather_matmul_int8_bidi",
+    "allgather_matmul_fp8",
+    "allgather_matmul_fp8_bidi",
+  ]
 
 
 def library_ref() -> list[str]:
@@ -450,6 +470,12 @@ def build(name: str, mesh, *, precision=None):
       _lib, api="ref", bidirectional=True
     )
     fns["allgather_matmul_auto"] = functools.partial(_lib, method="auto")
+    for q in library_quantized():
+      fns[q] = functools.partial(
+        _lib,
+        transfer="int8" if "int8" in q else "float8_e4m3fn",
+        bidirectional=q.endswith("_bidi"),
+      )
   if name not in fns:
     raise ValueError(
       f"variant {name!r} is not available; choose from {available()}."
