@@ -146,8 +146,10 @@ def contracting(
     bufs = (buf,) if api == "value" else (buf[:h], buf[h:])
   else:
     bufs = (buf,)
+  # As in the native ring: the first products initialise the accumulators
+  # (no zero fill; two-way halves go into an uninitialized [2, M/2, f]).
   accs = tuple(
-    jnp.zeros(((2, h) if bidirectional else (m,)) + (w.shape[1],), jnp.float32)
+    jax.lax.empty((2, h, w.shape[1]), jnp.float32) if bidirectional else None
     for w in ws
   )
 
@@ -161,7 +163,12 @@ def contracting(
       for i, w in enumerate(ws):
         rows = jax.lax.dynamic_slice_in_dim(w, c * k, k, axis=0)
         y = _chunk_product(codes, scales, rows)
-        accs[i] = accs[i].at[j].add(y) if bidirectional else accs[i] + y
+        if not bidirectional:
+          accs[i] = y if s == 0 else accs[i] + y
+        elif s == 0:
+          accs[i] = accs[i].at[j].set(y)
+        else:
+          accs[i] = accs[i].at[j].add(y)
     return tuple(accs)
 
   accs = _gather_rings.run(bufs, bidirectional, axis_name, n, api, consume)(
