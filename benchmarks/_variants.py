@@ -174,6 +174,26 @@ def library_quantized() -> list[str]:
   ]
 
 
+TORUS = ("allgather_matmul_torus", "jit_torus")
+
+
+def _build_torus(name, mesh, precision):
+  """A[B, D_XY] * W[D, F_XY] -> Out[B, F_XY]: the all-gather over both
+  mesh axes (a 2-D torus). ``jit_torus``: XLA's program for the same
+  shardings; ``allgather_matmul_torus``: ``torus_allgather_matmul``.
+  Opt-in (``--variants``); compare with a ``--tp 16`` ring row."""
+  xy = P(None, ("x", AXIS))
+  if name == "jit_torus":
+    return jax.jit(_mm(precision), out_shardings=NamedSharding(mesh, xy))
+  from asyncops.collective_matmul import torus_allgather_matmul
+
+  def fn(a, w):
+    with jax.default_matmul_precision(precision or "default"):
+      return torus_allgather_matmul(a, w, ("x", AXIS))
+
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(xy, xy), out_specs=xy))
+
+
 def library_ref() -> list[str]:
   """The flagship's ``api="ref"`` variants."""
   return ["allgather_matmul_ref", "allgather_matmul_ref_bidi"]
@@ -446,6 +466,8 @@ def build(name: str, mesh, *, precision=None):
     return _REGISTERED[name][0](mesh, precision)
   if ":" in name:
     return _build_family(name, mesh, precision)
+  if name in ("allgather_matmul_torus", "jit_torus"):
+    return _build_torus(name, mesh, precision)
   in_specs = (P("x", AXIS), P(None, AXIS))
   out_spec = P("x", AXIS)
   if name == "unsharded":
@@ -490,6 +512,12 @@ def abstract_args(name, mesh, shape, dtype):
   if name in _REGISTERED:
     return _REGISTERED[name][1](mesh, shape, dtype)
   b, d, f = shape
+  if name in ("allgather_matmul_torus", "jit_torus"):
+    xy = NamedSharding(mesh, P(None, ("x", AXIS)))
+    return (
+      jax.ShapeDtypeStruct((b, d), dtype, sharding=xy),
+      jax.ShapeDtypeStruct((d, f), dtype, sharding=xy),
+    )
   x, y = mesh.shape["x"], mesh.shape[AXIS]
   if ":" in name:
     family, _, kind = name.partition(":")

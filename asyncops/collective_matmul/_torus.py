@@ -44,7 +44,12 @@ def _step(sends, compute, *operands):
   ``compute(sent, *operands)`` between the starts and the dones (two
   barriers, as ``_ring.step``), waits; returns ``(received, out)``."""
   with jax.named_scope("torus_step"):
-    started = [futures.bidirectional_start(b, ax) for b, ax in sends]
+    started = []
+    for b, ax in sends:
+      # The axis in the op name: tools reading the compiled HLO
+      # (benchmarks/_timeline) route the transfer by it.
+      with jax.named_scope(f"ring_axis_{ax}"):
+        started.append(futures.bidirectional_start(b, ax))
     sent = tuple(x for x, _ in started)
     futs = tuple(f for _, f in started)
     futs, sent, operands = jax.lax.optimization_barrier((futs, sent, operands))
