@@ -144,3 +144,31 @@ def test_tpu_four_links_every_step(topology):
     "bf16[512,512]": 6,
     "bf16[2,4,256,512]": 6,
   }
+
+
+def test_model_routes_both_axes():
+  """benchmarks/_timeline routes the torus' x transfers (op name
+  ``ring_axis_x``) along mesh columns and its y transfers along rows, so
+  every step loads links of both grid dimensions."""
+  from benchmarks import _chips, _hlo, _mesh, _timeline
+
+  report = _report("v5e:4x4")
+  mesh = tpu_mesh("v5e:4x4", (4, 4), ("x", "y"))
+  coords = _mesh.coords(mesh)
+  tl = _timeline.simulate(
+    _hlo.parse(report.hlo_text),
+    _chips.chip_for("v5e:4x4"),
+    coords=coords,
+    rings=_mesh.mesh_rings(mesh),
+  )
+  dims = collections.defaultdict(set)  # step -> grid dims its links change
+  for e in tl.events:
+    links = e.args.get("links") or {}
+    instr = report.module.instructions.get(e.name)
+    m = instr and re.search(r"torus(\d+)/", instr.op_name)
+    for a, b in links:
+      changed = [i for i, (u, v) in enumerate(zip(a, b, strict=True)) if u != v]
+      if m and changed:
+        dims[int(m.group(1))].update(changed)
+  assert dims, "no ICI transfer of the torus in the timeline"
+  assert all(len(d) == 2 for d in dims.values()), dict(dims)
