@@ -198,3 +198,30 @@ def test_64_bit_refused_with_fix(mesh):
     pytest.raises(TypeError, match=r"x has dtype uint64.*bitcast_convert_type"),
   ):
     _shard(f, mesh)(jnp.zeros((N, 4), jnp.uint32))
+
+
+def test_carrier_future_as_loop_carry(mesh):
+  """A bool future (a uint8 carrier) crosses loop iterations."""
+
+  def ours(x):
+    x, fut = asyncops.ppermute_start(x, "i", shift=1)
+
+    def body(i, carry):
+      acc, fut = carry
+      y = asyncops.ppermute_done(fut)
+      y, fut = asyncops.ppermute_start(y, "i", shift=1)
+      return acc ^ y, fut
+
+    acc, fut = asyncops.scheduling.fori_loop(0, 4, body, (x, fut), unroll=2)
+    return acc ^ asyncops.ppermute_done(fut)
+
+  def ref(x):
+    y, acc = jax.lax.ppermute(x, "i", _ring(N)), x
+    for _ in range(4):
+      acc, y = acc ^ y, jax.lax.ppermute(y, "i", _ring(N))
+    return acc ^ y
+
+  x = _data("bool")
+  got = _shard(ours, mesh)(x)
+  assert got.dtype == jnp.bool_
+  np.testing.assert_array_equal(got, _shard(ref, mesh)(x))
