@@ -308,6 +308,7 @@ def _colors(ins: Instr) -> int:
   return int(m.group(1)) if m else 1
 
 
+_X_AXIS = "ring_axis_x/"
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
 
 
@@ -719,7 +720,9 @@ class _Sim:
     Our kernels' peers are not in the HLO. ppermute and bidirectional are
     ring shifts over ``rings`` (the library writes the shift into the op
     name as ``ring_shift+1`` / ``ring_shift-1``; default -1). An all-gather
-    multicasts over each ring.
+    multicasts over each ring. A bidirectional kernel whose op name holds
+    ``ring_axis_x`` (the 2-D torus all-gather matmul's x transfers) runs
+    along the mesh's first axis: over the rings' columns.
     """
     kind = ins.name[len("asyncops_") :].split("_start")[0]
     nbytes = ins.arrays[0].nbytes if ins.arrays else 0
@@ -728,8 +731,11 @@ class _Sim:
     if kind == "copy":
       return "dma", nbytes / self.chip.hbm_bytes_per_s, 0.0
     if kind == "bidirectional":
-      load, lat = self._ici(ring_sends(self.rings, 1), nbytes / 2)
-      back, lat2 = self._ici(ring_sends(self.rings, -1), nbytes / 2)
+      rings = self.rings
+      if _X_AXIS in ins.attrs:  # along mesh axis x: the rings' columns
+        rings = [list(c) for c in zip(*self.rings, strict=True)]
+      load, lat = self._ici(ring_sends(rings, 1), nbytes / 2)
+      back, lat2 = self._ici(ring_sends(rings, -1), nbytes / 2)
       for k, v in back.items():
         load[k] = load.get(k, 0.0) + v
       return "ici", load, max(lat, lat2)

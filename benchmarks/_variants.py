@@ -12,7 +12,9 @@ jitted function. ``precision`` is passed to every matmul.
   and ``optimization_barrier`` pinning each chunk matmul between them.
 - ``allgather_matmul`` / ``allgather_matmul_bidi``:
   ``asyncops.collective_matmul.allgather_matmul`` when it exists;
-  ``allgather_matmul_ref`` / ``allgather_matmul_ref_bidi``: ``api="ref"``.
+  ``allgather_matmul_ref`` / ``allgather_matmul_ref_bidi``: ``api="ref"``;
+  ``allgather_matmul_int8[_bidi]`` / ``allgather_matmul_fp8[_bidi]``:
+  ``transfer="int8"`` / ``"float8_e4m3fn"`` (opt-in with ``--variants``).
 
 The rest of the family is named ``<family>:<kind>`` (see
 :data:`FAMILIES`), e.g. ``reducescatter:jit``; kinds are ``unsharded``
@@ -152,6 +154,44 @@ def available() -> list[str]:
     out.append("allgather_matmul_auto")
   out += [n for n in _REGISTERED if ":" not in n and n not in out]
   return out
+
+
+def library_quantized() -> list[str]:
+  """The flagship with quantized transfers (``transfer="int8"`` /
+  ``"float8_e4m3fn"``), one- and two-way; opt-in (``--variants``): they
+  compute the dequantized product, not the exact one."""
+  fn = _library("allgather_matmul")
+  try:
+    if fn is None or "transfer" not in inspect.signature(fn).parameters:
+      return []
+  except (TypeError, ValueError):
+    return []
+  return [
+    "allgather_matmul_int8",
+    "allgather_matmul_int8_bidi",
+    "allgather_matmul_fp8",
+    "allgather_matmul_fp8_bidi",
+  ]
+
+
+TORUS = ("allgather_matmul_torus", "jit_torus")
+
+
+def _build_torus(name, mesh, precision):
+  """A[B, D_XY] * W[D, F_XY] -> Out[B, F_XY]: the all-gather over both
+  mesh axes (a 2-D torus). ``jit_torus``: XLA's program for the same
+  shardings; ``allgather_matmul_torus``: ``torus_allgather_matmul``.
+  Opt-in (``--variants``); compare with a ``--tp 16`` ring row."""
+  xy = P(None, ("x", AXIS))
+  if name == "jit_torus":
+    return jax.jit(_mm(precision), out_shardings=NamedSharding(mesh, xy))
+  from asyncops.collective_matmul import torus_allgather_matmul
+
+  def fn(a, w):
+    with jax.default_matmul_precision(precision or "default"):
+      return torus_allgather_matmul(a, w, ("x", AXIS))
+
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(xy, xy), out_specs=xy))
 
 
 def library_ref() -> list[str]:
@@ -426,6 +466,8 @@ def build(name: str, mesh, *, precision=None):
     return _REGISTERED[name][0](mesh, precision)
   if ":" in name:
     return _build_family(name, mesh, precision)
+  if name in ("allgather_matmul_torus", "jit_torus"):
+    return _build_torus(name, mesh, precision)
   in_specs = (P("x", AXIS), P(None, AXIS))
   out_spec = P("x", AXIS)
   if name == "unsharded":
@@ -450,6 +492,12 @@ def build(name: str, mesh, *, precision=None):
       _lib, api="ref", bidirectional=True
     )
     fns["allgather_matmul_auto"] = functools.partial(_lib, method="auto")
+    for q in library_quantized():
+      fns[q] = functools.partial(
+        _lib,
+        transfer="int8" if "int8" in q else "float8_e4m3fn",
+        bidirectional=q.endswith("_bidi"),
+      )
   if name not in fns:
     raise ValueError(
       f"variant {name!r} is not available; choose from {available()}."
@@ -464,6 +512,12 @@ def abstract_args(name, mesh, shape, dtype):
   if name in _REGISTERED:
     return _REGISTERED[name][1](mesh, shape, dtype)
   b, d, f = shape
+  if name in ("allgather_matmul_torus", "jit_torus"):
+    xy = NamedSharding(mesh, P(None, ("x", AXIS)))
+    return (
+      jax.ShapeDtypeStruct((b, d), dtype, sharding=xy),
+      jax.ShapeDtypeStruct((d, f), dtype, sharding=xy),
+    )
   x, y = mesh.shape["x"], mesh.shape[AXIS]
   if ":" in name:
     family, _, kind = name.partition(":")

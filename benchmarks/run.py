@@ -621,6 +621,7 @@ def main(argv=None) -> int:
         f"{', '.join(_variants.FAMILIES)}"
       )
   known = set(_variants.available()) | set(_variants.library_ref())
+  known |= set(_variants.library_quantized()) | set(_variants.TORUS)
   for fam in _variants.FAMILIES:
     known |= set(_variants.family_variants(fam, ref=True))
   for v in (v for v in a.variants.split(",") if v):

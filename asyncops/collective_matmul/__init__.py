@@ -10,3 +10,6 @@ from asyncops.collective_matmul._mlp import mlp_block as mlp_block
 from asyncops.collective_matmul._reducescatter import (
   matmul_reducescatter as matmul_reducescatter,
 )
+from asyncops.collective_matmul._torus import (
+  torus_allgather_matmul as torus_allgather_matmul,
+)

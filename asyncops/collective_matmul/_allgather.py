@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _layout, _validate, _vjp
+from asyncops.collective_matmul import _layout, _quantized, _validate, _vjp
 
 
 def allgather_matmul(
@@ -23,6 +23,7 @@ def allgather_matmul(
   return_gathered: bool = False,
   api: _validate.Api = "value",
   bidirectional: bool = False,
+  transfer: _quantized.Transfer = "native",
 ):
   """All-gathers ``lhs`` along ``gather_dim`` and multiplies by ``rhs``.
 
@@ -68,6 +69,13 @@ def allgather_matmul(
       halves the bytes per link per step. The contracting form halves the
       rows (their number must be even); a row form halves the dimensions
       before ``gather_dim`` if even, else the rows of a chunk.
+    transfer: how chunks travel. ``"native"``: in ``lhs.dtype``.
+      ``"int8"`` or ``"float8_e4m3fn"``: each row of a chunk as 1-byte
+      codes with one float32 scale (``max|row| / 127`` or ``/ 448``),
+      about half of bfloat16's bytes; **the result is then that of the
+      dequantized lhs** (``all_gather(q * s) @ w``, ``_quantized``), not
+      the exact product. Floating ``lhs``, ``gather_dim=-1`` and
+      ``return_gathered=False`` only.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by
@@ -77,11 +85,14 @@ def allgather_matmul(
     size 1, plain local matmuls.
 
   Raises:
-    ValueError: ``rhs`` is not rank 2, the contracting sizes disagree (the
-      message says which form ``gather_dim`` selected), ``gather_dim`` is
-      not an axis of ``lhs``, the halves are impossible with
+    ValueError: an unknown ``transfer``, or a quantized one with a row
+      ``gather_dim`` or ``return_gathered``; ``rhs`` is not rank 2, the
+      contracting sizes disagree (the message says which form
+      ``gather_dim`` selected), ``gather_dim`` is not an axis of ``lhs``,
+      the halves are impossible with
       ``bidirectional=True``, an empty ``rhs`` list, or an unknown ``api``.
-    TypeError: mismatched or non-movable dtypes.
+    TypeError: mismatched or non-movable dtypes; a quantized
+      ``transfer`` of an integer ``lhs``.
     NameError: ``axis_name`` is not bound.
 
   Example:
@@ -125,6 +136,17 @@ def allgather_matmul(
     else:
       _validate.even_rows(fold.m, fn, "lhs")
   bidirectional = bool(bidirectional)
+  transfer = _quantized.check(
+    transfer,
+    fn,
+    lhs,
+    rows_form=fold.rows_form,
+    return_gathered=return_gathered,
+  )
+  if transfer != "native":
+    return _quantized_path(
+      lhs, ws, single, fold, axis_name, n, api, bidirectional, transfer
+    )
   if n == 1:
     outs = tuple(jnp.dot(lhs, w, preferred_element_type=lhs.dtype) for w in ws)
     gathered = lhs
@@ -147,6 +169,29 @@ def allgather_matmul(
         gathered = fold.unfold(gathered, gathered.shape[-1])
   result = outs[0] if single else outs
   return (result, gathered) if return_gathered else result
+
+
+def _quantized_path(lhs, ws, single, fold, axis_name, n, api, bidi, transfer):
+  """``transfer="int8"`` / ``"float8_e4m3fn"``: the quantized ring
+  (``_quantized``); no custom gradient (the codes are not differentiable)."""
+  x = fold.fold(lhs)
+  with jax.named_scope(f"allgather_matmul_{transfer}"):
+    if n == 1:
+      outs = _quantized.local(x, ws, transfer)
+    else:
+      outs = _quantized.contracting(
+        x,
+        ws,
+        axis_name,
+        n=n,
+        api=api,
+        bidirectional=bidi,
+        transfer=transfer,
+      )
+  outs = tuple(
+    fold.unfold(o, w.shape[1]) for o, w in zip(outs, ws, strict=True)
+  )
+  return outs[0] if single else outs
 
 
 def canonical(rows_form: bool, x, ws: tuple, axis_name: str, **options):

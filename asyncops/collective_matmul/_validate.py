@@ -14,6 +14,17 @@ from asyncops.kernels import _common
 Api = Literal["value", "ref"]
 
 
+# Operand dtypes of the collective matmuls: the 8 to 32-bit ones a DMA
+# moves. (8-bit floats and 4-bit types move too, but a ring's chunk
+# matmul would accumulate 4-bit integers in 4 bits; quantized transfers,
+# transfer="int8" / "float8_e4m3fn", are the way to send fewer bytes.)
+OPERAND_DTYPES = tuple(
+  d
+  for d in _common.MOVABLE_DTYPES
+  if d not in ("float8_e4m3fn", "float8_e5m2", "int4", "uint4", "float4_e2m1fn")
+)
+
+
 def operand(x, fn: str, name: str, *, matrix: bool = True) -> None:
   """Checks ``x`` is an array of a dtype a TPU DMA can move.
 
@@ -36,11 +47,14 @@ def operand(x, fn: str, name: str, *, matrix: bool = True) -> None:
       f"{fn}: {name} must have at least one dimension (the contracting "
       f"one, last), got a scalar. Use {name}.reshape(1, -1)."
     )
-  if jnp.dtype(x.dtype).name not in _common.MOVABLE_DTYPES:
+  if jnp.dtype(x.dtype).name not in OPERAND_DTYPES:
     raise TypeError(
-      f"{fn}: {name} has dtype {jnp.dtype(x.dtype).name}, which a TPU DMA "
-      f"cannot move. Supported: {', '.join(_common.MOVABLE_DTYPES)}. Cast "
-      f"{name} first, e.g. {name}.astype(jnp.bfloat16)."
+      f"{fn}: {name} has dtype {jnp.dtype(x.dtype).name}, which the "
+      f"collective matmuls do not take. Supported: "
+      f"{', '.join(OPERAND_DTYPES)}. Cast {name} first, e.g. "
+      f"{name}.astype(jnp.bfloat16); to send fewer bytes, keep {name} in "
+      "bfloat16 and pass transfer='int8' or 'float8_e4m3fn' (all-gather "
+      "matmul)."
     )
 
 

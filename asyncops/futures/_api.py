@@ -5,24 +5,45 @@ aliases its input, and code that keeps using the pre-start buffer makes XLA
 insert a defensive copy (and lets it schedule that code before the start).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
+from asyncops.futures import _bitcast, _emulation, _primitives, _validate
 from asyncops.futures import _check as _lifecycle
-from asyncops.futures import _emulation, _primitives, _validate
 from asyncops.futures._future import Future, FutureError, _user_frame
 from asyncops.kernels import _registry
 from asyncops.kernels._spec import MemorySpace, OpSpec
 
 
 def _start(x, spec: OpSpec):
+  carrier = _bitcast.carrier(spec.dtype)
+  if carrier is not None:
+    # The future holds the carrier: the start aliases it, the done waits
+    # on it, and the user's dtype comes back by conversion (_bitcast).
+    x = _bitcast.to_carrier(x, carrier)
+    spec = dataclasses.replace(
+      spec,
+      shape=tuple(x.shape),
+      dtype=carrier.dtype,
+      view_dtype=spec.dtype,
+    )
   _registry.get(spec.kind).validate(spec)
   with jax.named_scope(f"asyncops.{spec.kind}_start"):
     x, dst, *sems = _primitives.start_p.bind(x, spec=spec)
   if sems:
     jc.mark_frame(sems[0])  # the life-cycle check runs when tracing ends
-  return x, Future(tuple(sems), x, dst, spec, origin=_user_frame())
+  fut = Future(tuple(sems), x, dst, spec, origin=_user_frame())
+  return _view(x, spec), fut
+
+
+def _view(y, spec: OpSpec):
+  """A carrier as the user's dtype (``y`` itself if it travels as is)."""
+  if spec.view_dtype is None:
+    return y
+  return _bitcast.from_carrier(y, spec.view_dtype)
 
 
 def _check(fut, fn: str, kind: str | None):
@@ -41,7 +62,7 @@ def _check(fut, fn: str, kind: str | None):
 
 
 def _finalize(y, spec: OpSpec):
-  return _registry.get(spec.kind).finalize(y, spec)
+  return _view(_registry.get(spec.kind).finalize(y, spec), spec)
 
 
 def _wait_all(fut: Future, fn: str, kind: str | None):
@@ -214,6 +235,20 @@ def all_gather_start(x, axis_name: str, *, axis: int = 0, tiled: bool = False):
       f"{fn}: axis={axis!r} is out of range for a result of rank {ndim}; "
       f"pass an int in [{-ndim}, {ndim})."
     )
+  carrier = _bitcast.carrier(x.dtype)
+  if (
+    carrier is not None
+    and carrier.reshapes
+    and not tiled
+    and (axis % ndim == ndim - 1)
+  ):
+    raise ValueError(
+      f"{fn}: axis={axis!r} stacks the gathered axis last, which a "
+      f"{jnp.dtype(x.dtype).name} all-gather cannot do: it travels as "
+      f"{carrier.dtype} with the last dimension doubled. Gather along "
+      "another axis (e.g. axis=0) and move it with jnp.moveaxis, or pass "
+      "tiled=True."
+    )
   size = _validate.axis(axis_name, fn)
   pairs = tuple((i, j) for i in range(size) for j in range(size) if i != j)
   return _start(
@@ -296,7 +331,7 @@ def send_done(fut: Future):
   if fut.state == "ready" and fut.src is not None:
     fut._consume(fn, ())
     nxt = Future((), None, fut.dst, fut.spec, "ready", origin=fut._origin)
-    return fut.src, nxt
+    return _view(fut.src, fut.spec), nxt
   if fut.state != "inflight":
     raise FutureError(f"{fn}: the sends of this future were already awaited.")
   spec = fut.spec
@@ -307,7 +342,7 @@ def send_done(fut: Future):
     )
   recv = fut.sems[_primitives.n_send(spec) :]
   nxt = Future(recv, None, dst, spec, "sent", origin=fut._origin)
-  return x, nxt
+  return _view(x, spec), nxt
 
 
 def recv_done(fut: Future):

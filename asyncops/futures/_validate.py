@@ -8,11 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncops import _jax_compat as jc
+from asyncops.futures import _bitcast
 from asyncops.kernels import _common
 
 
-def array(x, fn: str, name: str = "x"):
-  """Checks ``x`` is an array a TPU DMA can move."""
+def array(x, fn: str, name: str = "x", *, carriers: bool = True):
+  """Checks ``x`` is an array asyncops can move.
+
+  ``carriers``: whether dtypes that travel as a carrier (``bool``,
+  ``complex64``; ``asyncops.futures._bitcast``) are accepted: the value
+  API converts them, the Ref API (which writes into the user's buffer)
+  cannot.
+  """
   if jc.is_ref(x):
     raise TypeError(
       f"{fn}: {name} is a jax.Ref; the value API (asyncops.{fn}) takes "
@@ -26,11 +33,25 @@ def array(x, fn: str, name: str = "x"):
     )
   dtype = jnp.dtype(x.dtype)
   if dtype.name not in _common.MOVABLE_DTYPES:
-    raise TypeError(
-      f"{fn}: {name} has dtype {dtype.name}, which a TPU DMA cannot move. "
-      f"Supported: {', '.join(_common.MOVABLE_DTYPES)}. Cast {name} first "
-      f"(e.g. {name}.astype(jnp.float32), or bitcast a bool to uint8)."
-    )
+    carried = _bitcast.carrier(dtype)
+    if carried is None:
+      raise TypeError(
+        f"{fn}: {name} has dtype {dtype.name}, which a TPU DMA cannot move. "
+        f"Supported: {', '.join(_common.MOVABLE_DTYPES + _bitcast.CARRIED)}. "
+        f"Cast {name} first (e.g. {name}.astype(jnp.float32), or bitcast a "
+        "64-bit array to uint32 pairs with jax.lax.bitcast_convert_type)."
+      )
+    if not carriers:
+      raise TypeError(
+        f"{fn}: {name} holds {dtype.name}, which a TPU DMA cannot move and "
+        f"a Ref transfer cannot carry (it writes into the Ref's own buffer; "
+        f"the value API converts {dtype.name} to {carried.dtype} and back, "
+        f"which needs a buffer of its own). Hold the data in a "
+        f"{carried.dtype} Ref (e.g. jax.new_ref(x.astype(jnp.uint8)) for "
+        "bool, or real and imaginary parts in a float32 Ref for complex64) "
+        "and convert where it is read, or use the value API "
+        f"(asyncops.{fn})."
+      )
   if len(x.shape) == 0:
     raise ValueError(
       f"{fn}: {name} is a scalar; DMAs move arrays. Pass {name}[None] and "

@@ -32,7 +32,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from asyncops import _jax_compat as jc
 
-# Dtypes a TPU DMA moves as-is. 64-bit and boolean types are not DMA-able.
+# Dtypes a TPU DMA moves as-is: a DMA copies bytes, and Mosaic takes the
+# 8-bit floats and 4-bit types too (every op compiles with them for v5e and
+# v6e, tests/test_dtypes_tpu.py). Mosaic refuses bool ("DMAs with bool dtypes
+# are not supported") and XLA's TPU compiler complex64 in a Mosaic call; the
+# value API moves those as a carrier (asyncops.futures._bitcast). 64-bit
+# types are not DMA-able.
 MOVABLE_DTYPES = (
   "float32",
   "bfloat16",
@@ -43,6 +48,11 @@ MOVABLE_DTYPES = (
   "uint16",
   "int8",
   "uint8",
+  "float8_e4m3fn",
+  "float8_e5m2",
+  "int4",
+  "uint4",
+  "float4_e2m1fn",
 )
 
 # A TPU has a small, fixed number of barrier semaphores (tens).

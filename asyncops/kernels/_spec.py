@@ -45,6 +45,9 @@ class OpSpec:
     collective_id: the barrier semaphore id the start kernel uses.
     transfer: for the CPU emulation, whether data moves at the start or at
       the (first) done. Both must give the same result.
+    view_dtype: the user's dtype when it travels as a carrier
+      (``asyncops.futures._bitcast``: ``shape`` and ``dtype`` are then the
+      carrier's); ``None`` when it travels as it is.
   """
 
   kind: Kind
@@ -59,6 +62,7 @@ class OpSpec:
   memory_space: MemorySpace = "any"
   collective_id: int | None = None
   transfer: Transfer = "start"
+  view_dtype: str | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -90,7 +94,7 @@ class OpSpec:
 
   def short(self) -> str:
     """A one-line description for error messages and reports."""
-    parts = [self.kind, f"{self.dtype}{list(self.shape)}"]
+    parts = [self.kind, f"{self.view_dtype or self.dtype}{list(self.shape)}"]
     if self.axis_name is not None:
       parts.append(f"axis={self.axis_name!r}")
     if self.kind == "ppermute":

@@ -96,7 +96,7 @@ def _check_dst(src: RefView, dst: RefView, spec: OpSpec, fn: str):
 def _start(src_ref, dst_ref, fn: str, make_spec) -> RefFuture:
   src = view(src_ref, fn, "src_ref")
   dst = view(dst_ref, fn, "dst_ref")
-  _validate.array(src.aval, fn, "src_ref")
+  _validate.array(src.aval, fn, "src_ref", carriers=False)
   spec = make_spec(src.aval)
   _registry.get(spec.kind).validate(spec)
   _check_dst(src, dst, spec, fn)
