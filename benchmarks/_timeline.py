@@ -37,7 +37,9 @@ While loops run their body ``known_trip_count`` times (from
 
 Limits: our kernels' peers are not in the HLO. A ppermute kernel is a ring
 shift over ``rings`` (the mesh axis' devices in ring order); the library
-writes the shift into the op name (``ring_shift+1``), default ``-1``. A
+writes the shift into the op name (``ring_shift+1``), default ``-1``, and
+the axis when it is not the ring axis (``ring_axis_x``: the rings of
+``axis_rings["x"]``, e.g. a data-parallel gradient exchange). A
 bidirectional kernel sends half its bytes each way. Link sharing is FIFO
 per link, not fair sharing, so two transfers on one link finish one after
 the other (same last end).
@@ -309,6 +311,7 @@ def _colors(ins: Instr) -> int:
 
 
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
+_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
 
 
 @dataclasses.dataclass
@@ -377,9 +380,18 @@ _MAX_TRIPS = 1_000_000
 
 class _Sim:
   def __init__(
-    self, m, chip, coords, rings, prefetch, kernel_cost=None, collectives="ring"
+    self,
+    m,
+    chip,
+    coords,
+    rings,
+    prefetch,
+    kernel_cost=None,
+    collectives="ring",
+    axis_rings=None,
   ):
     self.m, self.chip, self.coords = m, chip, coords
+    self.axis_rings = axis_rings or {}
     self.collectives = collectives
     self._rings: dict = {}
     self.rings, self.prefetch = rings, prefetch
@@ -749,7 +761,17 @@ class _Sim:
       return "ici", load, lat
     m = _SHIFT.search(ins.attrs)
     shift = int(m.group(1)) if m else -1
-    return "ici", *self._ici(ring_sends(self.rings, shift), nbytes)
+    rings = self.rings
+    axis = _AXIS.search(ins.attrs)
+    if axis:
+      if axis.group(1) not in self.axis_rings:
+        raise ValueError(
+          f"{ins.name} shifts over mesh axis {axis.group(1)!r}, but the "
+          f"model knows the rings of {sorted(self.axis_rings)} only; pass "
+          "axis_rings."
+        )
+      rings = self.axis_rings[axis.group(1)]
+    return "ici", *self._ici(ring_sends(rings, shift), nbytes)
 
   def _fused_ring(self, ins: Instr):
     """A fused ring kernel's start (``asyncops_ring_*_start``).
@@ -1073,6 +1095,7 @@ def simulate(
   prefetch: Literal["free", "charged"] = "free",
   kernel_cost: KernelCost | None = None,
   collectives: Literal["ring", "multicast"] = "ring",
+  axis_rings: dict[str, Sequence[Sequence[int]]] | None = None,
 ) -> Timeline:
   """Simulates one device's step of a scheduled TPU HLO module.
 
@@ -1094,6 +1117,9 @@ def simulate(
       the links: ``"ring"`` (its emitters' ring, ``n - 1`` steps; the
       calibrated default) or ``"multicast"`` (each shard crosses a link at
       most once; a lower bound).
+    axis_rings: the rings along each mesh axis by name, for a ppermute
+      kernel whose op name says ``ring_axis_<name>`` (one over another axis
+      than ``rings``'); such a kernel with an unknown axis is an error.
 
   Returns:
     The :class:`Timeline`.
@@ -1126,6 +1152,7 @@ def simulate(
     prefetch,
     kernel_cost,
     collectives,
+    {k: [list(r) for r in v] for k, v in (axis_rings or {}).items()},
   )
   step = sim.run(module.entry, 0.0)
   return Timeline(
