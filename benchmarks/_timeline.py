@@ -655,8 +655,13 @@ class _Sim:
     return self._rings[key]
 
   def _collective_dur(self, op: str, ins: Instr, comp: str):
-    operand = self._bytes_of(comp, ins.operands[:1]) or ins.nbytes
+    # XLA combines collectives (its all-reduce combiner): every operand of
+    # a variadic one moves, not only the first.
+    data = ins.operands[:1] if op == "collective-permute" else ins.operands
+    operand = self._bytes_of(comp, data) or ins.nbytes
     out = ins.arrays[-1].nbytes if ins.arrays else operand
+    if ins.opcode == op and len(ins.arrays) > 1:  # synchronous, variadic
+      out = sum(a.nbytes for a in ins.arrays)
     groups = (
       [] if op == "collective-permute" else replica_groups(ins, self._n())
     )
@@ -701,7 +706,8 @@ class _Sim:
     a synchronous collective on the links, never free compute."""
     inner_comp, inner = found
     op = inner.opcode.removesuffix("-start")
-    operand = self._bytes_of(inner_comp, inner.operands[:1]) or inner.nbytes
+    data = inner.operands[:1] if op == "collective-permute" else inner.operands
+    operand = self._bytes_of(inner_comp, data) or inner.nbytes
     groups = (
       [] if op == "collective-permute" else replica_groups(inner, self._n())
     )

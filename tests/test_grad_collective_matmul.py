@@ -372,7 +372,10 @@ def test_backward_is_our_rings():
   assert n_fwd == 6  # two rings of n - 1 = 3 transfers
   # Three backward rings: the up projection's scatter (dx) and gather
   # (dw_in); the down projection's one gather of g feeding dh and dw_out.
-  assert both.count("asyncops_start[") == n_fwd + 9
+  # Plus the data-parallel all-reduce of each weight gradient over x (one
+  # exchange each: x has two devices).
+  assert both.count("asyncops_start[") == n_fwd + 9 + 2
+  assert both.count("axis_name=x") >= 2 or "'x'" in both
   for collective in ("all_gather[", "psum_scatter[", "reduce_scatter["):
     assert collective not in both, collective
 
