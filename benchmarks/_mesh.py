@@ -155,9 +155,10 @@ def axis_rings(mesh) -> dict[str, list[list[int]]]:
   """Partition ids of the rings along each mesh axis (``x``: columns)."""
   ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
   return {
-    name: [list(map(int, r)) for r in np.moveaxis(ids, i, -1).reshape(
-      -1, ids.shape[i]
-    )]
+    name: [
+      list(map(int, r))
+      for r in np.moveaxis(ids, i, -1).reshape(-1, ids.shape[i])
+    ]
     for i, name in enumerate(mesh.axis_names)
   }
 

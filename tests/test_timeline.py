@@ -628,14 +628,23 @@ def test_kernel_labelled_with_another_axis_uses_its_rings():
   m = _ref_kernel("%h, %g", "bf16[512,512]", "ring_axis_x/ring_shift+1")
   coords = [(0, 0), (1, 0), (0, 1), (1, 1)]
   sim = _timeline._Sim(
-    m, CHIP, coords, [[0, 1], [2, 3]], "free", axis_rings={"x": [[0, 2], [1, 3]]}
+    m,
+    CHIP,
+    coords,
+    [[0, 1], [2, 3]],
+    "free",
+    axis_rings={"x": [[0, 2], [1, 3]]},
   )
   sim._index = {}
   sim._comp = m.entry
   ins = next(i for i in m.computations[m.entry] if "_start.0" in i.name)
   links = set(sim._kernel_dur(ins)[1])
-  assert links == {((0, 0), (0, 1)), ((0, 1), (0, 0)), ((1, 0), (1, 1)),
-                   ((1, 1), (1, 0))}
+  assert links == {
+    ((0, 0), (0, 1)),
+    ((0, 1), (0, 0)),
+    ((1, 0), (1, 1)),
+    ((1, 1), (1, 0)),
+  }
   sim = _timeline._Sim(m, CHIP, coords, [[0, 1], [2, 3]], "free")
   sim._index = {}
   sim._comp = m.entry

@@ -13,15 +13,15 @@ that are ready with our own kernels, runs the backward work that does not
 need them (``fn``) inside the transfers' window
 (start, barrier, ``fn``, barrier, done, as
 :func:`asyncops.scheduling.overlap` does, with barriers that dead-code
-elimination splits when a gradient is unused), then awaits. Over a data-parallel axis of two devices the
-all-reduce is one exchange: each device sends its gradient to the other
-(a ``ppermute`` of the whole buffer, both link directions busy at once)
-and adds what it receives: the same bytes per link as a ring all-reduce,
-one window, and the same rounding as ``psum`` (one add of two values in
-the weight's dtype).
+elimination splits when a gradient is unused), then awaits. Over a
+data-parallel axis of two devices the all-reduce is one exchange: each
+device sends its gradient to the other (a ``ppermute`` of the whole
+buffer, both link directions busy at once) and adds what it receives:
+the same bytes per link as a ring all-reduce, one window, and the same
+rounding as ``psum`` (one add of two values in the weight's dtype).
 
 Limits. Axes of another size (or several such axes at once) are reduced
-with ``jax.lax.psum`` as before, after ``fn``: correct, not overlapped.
+with ``jax.lax.psum`` after ``fn``: correct, not overlapped.
 The transfer's ring axis is written into the start's op name
 (``ring_axis_<name>``) so the benchmarks' timeline model routes it over
 that axis' links.

@@ -109,7 +109,9 @@ def _jvp(prim, flags: str):
     touts = [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
     if live:
       sub = dict(params, **{flags: tuple(params[flags][i] for i in live)})
-      for i, t in zip(live, prim.bind(*(tangents[i] for i in live), **sub)):
+      for i, t in zip(
+        live, prim.bind(*(tangents[i] for i in live), **sub), strict=True
+      ):
         touts[i] = t
     return out, touts
 
@@ -125,31 +127,27 @@ def _batch(prim):
 
 def _linear(xs, cts):
   """The cotangents of the linear inputs, None for the others."""
-  return [c if ad.is_undefined_primal(x) else None for x, c in zip(xs, cts)]
+  return [
+    c if ad.is_undefined_primal(x) else None
+    for x, c in zip(xs, cts, strict=True)
+  ]
 
 
 def _nonzero(c) -> bool:
   return c is not None and type(c) is not ad.Zero
 
 
-def _tie(futs, keep: list, others: list, *, after: bool):
-  """``keep`` through the window's barriers with ``futs``, tied to the
-  non-zero ``others``.
-
-  ``after=False`` (a start): ``others`` pass through the barrier, so
-  whatever reads them runs after the start. ``after=True`` (a done): a
-  scalar of each goes through, so the done waits until they are computed
-  (and they do not depend on the done).
+def _tie(futs, keep: list, others: list):
+  """``keep`` and the non-zero ``others`` through one window barrier with
+  ``futs``: at a start, whatever reads ``others`` runs after the start; at
+  a done, the done waits until ``others`` are computed. (Tying a scalar
+  slice of each would not do: XLA pushes the slice into the producer.)
   """
   idx = [i for i, c in enumerate(others) if _nonzero(c)]
-  live = [others[i] for i in idx]
-  if after:
-    live = [c[(0,) * c.ndim] for c in live]
-  futs, keep, live = _dp_reduce.window(futs, keep, live)
+  futs, keep, live = _dp_reduce.window(futs, keep, [others[i] for i in idx])
   others = list(others)
-  if not after:
-    for i, c in zip(idx, live, strict=True):
-      others[i] = c
+  for i, c in zip(idx, live, strict=True):
+    others[i] = c
   return futs, keep, others
 
 
@@ -171,10 +169,14 @@ def _mark_transpose(cts, *xs, window, start):
     own.append(o)
     futs.append(f)
   others = [None if i in todo else c for i, c in enumerate(out)]
-  futs, own, others = _tie(tuple(futs), own, others, after=False)
+  futs, own, others = _tie(tuple(futs), own, others)
   # The k-th marked weight is the k-th weight open_p reduces.
-  window.push([(own[todo.index(i)], futs[todo.index(i)]) if i in todo
-               else None for i in marked])
+  window.push(
+    [
+      (own[todo.index(i)], futs[todo.index(i)]) if i in todo else None
+      for i in marked
+    ]
+  )
   for i, o in zip(todo, own, strict=True):
     others[i] = o
   return others
@@ -188,13 +190,15 @@ def _open_transpose(cts, *xs, window, reduce):
   if entry not in (None, _MISSING):
     if len(entry) != len(reduced):
       raise AssertionError(f"{window}: {len(entry)} marked, {len(reduced)}")
-    started = {i: e for i, e in zip(reduced, entry) if e is not None}
+    started = {
+      i: e for i, e in zip(reduced, entry, strict=True) if e is not None
+    }
   if started:
     todo = list(started)
     own = [started[i][0] for i in todo]
     others = [None if i in started else c for i, c in enumerate(out)]
     futs, barriered, others = _tie(
-      tuple(started[i][1] for i in todo), own, others, after=True
+      tuple(started[i][1] for i in todo), own, others
     )
     for k, i in enumerate(todo):
       total = barriered[k] + _api.ppermute_done(futs[k])
@@ -231,9 +235,7 @@ def plan(x, w, axis_name: str) -> Window | None:
   """A window for ``w``'s gradient, or None when there is nothing to
   overlap: ``w`` is not replicated over exactly one axis ``x`` varies
   over, of two devices (other sizes keep ``psum``)."""
-  extra = tuple(
-    sorted(jc.varying_axes(x) - jc.varying_axes(w) - {axis_name})
-  )
+  extra = tuple(sorted(jc.varying_axes(x) - jc.varying_axes(w) - {axis_name}))
   if len(extra) != 1 or jax.lax.axis_size(extra[0]) != 2:
     return None
   return Window(extra[0])
