@@ -610,9 +610,10 @@ _register_tie_rules()
 # transfer's (its future's leaves, its aliased source). When nothing reads
 # those any more (the transfer's result is dead code), dead-code
 # elimination drops them from the barrier, so the start's own rule can
-# remove the transfer; the other operands keep their barrier. A plain
-# barrier keeps every operand while any output is used, which would keep a
-# start whose done was removed.
+# remove the transfer; the other operands keep their barrier while their
+# outputs are used. A plain barrier keeps every operand while any output
+# is used, which would keep a start whose done was removed (or a dead
+# computation tied into a live window).
 window_tie_p = Primitive("asyncops_window_tie")
 window_tie_p.multiple_results = True
 window_tie_p.def_abstract_eval(lambda *avals, n_window: list(avals))
@@ -622,18 +623,26 @@ _mlir.register_lowering(
 
 
 def _window_tie_dce(used_outs, eqn):
+  # The window part stays whole while any of it is used; every other
+  # operand stays only while its output is used (dead compute in a window
+  # goes, as anywhere).
   n = eqn.params["n_window"]
-  if any(used_outs[:n]):
-    return [True] * len(eqn.invars), eqn
-  rest = [i for i in range(n, len(used_outs)) if used_outs[i]]
-  used = [i in rest for i in range(len(used_outs))]
-  if not rest:
+  window = any(used_outs[:n])
+  keep = [
+    i
+    for i in range(len(used_outs))
+    if (window and i < n) or (i >= n and used_outs[i])
+  ]
+  used = [i in keep for i in range(len(used_outs))]
+  if not keep:
     return used, None
+  if len(keep) == len(used_outs):
+    return used, eqn
   new = _pe.new_jaxpr_eqn(
-    [eqn.invars[i] for i in rest],
-    [eqn.outvars[i] for i in rest],
-    tie_p,
-    {},
+    [eqn.invars[i] for i in keep],
+    [eqn.outvars[i] for i in keep],
+    window_tie_p if window else tie_p,
+    {"n_window": n} if window else {},
     set(),
     eqn.source_info,
     eqn.ctx,
