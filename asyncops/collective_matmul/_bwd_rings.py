@@ -19,8 +19,9 @@ per device; ``n`` the ring size; canonical shapes as in ``_vjp``.
   chunk adds to ``[k, f_i]``.
 - :func:`gather_columns_both`: the matmul-reduce-scatter (columns): ``g``
   travels once; each chunk gives ``dx += g_c @ w[:, c]^T`` in its window
-  and is kept (a small ``[M, n c]`` buffer) for ``dw = x^T @ AG(g)``, one
-  product after the ring.
+  and (value API) is kept, a small ``[M, n c]`` buffer, for ``dw = x^T @
+  AG(g)``, one product after the ring (Ref API: ``dw[:, c] = x^T @ g_c``
+  in the window, a column update each).
 - :func:`gather_rows_both`: the same for the row form.
 
 Bidirectional rings halve what travels as the forward does; a weight
@@ -231,15 +232,23 @@ def gather_columns_both(g, x, w, axis_name, *, n, api, bidirectional):
   # dw [k, n c] = x^T @ AG(g): block b is columns b c:(b + 1) c. Writing
   # each block's product into a [k, n c] buffer costs a separate update of
   # the weight-sized buffer per step (XLA does not fuse a column block into
-  # the dot). Instead the ring keeps the chunks of g it receives (columns
-  # of a small [M, n c] buffer, the size of one activation) and dw is one
-  # product after the ring.
-  gg = _gather_rings._empty((m, n * c), g.dtype)
+  # the dot). Value API: the ring keeps the chunks of g it receives
+  # (columns of a small [M, n c] buffer, the size of one activation) and
+  # dw is one product after the ring. Ref API: the blocks are written as
+  # they come (keeping a received Ref slot makes XLA stage it in VMEM while
+  # the next transfer sends it: a copy of a buffer in flight).
+  keep = api == "value"
+  if keep:
+    dw = _gather_rings._empty((m, n * c), g.dtype)  # AG(g)
+  elif bidirectional:
+    dw = jnp.zeros((k, n * c), acc_dt)
+  else:
+    dw = _gather_rings._empty((k, n * c), w.dtype)
   dx = None if not bidirectional else _gather_rings._empty((2, h, k), acc_dt)
 
   def consume(s, sent, operands, carry):
-    (w,) = operands
-    dx, gg = carry
+    x, w = operands
+    dx, dw = carry
     sent = _flat_sent(sent, bidirectional)
     for j, (gj, b) in enumerate(
       zip(sent, _gather_rings.chunks(me, s, n, bidirectional), strict=True)
@@ -251,15 +260,26 @@ def gather_columns_both(g, x, w, axis_name, *, n, api, bidirectional):
         dx = dx.at[j].set(y)
       else:
         dx = dx.at[j].add(y)
-      at = (jnp.int32(j * h), jnp.asarray(b, jnp.int32) * c)
-      gg = jax.lax.dynamic_update_slice(gg, gj, at)
-    return dx, gg
+      col = jnp.asarray(b, jnp.int32) * c
+      if keep:
+        dw = jax.lax.dynamic_update_slice(dw, gj, (jnp.int32(j * h), col))
+        continue
+      xj = (x[:h], x[h:])[j] if bidirectional else x
+      z = _dot(xj, gj, 0, 0, acc_dt)  # [k, c]
+      if bidirectional:
+        dw = _add_block(dw, z, (jnp.int32(0), col))
+      else:
+        dw = jax.lax.dynamic_update_slice(
+          dw, z.astype(dw.dtype), (jnp.int32(0), col)
+        )
+    return dx, dw
 
   bufs = _flat_bufs(g, bidirectional, api)
-  dx, gg = _gather_rings.run(bufs, bidirectional, axis_name, n, api, consume)(
-    (w,), (dx, gg)
+  dx, dw = _gather_rings.run(bufs, bidirectional, axis_name, n, api, consume)(
+    (x, w), (dx, dw)
   )
-  dw = _dot(x, gg, 0, 0, acc_dt)  # [k, n c]
+  if keep:
+    dw = _dot(x, dw, 0, 0, acc_dt)  # [k, n c]
   return dx.reshape(m, k).astype(x.dtype), dw.astype(w.dtype)
 
 
