@@ -311,7 +311,7 @@ def _colors(ins: Instr) -> int:
 
 
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
-_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
+_RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
 
 
 @dataclasses.dataclass
@@ -768,7 +768,7 @@ class _Sim:
     m = _SHIFT.search(ins.attrs)
     shift = int(m.group(1)) if m else -1
     rings = self.rings
-    axis = _AXIS.search(ins.attrs)
+    axis = _RING_AXIS.search(ins.attrs)
     if axis:
       if axis.group(1) not in self.axis_rings:
         raise ValueError(
