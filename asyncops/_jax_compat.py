@@ -650,15 +650,31 @@ def _window_tie_dce(used_outs, eqn):
   return used, new
 
 
+def _window_tie_nonzero(vals: Sequence[Any], n: int) -> list[Any]:
+  """``window_tie_p`` over the values that are not symbolic zeros (the
+  tangents or cotangents of a window keep its dead-code splitting)."""
+  from jax.interpreters import ad
+
+  keep = [i for i, v in enumerate(vals) if type(v) is not ad.Zero]
+  out = list(vals)
+  if keep:
+    tied = window_tie_p.bind(
+      *(vals[i] for i in keep), n_window=sum(i < n for i in keep)
+    )
+    for i, v in zip(keep, tied, strict=True):
+      out[i] = v
+  return out
+
+
 def _register_window_tie_rules() -> None:
   from jax.interpreters import ad, batching
 
   ad.primitive_jvps[window_tie_p] = lambda p, t, n_window: (
     window_tie_p.bind(*p, n_window=n_window),
-    _tie_nonzero(t),
+    _window_tie_nonzero(t, n_window),
   )
   ad.primitive_transposes[window_tie_p] = lambda cts, *p, n_window: (
-    _tie_nonzero(cts)
+    _window_tie_nonzero(cts, n_window)
   )
   batching.primitive_batchers[window_tie_p] = lambda a, d, n_window: (
     window_tie_p.bind(*a, n_window=n_window),
@@ -949,6 +965,13 @@ _LIN_HAS_IS_VJP = (
 def current_trace() -> Any:
   """The trace that binds primitives now (a transpose's output trace)."""
   return _core.unsafe_get_current_trace()
+
+
+def differentiating() -> bool:
+  """Whether the code being traced is itself being differentiated (a
+  backward rule under a second ``jax.grad``: the current trace is a JVP or
+  linearize trace, whose class names are not public)."""
+  return type(current_trace()).__name__ in ("JVPTrace", "LinearizeTrace")
 
 
 _FORWARDING = ("optimization_barrier", "asyncops_tie")

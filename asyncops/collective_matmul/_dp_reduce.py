@@ -20,7 +20,8 @@ buffer, both link directions busy at once) and adds what it receives:
 the same bytes per link as a ring all-reduce, one window, and the same
 rounding as ``psum`` (one add of two values in the weight's dtype).
 
-Limits. Axes of another size (or several such axes at once) are reduced
+Limits. Axes of another size (or several such axes at once), and a
+backward that is itself differentiated (``grad`` of ``grad``), are reduced
 with ``jax.lax.psum`` after ``fn``: correct, not overlapped.
 The transfer's ring axis is written into the start's op name
 (``ring_axis_<name>``) so the benchmarks' timeline model routes it over
@@ -133,7 +134,13 @@ def overlapped(cts, primals, fn, *args):
     >>> dws, dx = overlapped(dws, ws, d_lhs, g, ws)  # doctest: +SKIP
   """
   extras = [_extra_axes(c, p) for c, p in zip(cts, primals, strict=True)]
-  swap = [i for i, e in enumerate(extras) if _swappable(e)]
+  # A backward being differentiated again (second order) reduces with psum:
+  # the window would tie the derivative's dead rings to live ones.
+  swap = (
+    []
+    if jc.differentiating()
+    else [i for i, e in enumerate(extras) if _swappable(e)]
+  )
   if not swap:
     out = fn(*args)
     reduced = tuple(

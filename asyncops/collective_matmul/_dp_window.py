@@ -33,8 +33,8 @@ weights (the whole rest of the block's backward), **awaits**, and returns
 Both are linear identities: ``jax.jvp``/``jax.linearize`` pass tangents
 through, ``jax.vmap`` keeps batch dimensions. A weight whose gradient is
 not asked for is never started; when the transposes do not meet in one
-trace, ``open_p``'s transpose reduces with ``psum`` (correct, not
-overlapped).
+trace, or the backward is itself differentiated, ``open_p``'s transpose
+reduces with ``psum`` (correct, not overlapped).
 """
 
 import itertools
@@ -155,6 +155,8 @@ def _mark_transpose(cts, *xs, window, start):
   out = _linear(xs, cts)
   marked = [i for i, s in enumerate(start) if s]
   todo = [i for i in marked if _nonzero(out[i])]
+  if jc.differentiating():  # second order: open_p's transpose uses psum
+    todo = []
   if not todo:
     if marked:  # open_p's transpose expects an entry
       window.push(None)
