@@ -234,6 +234,37 @@ def all_gather_invariant(x: Any, axis_name: Any, *, axis: int, tiled: bool):
   return _parallel.all_gather_invariant(x, axis_name, axis=axis, tiled=tiled)
 
 
+def without_varying(aval: Any, axes: Sequence[str], add: bool = False) -> Any:
+  """``aval`` typed as no longer varying over ``axes`` (``add``: varying).
+
+  For a value an exchange made equal on every device of ``axes`` (a sum of
+  a device's own buffer and what its only peer sent): JAX offers no cast
+  from varying to invariant without a collective. jax >= 0.10 keeps the
+  axes in ``manual_axis_type``, jax 0.9 in ``vma``.
+  """
+  axes = frozenset(axes)
+
+  def new(varying):
+    return frozenset(varying) | axes if add else frozenset(varying) - axes
+
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:  # jax >= 0.10
+    return aval.update(
+      manual_axis_type=type(mat)(
+        varying=new(mat.varying),
+        unreduced=mat.unreduced,
+        reduced=mat.reduced,
+      )
+    )
+  return aval.update(vma=new(aval.vma))  # jax 0.9
+
+
+def register_identity_lowering(prim: Primitive) -> None:
+  """Lowers ``prim(*xs, **params)`` to ``xs`` themselves (a type-only or
+  marker primitive)."""
+  _mlir.register_lowering(prim, lambda ctx, *xs, **params: list(xs))
+
+
 def is_drop_var(v: Any) -> bool:
   """Whether a jaxpr output variable is ``_`` (a result nobody reads)."""
   from jax.extend import core as _jex
@@ -618,6 +649,92 @@ def _register_tie_rules() -> None:
 _register_tie_rules()
 
 
+# A window's barrier: ``tie_p`` whose first ``n_window`` operands are a
+# transfer's (its future's leaves, its aliased source). When nothing reads
+# those any more (the transfer's result is dead code), dead-code
+# elimination drops them from the barrier, so the start's own rule can
+# remove the transfer; the other operands keep their barrier while their
+# outputs are used. A plain barrier keeps every operand while any output
+# is used, which would keep a start whose done was removed (or a dead
+# computation tied into a live window).
+window_tie_p = Primitive("asyncops_window_tie")
+window_tie_p.multiple_results = True
+window_tie_p.def_abstract_eval(lambda *avals, n_window: list(avals))
+_mlir.register_lowering(
+  window_tie_p, lambda ctx, *args, n_window: _tie_lowering(ctx, *args)
+)
+
+
+def _window_tie_dce(used_outs, eqn):
+  # The window part stays whole while any of it is used; every other
+  # operand stays only while its output is used (dead compute in a window
+  # goes, as anywhere).
+  n = eqn.params["n_window"]
+  window = any(used_outs[:n])
+  keep = [
+    i
+    for i in range(len(used_outs))
+    if (window and i < n) or (i >= n and used_outs[i])
+  ]
+  used = [i in keep for i in range(len(used_outs))]
+  if not keep:
+    return used, None
+  if len(keep) == len(used_outs):
+    return used, eqn
+  new = _pe.new_jaxpr_eqn(
+    [eqn.invars[i] for i in keep],
+    [eqn.outvars[i] for i in keep],
+    window_tie_p if window else tie_p,
+    {"n_window": n} if window else {},
+    set(),
+    eqn.source_info,
+    eqn.ctx,
+  )
+  return used, new
+
+
+def _window_tie_nonzero(vals: Sequence[Any], n: int) -> list[Any]:
+  """``window_tie_p`` over the values that are not symbolic zeros (the
+  tangents or cotangents of a window keep its dead-code splitting)."""
+  from jax.interpreters import ad
+
+  keep = [i for i, v in enumerate(vals) if type(v) is not ad.Zero]
+  out = list(vals)
+  if keep:
+    tied = window_tie_p.bind(
+      *(vals[i] for i in keep), n_window=sum(i < n for i in keep)
+    )
+    for i, v in zip(keep, tied, strict=True):
+      out[i] = v
+  return out
+
+
+def _register_window_tie_rules() -> None:
+  from jax.interpreters import ad, batching
+
+  ad.primitive_jvps[window_tie_p] = lambda p, t, n_window: (
+    window_tie_p.bind(*p, n_window=n_window),
+    _window_tie_nonzero(t, n_window),
+  )
+  ad.primitive_transposes[window_tie_p] = lambda cts, *p, n_window: (
+    _window_tie_nonzero(cts, n_window)
+  )
+  batching.primitive_batchers[window_tie_p] = lambda a, d, n_window: (
+    window_tie_p.bind(*a, n_window=n_window),
+    d,
+  )
+  _pe.dce_rules[window_tie_p] = _window_tie_dce
+
+
+_register_window_tie_rules()
+
+
+def window_tie(window: Sequence[Any], rest: Sequence[Any]):
+  """``(window, rest)`` through one barrier (see ``window_tie_p``)."""
+  out = window_tie_p.bind(*window, *rest, n_window=len(window))
+  return list(out[: len(window)]), list(out[len(window) :])
+
+
 def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   """Keeps pure compute traced after ``start_eqn`` after it and before now.
 
@@ -891,6 +1008,13 @@ _LIN_HAS_IS_VJP = (
 def current_trace() -> Any:
   """The trace that binds primitives now (a transpose's output trace)."""
   return _core.unsafe_get_current_trace()
+
+
+def differentiating() -> bool:
+  """Whether the code being traced is itself being differentiated (a
+  backward rule under a second ``jax.grad``: the current trace is a JVP or
+  linearize trace, whose class names are not public)."""
+  return type(current_trace()).__name__ in ("JVPTrace", "LinearizeTrace")
 
 
 _FORWARDING = ("optimization_barrier", "asyncops_tie")

@@ -227,6 +227,7 @@ def simulate(
     chip,
     coords=_mesh.coords(mesh),
     rings=_mesh.mesh_rings(mesh),
+    axis_rings=_mesh.axis_rings(mesh),
     prefetch=prefetch,
     kernel_cost=_coster(spec.topology, spec.layout, spec.tp, chip),
     **MODEL,

@@ -151,6 +151,18 @@ def mesh_rings(mesh) -> list[list[int]]:
   return [list(map(int, r)) for r in ids]
 
 
+def axis_rings(mesh) -> dict[str, list[list[int]]]:
+  """Partition ids of the rings along each mesh axis (``x``: columns)."""
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  return {
+    name: [
+      list(map(int, r))
+      for r in np.moveaxis(ids, i, -1).reshape(-1, ids.shape[i])
+    ]
+    for i, name in enumerate(mesh.axis_names)
+  }
+
+
 def coords(mesh) -> list[tuple]:
   """Chip coordinates per partition id."""
   return [tuple(d.coords) for d in mesh.devices.flat]

@@ -37,7 +37,9 @@ While loops run their body ``known_trip_count`` times (from
 
 Limits: our kernels' peers are not in the HLO. A ppermute kernel is a ring
 shift over ``rings`` (the mesh axis' devices in ring order); the library
-writes the shift into the op name (``ring_shift+1``), default ``-1``. A
+writes the shift into the op name (``ring_shift+1``), default ``-1``, and
+the axis when it is not the ring axis (``ring_axis_x``: the rings of
+``axis_rings["x"]``, e.g. a data-parallel gradient exchange). A
 bidirectional kernel sends half its bytes each way. Link sharing is FIFO
 per link, not fair sharing, so two transfers on one link finish one after
 the other (same last end).
@@ -310,6 +312,7 @@ def _colors(ins: Instr) -> int:
 
 _X_AXIS = "ring_axis_x/"
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
+_RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
 
 
 @dataclasses.dataclass
@@ -378,9 +381,18 @@ _MAX_TRIPS = 1_000_000
 
 class _Sim:
   def __init__(
-    self, m, chip, coords, rings, prefetch, kernel_cost=None, collectives="ring"
+    self,
+    m,
+    chip,
+    coords,
+    rings,
+    prefetch,
+    kernel_cost=None,
+    collectives="ring",
+    axis_rings=None,
   ):
     self.m, self.chip, self.coords = m, chip, coords
+    self.axis_rings = axis_rings or {}
     self.collectives = collectives
     self._rings: dict = {}
     self.rings, self.prefetch = rings, prefetch
@@ -644,8 +656,13 @@ class _Sim:
     return self._rings[key]
 
   def _collective_dur(self, op: str, ins: Instr, comp: str):
-    operand = self._bytes_of(comp, ins.operands[:1]) or ins.nbytes
+    # XLA combines collectives (its all-reduce combiner): every operand of
+    # a variadic one moves, not only the first.
+    data = ins.operands[:1] if op == "collective-permute" else ins.operands
+    operand = self._bytes_of(comp, data) or ins.nbytes
     out = ins.arrays[-1].nbytes if ins.arrays else operand
+    if ins.opcode == op and len(ins.arrays) > 1:  # synchronous, variadic
+      out = sum(a.nbytes for a in ins.arrays)
     groups = (
       [] if op == "collective-permute" else replica_groups(ins, self._n())
     )
@@ -690,7 +707,8 @@ class _Sim:
     a synchronous collective on the links, never free compute."""
     inner_comp, inner = found
     op = inner.opcode.removesuffix("-start")
-    operand = self._bytes_of(inner_comp, inner.operands[:1]) or inner.nbytes
+    data = inner.operands[:1] if op == "collective-permute" else inner.operands
+    operand = self._bytes_of(inner_comp, data) or inner.nbytes
     groups = (
       [] if op == "collective-permute" else replica_groups(inner, self._n())
     )
@@ -755,7 +773,17 @@ class _Sim:
       return "ici", load, lat
     m = _SHIFT.search(ins.attrs)
     shift = int(m.group(1)) if m else -1
-    return "ici", *self._ici(ring_sends(self.rings, shift), nbytes)
+    rings = self.rings
+    axis = _RING_AXIS.search(ins.attrs)
+    if axis:
+      if axis.group(1) not in self.axis_rings:
+        raise ValueError(
+          f"{ins.name} shifts over mesh axis {axis.group(1)!r}, but the "
+          f"model knows the rings of {sorted(self.axis_rings)} only; pass "
+          "axis_rings."
+        )
+      rings = self.axis_rings[axis.group(1)]
+    return "ici", *self._ici(ring_sends(rings, shift), nbytes)
 
   def _fused_ring(self, ins: Instr):
     """A fused ring kernel's start (``asyncops_ring_*_start``).
@@ -1095,6 +1123,7 @@ def simulate(
   prefetch: Literal["free", "charged"] = "free",
   kernel_cost: KernelCost | None = None,
   collectives: Literal["ring", "multicast"] = "ring",
+  axis_rings: dict[str, Sequence[Sequence[int]]] | None = None,
 ) -> Timeline:
   """Simulates one device's step of a scheduled TPU HLO module.
 
@@ -1116,6 +1145,9 @@ def simulate(
       the links: ``"ring"`` (its emitters' ring, ``n - 1`` steps; the
       calibrated default) or ``"multicast"`` (each shard crosses a link at
       most once; a lower bound).
+    axis_rings: the rings along each mesh axis by name, for a ppermute
+      kernel whose op name says ``ring_axis_<name>`` (one over another axis
+      than ``rings``'); such a kernel with an unknown axis is an error.
 
   Returns:
     The :class:`Timeline`.
@@ -1148,6 +1180,7 @@ def simulate(
     prefetch,
     kernel_cost,
     collectives,
+    {k: [list(r) for r in v] for k, v in (axis_rings or {}).items()},
   )
   step = sim.run(module.entry, 0.0)
   return Timeline(

@@ -89,6 +89,7 @@ def measure(variant, mesh, shape, config, chip, prefetch="free"):
     chip,
     coords=_mesh.coords(mesh),
     rings=mesh_rings(mesh),
+    axis_rings=_mesh.axis_rings(mesh),
     prefetch=prefetch,
   )
   return {

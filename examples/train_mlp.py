@@ -5,7 +5,11 @@ an all-gather matmul and the down projection a matmul-reduce-scatter, both
 overlapped) learns a random teacher MLP by SGD on 8 CPU devices (mesh 2x4:
 data over ``x``, the model over ``y``). The same training with the plain
 ``jax.lax`` program (``all_gather`` and ``psum_scatter`` around ordinary
-matmuls) runs alongside; every step's loss must match.
+matmuls) runs alongside; every step's loss must match. The weights are
+replicated over ``x``: ``mlp_block``'s backward sums their gradients over
+it with its own exchange kernels, in flight behind the rest of the
+backward (the ``ring_axis_x`` pairs of the ``--hlo`` report), nothing to
+write in the train step.
 
 With ``--hlo TOPOLOGY`` the jitted train step (forward, backward, update)
 is compiled ahead of time for that TPU topology instead, and the harness

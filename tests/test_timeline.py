@@ -416,6 +416,7 @@ def _sim(text, mesh, topology="v5e:2x4", **kw):
     _chips.chip_for(topology),
     coords=_mesh.coords(mesh),
     rings=_mesh.mesh_rings(mesh),
+    axis_rings=_mesh.axis_rings(mesh),
     **kw,
   )
 
@@ -586,3 +587,66 @@ def test_all_to_all_kernel_sends_one_slot_to_each_peer():
   # On a 4-cycle: offsets 1 and 3 are neighbours, offset 2 crosses 2 links.
   assert track == "ici"
   assert sum(load.values()) == pytest.approx(slot * 4 * (1 + 1 + 2))
+
+
+def test_combined_all_reduce_moves_every_operand(v5e_mesh):
+  """XLA's all-reduce combiner makes one all-reduce of two gradients (a
+  tuple): the model moves both, twice the bytes of one (it used to cost
+  the first operand only)."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from benchmarks import _mesh
+
+  def compiled(k):
+    def body(*a):
+      return tuple(jax.lax.psum(v, "x") for v in a)
+
+    f = jax.jit(
+      jax.shard_map(
+        body,
+        mesh=v5e_mesh,
+        in_specs=(P("x", "y"),) * k,
+        out_specs=(P(None, "y"),) * k,
+      )
+    )
+    s = NamedSharding(v5e_mesh, P("x", "y"))
+    args = [jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16, sharding=s)] * k
+    with _mesh.quiet_fd2():
+      return f.trace(*args).lower().compile().as_text()
+
+  one, two = (_sim(compiled(k), v5e_mesh) for k in (1, 2))
+  (c1,) = [e for e in one.events if e.kind == "collective"]
+  durs = [e.dur for e in two.events if e.kind == "collective"]
+  # Twice the bytes, the same hop latency (first operand only: 1x).
+  assert sum(durs) > 1.8 * c1.dur
+
+
+def test_kernel_labelled_with_another_axis_uses_its_rings():
+  """A ppermute kernel whose op name says ``ring_axis_x`` shifts over the
+  ``x`` rings (a data-parallel exchange), not the ring axis'."""
+  m = _ref_kernel("%h, %g", "bf16[512,512]", "ring_axis_x/ring_shift+1")
+  coords = [(0, 0), (1, 0), (0, 1), (1, 1)]
+  sim = _timeline._Sim(
+    m,
+    CHIP,
+    coords,
+    [[0, 1], [2, 3]],
+    "free",
+    axis_rings={"x": [[0, 2], [1, 3]]},
+  )
+  sim._index = {}
+  sim._comp = m.entry
+  ins = next(i for i in m.computations[m.entry] if "_start.0" in i.name)
+  links = set(sim._kernel_dur(ins)[1])
+  assert links == {
+    ((0, 0), (0, 1)),
+    ((0, 1), (0, 0)),
+    ((1, 0), (1, 1)),
+    ((1, 1), (1, 0)),
+  }
+  sim = _timeline._Sim(m, CHIP, coords, [[0, 1], [2, 3]], "free")
+  sim._index = {}
+  sim._comp = m.entry
+  with pytest.raises(ValueError, match="axis_rings"):
+    sim._kernel_dur(ins)

@@ -18,8 +18,10 @@ per device; ``n`` the ring size; canonical shapes as in ``_vjp``.
   gather-rows matmul's weight gradients; ``x [P, R, k]`` travels and every
   chunk adds to ``[k, f_i]``.
 - :func:`gather_columns_both`: the matmul-reduce-scatter (columns): ``g``
-  travels once and each chunk feeds both gradients, ``dx += g_c @
-  w[:, c]^T`` and ``dw[:, c] = x^T @ g_c``.
+  travels once; each chunk gives ``dx += g_c @ w[:, c]^T`` in its window
+  and (value API) is kept, a small ``[M, n c]`` buffer, for ``dw = x^T @
+  AG(g)``, one product after the ring (Ref API: ``dw[:, c] = x^T @ g_c``
+  in the window, a column update each).
 - :func:`gather_rows_both`: the same for the row form.
 
 Bidirectional rings halve what travels as the forward does; a weight
@@ -227,12 +229,18 @@ def gather_columns_both(g, x, w, axis_name, *, n, api, bidirectional):
   h = m // 2
   me = jax.lax.axis_index(axis_name)
   acc_dt = _acc(g.dtype)
-  # dw [k, n c]: block b is columns b c:(b + 1) c, updated in place (a
-  # [k, n, c] buffer costs a relayout of every block; an [n, k, c] one
-  # makes XLA lay the buffer out for the final transpose and copy it).
-  # One-way, every block is one whole product, written in w's dtype (one
-  # rounding, as the reference); two-way, two halves add in acc_dt.
-  if bidirectional:
+  # dw [k, n c] = x^T @ AG(g): block b is columns b c:(b + 1) c. Writing
+  # each block's product into a [k, n c] buffer costs a separate update of
+  # the weight-sized buffer per step (XLA does not fuse a column block into
+  # the dot). Value API: the ring keeps the chunks of g it receives
+  # (columns of a small [M, n c] buffer, the size of one activation) and
+  # dw is one product after the ring. Ref API: the blocks are written as
+  # they come (keeping a received Ref slot makes XLA stage it in VMEM while
+  # the next transfer sends it: a copy of a buffer in flight).
+  keep = api == "value"
+  if keep:
+    dw = _gather_rings._empty((m, n * c), g.dtype)  # AG(g)
+  elif bidirectional:
     dw = jnp.zeros((k, n * c), acc_dt)
   else:
     dw = _gather_rings._empty((k, n * c), w.dtype)
@@ -252,19 +260,26 @@ def gather_columns_both(g, x, w, axis_name, *, n, api, bidirectional):
         dx = dx.at[j].set(y)
       else:
         dx = dx.at[j].add(y)
+      col = jnp.asarray(b, jnp.int32) * c
+      if keep:
+        dw = jax.lax.dynamic_update_slice(dw, gj, (jnp.int32(j * h), col))
+        continue
       xj = (x[:h], x[h:])[j] if bidirectional else x
       z = _dot(xj, gj, 0, 0, acc_dt)  # [k, c]
-      at = (jnp.int32(0), jnp.asarray(b, jnp.int32) * c)
       if bidirectional:
-        dw = _add_block(dw, z, at)
+        dw = _add_block(dw, z, (jnp.int32(0), col))
       else:
-        dw = jax.lax.dynamic_update_slice(dw, z.astype(dw.dtype), at)
+        dw = jax.lax.dynamic_update_slice(
+          dw, z.astype(dw.dtype), (jnp.int32(0), col)
+        )
     return dx, dw
 
   bufs = _flat_bufs(g, bidirectional, api)
   dx, dw = _gather_rings.run(bufs, bidirectional, axis_name, n, api, consume)(
     (x, w), (dx, dw)
   )
+  if keep:
+    dw = _dot(x, dw, 0, 0, acc_dt)  # [k, n c]
   return dx.reshape(m, k).astype(x.dtype), dw.astype(w.dtype)
 
 

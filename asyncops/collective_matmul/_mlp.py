@@ -23,7 +23,12 @@ from collections.abc import Callable
 
 import jax
 
-from asyncops.collective_matmul import _allgather, _reducescatter, _validate
+from asyncops.collective_matmul import (
+  _allgather,
+  _dp_window,
+  _reducescatter,
+  _validate,
+)
 
 
 def mlp_block(
@@ -136,6 +141,15 @@ def mlp_block(
     d = n * x.shape[-1]
     layout = "n * x.shape[-1] (the full model dimension)"
   _check_shapes(w_in, w_out, w_gate, d, layout, fn)
+  # Data parallel: w_out's gradient all-reduce runs behind the up
+  # projection's backward (_dp_window); w_in's behind its input gradient.
+  window = _dp_window.plan(x, w_out, axis_name)
+  if window is not None:
+    ops = (x, w_in, w_out) + (() if w_gate is None else (w_gate,))
+    x, w_in, w_out, *rest = _dp_window.open_(
+      window, ops, [i == 2 for i in range(len(ops))]
+    )
+    w_gate = rest[0] if rest else None
   with jax.named_scope(fn):
     with jax.named_scope("up"):
       ws = (w_in,) if w_gate is None else (w_gate, w_in)
@@ -148,6 +162,8 @@ def mlp_block(
         bidirectional=bidirectional,
       )
     h = activation(hs[0]) if w_gate is None else activation(hs[0]) * hs[1]
+    if window is not None:
+      h, w_out = _dp_window.mark(window, (h, w_out), (False, True))
     with jax.named_scope("down"):
       return _reducescatter.matmul_reducescatter(
         h,

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import (
   _bwd_rings,
+  _dp_reduce,
   _gather_rings,
   _layout,
   _linear,
@@ -235,22 +236,28 @@ def _allgather_bwd(rows_form, axis_name, options, res, ct):
   x = jax.ShapeDtypeStruct(shape, dt)
   kw = dict(n=n, api=api, bidirectional=bidi, bufs=sent)
   kw_rs = dict(n=n, api=api, bidirectional=bidi)
+  # The weight gradients first: their data-parallel all-reduce (weights
+  # replicated over other mesh axes) then runs while the input gradient's
+  # ring does (_dp_reduce).
   if not rows_form:  # x [M, k], w [n k, f]
-    with jax.named_scope("d_lhs"):
-      dx = _bwd_rings.scatter_columns_t(gs, ws, axis_name, **kw_rs)
     with jax.named_scope("d_rhs"):
       dws = _bwd_rings.gather_weights_contracting(x, gs, axis_name, **kw)
+    d_lhs = _bwd_rings.scatter_columns_t
   else:  # x [P, R, k], w [k, f]
-    with jax.named_scope("d_lhs"):
-      dx = _bwd_rings.scatter_rows_t(gs, ws, axis_name, **kw_rs)
     with jax.named_scope("d_rhs"):
       dws = _bwd_rings.gather_weights_rows(x, gs, axis_name, **kw)
+    d_lhs = _bwd_rings.scatter_rows_t
+
+  def lhs_grad(gs, ws):
+    with jax.named_scope("d_lhs"):
+      return d_lhs(gs, ws, axis_name, **kw_rs)
+
+  dws, dx = _dp_reduce.overlapped(dws, ws, lhs_grad, gs, ws)
   if g_gathered is not None:
     # The gathered operand's cotangent has no matmul to hide behind.
     dx = dx + jax.lax.psum_scatter(
       g_gathered.astype(dt), axis_name, scatter_dimension=1, tiled=True
     )
-  dws = tuple(_like(d, w) for d, w in zip(dws, ws, strict=True))
   return _like(dx, sent[0]), dws  # sent[0]: x's manual axes
 
 

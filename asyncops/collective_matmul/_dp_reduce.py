@@ -1,0 +1,173 @@
+"""Data-parallel gradient reduction, overlapped with the rest of a backward.
+
+A weight replicated over mesh axes that its activations vary over (the
+data-parallel axes of a ``shard_map`` over a 2-D mesh) gets its gradient
+summed over those axes: JAX does it with a ``psum`` outside a
+``custom_vjp``, and our backward passes do it for the weights they return.
+That all-reduce moves a whole weight gradient and is the largest transfer
+of a training step; a ``psum`` placed where the gradient is ready runs
+synchronously, with nothing to hide behind.
+
+Algorithm. :func:`overlapped` starts the reduction of the weight gradients
+that are ready with our own kernels, runs the backward work that does not
+need them (``fn``) inside the transfers' window
+(start, barrier, ``fn``, barrier, done, as
+:func:`asyncops.scheduling.overlap` does, with barriers that dead-code
+elimination splits when a gradient is unused), then awaits. Over a
+data-parallel axis of two devices the all-reduce is one exchange: each
+device sends its gradient to the other (a ``ppermute`` of the whole
+buffer, both link directions busy at once) and adds what it receives:
+the same bytes per link as a ring all-reduce, one window, and the same
+rounding as ``psum`` (one add of two values in the weight's dtype).
+
+Limits. Axes of another size (or several such axes at once), and a
+backward that is itself differentiated (``grad`` of ``grad``), are reduced
+with ``jax.lax.psum`` after ``fn``: correct, not overlapped.
+The transfer's ring axis is written into the start's op name
+(``ring_axis_<name>``) so the benchmarks' timeline model routes it over
+that axis' links.
+"""
+
+import jax
+from jax.interpreters import ad, batching
+
+from asyncops import _jax_compat as jc
+from asyncops.futures import _api
+from asyncops.scheduling import _trees
+
+# ``own + received`` is the same on both devices of the exchange but typed
+# as varying; ``psum``'s result is typed invariant. ``agreed_p`` re-types
+# it (no HLO). As a linear map it is the mean over the axes' devices (they
+# agree), so its transpose hands each device ``ct / n``; through the
+# exchange each gradient then gets ``ct`` back, as ``psum``'s transpose.
+agreed_p = jc.Primitive("asyncops_agreed")
+
+
+@agreed_p.def_abstract_eval
+def _agreed_abstract(x, *, axes):
+  return jc.without_varying(x, axes)
+
+
+def _agreed_transpose(ct, x, *, axes):
+  del x
+  n = 1
+  for a in axes:
+    n *= jax.lax.axis_size(a)
+  return [jax.lax.pcast(ct, axes, to="varying") / n]
+
+
+def _agreed_batch(args, dims, *, axes):
+  return agreed_p.bind(args[0], axes=axes), dims[0]
+
+
+jc.register_identity_lowering(agreed_p)
+ad.deflinear2(agreed_p, _agreed_transpose)
+batching.primitive_batchers[agreed_p] = _agreed_batch
+
+
+def agreed(x, axes: tuple[str, ...]):
+  """``x``, equal on every device of ``axes``, typed as invariant there."""
+  return agreed_p.bind(x, axes=tuple(axes)) if axes else x
+
+
+def window(futs, keep: list, rest: list):
+  """``futs``, ``keep`` (their aliased sources) and ``rest`` through one
+  barrier that dead-code elimination splits when the transfers' results
+  are unused (``_jax_compat.window_tie``), so an exchange whose gradient
+  nobody reads goes away like any dead computation.
+
+  Returns:
+    ``(futs, keep, rest)`` as the barrier returns them.
+  """
+  leaves, rebuild = _trees.split_futures(futs, by="asyncops window")
+  index: dict[int, int] = {}
+  unique: list = []
+  for v in [*leaves, *keep]:
+    if _trees.is_array(v) and id(v) not in index:
+      index[id(v)] = len(unique)
+      unique.append(v)
+  tied, rest = jc.window_tie(unique, list(rest))
+
+  def get(v):
+    return tied[index[id(v)]] if id(v) in index else v
+
+  return rebuild([get(v) for v in leaves]), [get(v) for v in keep], rest
+
+
+def _extra_axes(ct, primal) -> tuple[str, ...]:
+  """Axes ``ct`` varies over and ``primal`` does not (sorted)."""
+  return tuple(sorted(jc.varying_axes(ct) - jc.varying_axes(primal)))
+
+
+def _finish(ct, primal, extra: tuple[str, ...]):
+  """``ct`` summed over ``extra`` (``psum``), typed and cast like
+  ``primal``."""
+  if extra:
+    ct = jax.lax.psum(ct, extra)
+  missing = tuple(sorted(jc.varying_axes(primal) - jc.varying_axes(ct)))
+  if missing:
+    ct = jax.lax.pcast(ct, missing, to="varying")
+  return ct.astype(primal.dtype)
+
+
+def _swappable(extra: tuple[str, ...]) -> bool:
+  return len(extra) == 1 and jax.lax.axis_size(extra[0]) == 2
+
+
+def overlapped(cts, primals, fn, *args):
+  """Reduces ``cts`` over their data-parallel axes while ``fn(*args)`` runs.
+
+  Args:
+    cts: weight gradients (a tuple), each varying over at least the mesh
+      axes its primal varies over.
+    primals: the weights (a tuple, same length): their manual axes and
+      dtype are the targets.
+    fn: the rest of the backward, independent of ``cts``.
+    *args: ``fn``'s arguments; they pass through the window's first
+      barrier, so ``fn`` runs after the starts.
+
+  Returns:
+    ``(reduced, out)``: each gradient summed over the axes it varies over
+    and its primal does not, in the primal's dtype; and ``fn(*args)``.
+
+  Example:
+    >>> dws, dx = overlapped(dws, ws, d_lhs, g, ws)  # doctest: +SKIP
+  """
+  extras = [_extra_axes(c, p) for c, p in zip(cts, primals, strict=True)]
+  # A backward being differentiated again (second order) reduces with psum:
+  # the window would tie the derivative's dead rings to live ones.
+  swap = (
+    []
+    if jc.differentiating()
+    else [i for i, e in enumerate(extras) if _swappable(e)]
+  )
+  if not swap:
+    out = fn(*args)
+    reduced = tuple(
+      _finish(c, p, e) for c, p, e in zip(cts, primals, extras, strict=True)
+    )
+    return reduced, out
+  sent, futs = [], []
+  for i in swap:
+    (axis,) = extras[i]
+    ct = cts[i].astype(primals[i].dtype)
+    with jax.named_scope(f"ring_axis_{axis}"), jax.named_scope("ring_shift+1"):
+      ct, fut = _api.ppermute_start(ct, axis, shift=1)
+    sent.append(ct)
+    futs.append(fut)
+
+  # fn's arguments after the starts, the dones after fn's results.
+  leaves, tree = jax.tree.flatten(args)
+  futs, sent, leaves = window(tuple(futs), sent, leaves)
+  out = fn(*jax.tree.unflatten(tree, leaves))
+  leaves, tree = jax.tree.flatten(out)
+  futs, sent, leaves = window(futs, sent, leaves)
+  out = jax.tree.unflatten(tree, leaves)
+  reduced = list(cts)
+  for i, own, fut in zip(swap, sent, futs, strict=True):
+    reduced[i] = agreed(own + _api.ppermute_done(fut), extras[i])
+  reduced = tuple(
+    _finish(c, p, () if i in swap else e)
+    for i, (c, p, e) in enumerate(zip(reduced, primals, extras, strict=True))
+  )
+  return reduced, out
