@@ -396,6 +396,12 @@ def llama_sweep(bench: Bench, a) -> None:
       x = n // tp
       for family in a.sweep_families.split(","):
         summary = []
+        variants = [
+          v
+          for v in a.variants.split(",")
+          if v and ((family == "allgather") == (":" not in v))
+          and (":" not in v or v.startswith(f"{family}:"))
+        ] or None
         for m in ms:
           rows = bench.one_table(
             family,
@@ -403,6 +409,7 @@ def llama_sweep(bench: Bench, a) -> None:
             tp,
             (m * x, LLAMA_D, LLAMA_F),
             (jnp.dtype(jnp.bfloat16), None),
+            variants,
           )
           summary.append((m, rows))
         _print_sweep(family, topology, tp, summary)
@@ -532,7 +539,9 @@ def _parser() -> argparse.ArgumentParser:
     "--shape, --families, --variants and --preset are not given",
   )
   p.add_argument(
-    "--variants", default="", help="only these (besides bound, jit, xla_best)"
+    "--variants",
+    default="",
+    help="only these (besides bound, jit, xla_best); sweeps too",
   )
   p.add_argument("--ref", action="store_true", help="add api='ref' rows")
   p.add_argument(
