@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from asyncops import collective_matmul as cm
 from asyncops.collective_matmul import _auto, _fused
 from asyncops.inspect import analyze, parse_module, tpu_mesh
 
@@ -221,8 +222,10 @@ def _kernels(text):
 
 
 def test_auto_picks_xla_at_decode_and_fused_at_prefill():
+  """The public function's default, ``method="auto"``, on a v5e mesh."""
+
   def ag(a, w):
-    return _auto.allgather_matmul(a, w, "y")
+    return cm.allgather_matmul(a, w, "y")
 
   decode = _compile(
     *_allgather("v5e:2x4", ag, shape=(32, 8192, 28672), mesh=(2, 4))

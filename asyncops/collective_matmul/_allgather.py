@@ -1,9 +1,11 @@
 """All-gather collective matmul: ``all_gather(lhs, gather_dim) @ rhs``.
 
-The public function validates, folds ``lhs`` into one of two canonical
-shapes (``_layout``: gathering the contracting dimension, or gathering a
-row dimension) and runs the matching ring (``_gather_rings``); the results
-are unfolded by reshapes. See those modules for the algorithms.
+The public function validates, picks a method (``_auto``: the fused ring
+kernel, XLA's collective, or the value/Ref-API ring), folds ``lhs`` into
+one of two canonical shapes (``_layout``: gathering the contracting
+dimension, or gathering a row dimension) and runs the matching ring
+(``_gather_rings``) or kernel (``_fused``); the results are unfolded by
+reshapes. See those modules for the algorithms.
 """
 
 from collections.abc import Sequence
@@ -11,7 +13,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _layout, _validate, _vjp
+from asyncops.collective_matmul import _auto, _fused, _layout, _validate, _vjp
 
 
 def allgather_matmul(
@@ -23,6 +25,7 @@ def allgather_matmul(
   return_gathered: bool = False,
   api: _validate.Api = "value",
   bidirectional: bool = False,
+  method: _auto.Method = "auto",
 ):
   """All-gathers ``lhs`` along ``gather_dim`` and multiplies by ``rhs``.
 
@@ -68,6 +71,19 @@ def allgather_matmul(
       halves the bytes per link per step. The contracting form halves the
       rows (their number must be even); a row form halves the dimensions
       before ``gather_dim`` if even, else the rows of a chunk.
+    method: how (``asyncops.collective_matmul._auto``): ``"auto"``
+      (default) picks from the per-device shapes, dtype, ring size and chip
+      between the fused ring kernel (``"fused"``: one Pallas kernel, the
+      accumulator in VMEM, both ring directions; the contracting form with
+      one weight and no ``return_gathered``), XLA's collective then
+      ``jnp.dot`` (``"xla"``: where the matmul is bound by reading the
+      weights, decode-size rows, or the fused kernel is not faster) and,
+      for the forms the fused kernel does not run, the ring of
+      ``start``/``done`` futures around XLA's chunk matmuls (``"ring"``).
+      **``api="ref"`` and ``bidirectional=True`` configure the ring**:
+      with ``"auto"`` they run it, with ``"fused"`` or ``"xla"`` they are
+      an error. Every method differentiates (the fused kernel with the
+      ring's backward).
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by
@@ -80,7 +96,9 @@ def allgather_matmul(
     ValueError: ``rhs`` is not rank 2, the contracting sizes disagree (the
       message says which form ``gather_dim`` selected), ``gather_dim`` is
       not an axis of ``lhs``, the halves are impossible with
-      ``bidirectional=True``, an empty ``rhs`` list, or an unknown ``api``.
+      ``bidirectional=True``, an empty ``rhs`` list, an unknown ``api`` or
+      ``method``, ring options with ``method="fused"``/``"xla"``, or
+      ``method="fused"`` for a form it does not run.
     TypeError: mismatched or non-movable dtypes.
     NameError: ``axis_name`` is not bound.
 
@@ -114,9 +132,40 @@ def allgather_matmul(
     else:
       _validate.even_rows(fold.m, fn, "lhs")
   bidirectional = bool(bidirectional)
+  run = _auto.pick(
+    method,
+    fn,
+    ring_options=_auto.ring_options(api, bidirectional),
+    unfused=_unfused(fold, ws, return_gathered),
+    explain=lambda: _auto.explain_allgather(
+      fold.m,
+      fold.k,
+      ws[0].shape[1],
+      n,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=_auto.device_kind(),
+    ),
+    explain_unfused=lambda why: _auto.explain_ring(
+      2 * n * lhs.size * sum(w.shape[1] for w in ws),
+      sum(w.size for w in ws) * jnp.dtype(lhs.dtype).itemsize,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=_auto.device_kind(),
+      why=why,
+    ),
+  )
   if n == 1:
     outs = tuple(jnp.dot(lhs, w, preferred_element_type=lhs.dtype) for w in ws)
     gathered = lhs
+  elif run == "xla":
+    with jax.named_scope(fn), jax.named_scope("method_xla"):
+      gathered = jax.lax.all_gather(lhs, axis_name, axis=dim, tiled=True)
+      outs = tuple(_auto.dot(gathered, w) for w in ws)
+  elif run == "fused":
+    with jax.named_scope(fn), jax.named_scope("method_fused"):
+      out = _vjp.fused_allgather(fold.fold(lhs), ws[0], axis_name, n)
+      outs, gathered = (fold.unfold(out, ws[0].shape[1]),), None
   else:
     with jax.named_scope(fn):
       outs, gathered = canonical(
@@ -136,6 +185,20 @@ def allgather_matmul(
         gathered = fold.unfold(gathered, gathered.shape[-1])
   result = outs[0] if single else outs
   return (result, gathered) if return_gathered else result
+
+
+def _unfused(fold: _layout.Fold, ws: tuple, return_gathered: bool):
+  """Why the fused kernel cannot run this call (None: it can)."""
+  if fold.rows_form:
+    return (
+      f"gather_dim={fold.dim} gathers a row dimension (the fused kernel "
+      "gathers the contracting one, gather_dim=-1)"
+    )
+  if len(ws) > 1:
+    return f"{len(ws)} weights share one gather (the fused kernel takes one)"
+  if return_gathered:
+    return "return_gathered=True (the fused kernel keeps no gathered lhs)"
+  return None
 
 
 def canonical(rows_form: bool, x, ws: tuple, axis_name: str, **options):

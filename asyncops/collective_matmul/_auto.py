@@ -1,14 +1,22 @@
-"""``method="auto"``: which implementation a collective matmul runs.
+"""``method="auto"``, the default of the public collective matmuls: which
+implementation a call runs.
 
 Candidates (per device, inside ``shard_map``):
 
 - ``"fused"``: the fused ring kernels (``asyncops.collective_matmul._fused``):
   chunks or partial sums travel both ways around the ring while the matmul
-  consumes them, the accumulator in VMEM.
+  consumes them, the accumulator in VMEM. Only the canonical forms (gather
+  the contracting dimension, scatter the columns) with one weight; they
+  differentiate through ``_vjp.fused_allgather`` / ``fused_reducescatter``
+  (a ``custom_vjp`` with the ring backward).
 - ``"xla"``: XLA's collective and then (or before) ``jnp.dot``:
   ``all_gather(x) @ w``, ``psum_scatter(x @ w)``, ``psum(x @ w)``.
-- ``"ring"`` (never chosen automatically): the value-API ring of
-  ``start``/``done`` futures around XLA's chunk matmuls.
+- ``"ring"``: the value-API (or Ref-API) ring of ``start``/``done`` futures
+  around XLA's chunk matmuls. ``"auto"`` runs it when the caller set a
+  ring-only option (``api="ref"``, ``bidirectional=True``), and for the
+  forms the fused kernels do not run (row gathers and scatters, several
+  weights on one gather, ``return_gathered``) unless the matmul is bound
+  by reading the weights (:func:`explain_ring`).
 
 The choice is made at trace time from the per-device shapes, the dtype,
 the ring size and the chip the mesh is made of (``AbstractMesh.
@@ -40,15 +48,17 @@ XLA's all-reduce; the all-gather half, a collective of its own, is costed
 at one ring direction, so XLA's all-reduce is kept wherever the link time
 matters (every shape of the benchmark tables).
 
-:func:`explain_allgather` (and ``_reducescatter`` / ``_allreduce``)
-returns the :class:`Choice` with both estimates and the reason, which the
-benchmark tables print.
+:func:`explain_allgather` (and ``_reducescatter`` / ``_allreduce`` /
+``explain_ring``) returns the :class:`Choice` with the estimates and the
+reason; :func:`recording` collects the choices made while tracing, which
+the benchmark tables print.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
@@ -112,8 +122,10 @@ class Choice:
     method: ``"fused"`` or ``"xla"``.
     reason: one line.
     fused_us: the fused kernels' estimate (None when they cannot run).
-    xla_us: the XLA program's estimate.
+    xla_us: the XLA program's estimate (with ``ring_form``: the larger of
+      the matmul's and the weight read's times).
     chip: the chip the estimate is for.
+    ring_form: a form the fused kernels do not run (ring or XLA).
   """
 
   method: str
@@ -121,8 +133,14 @@ class Choice:
   fused_us: float | None
   xla_us: float
   chip: str
+  ring_form: bool = False
 
   def __str__(self) -> str:
+    if self.ring_form:
+      return (
+        f"{self.method} ({self.reason}; est. max(matmul, weight read) "
+        f"{self.xla_us:.1f} us on {self.chip})"
+      )
     f = "n/a" if self.fused_us is None else f"{self.fused_us:.1f}"
     return (
       f"{self.method} ({self.reason}; est. fused {f} us, xla "
@@ -264,6 +282,122 @@ def explain_allreduce(
   return _decide(None, fused, xla, compute, hbm, chip)
 
 
+def explain_ring(
+  flops: float, w_bytes: int, dtype, *, precision: str, device_kind, why: str
+) -> Choice:
+  """The choice for a form the fused kernels do not run (``why``): the
+  value-API ring, unless the matmul is bound by reading the weights from
+  HBM (``C < M / 2``, decode-size rows), where XLA's collective and one
+  ``jnp.dot`` are kept (the ring reads the weights in ``n`` slices and adds
+  a launch per step; modelled 1.36x of ``xla_best`` at M = 16, v5e, tp 8).
+
+  Args:
+    flops: the matmul's FLOPs per device.
+    w_bytes: the weight bytes each device reads.
+    dtype: the operands' dtype.
+    precision: ``"DEFAULT"`` or ``"HIGHEST"``.
+    device_kind: the chip (None: v5e).
+    why: why the fused kernels do not run, for the reason.
+  """
+  chip = chip_for(device_kind)
+  compute = flops / _flops_rate(chip, dtype, precision)
+  hbm = w_bytes / chip.hbm
+  us = max(compute, hbm) * 1e6
+  if compute < hbm / 2:
+    return Choice(
+      "xla",
+      f"{why}; bound by reading the weights from HBM (decode-size rows): "
+      "no transfer left to hide",
+      None,
+      us,
+      chip.name,
+      ring_form=True,
+    )
+  return Choice(
+    "ring",
+    f"{why}; the ring's transfers hide under the matmul",
+    None,
+    us,
+    chip.name,
+    ring_form=True,
+  )
+
+
+def pick(
+  method: str,
+  fn: str,
+  *,
+  ring_options: tuple[str, ...],
+  unfused: str | None,
+  explain,
+  explain_unfused,
+) -> str:
+  """The method a public collective matmul runs.
+
+  Args:
+    method: the caller's ``method``.
+    fn: the public function's name, for errors.
+    ring_options: the ring-only options the caller set (``api='ref'``,
+      ``bidirectional=True``), as text; ``"auto"`` then runs the ring.
+    unfused: why the fused kernels cannot run this call's form (None: they
+      can).
+    explain: ``() -> Choice`` between ``"fused"`` and ``"xla"``.
+    explain_unfused: ``(why) -> Choice`` between ``"ring"`` and ``"xla"``.
+
+  Raises:
+    ValueError: an unknown ``method``; ring options with ``"fused"`` or
+      ``"xla"``; ``"fused"`` for a form it does not run.
+  """
+  if method not in METHODS:
+    raise ValueError(
+      f"{fn}: method must be one of {METHODS}, got {method!r}. 'auto' "
+      "chooses from the shape, dtype, ring size and chip."
+    )
+  if ring_options and method in ("fused", "xla"):
+    raise ValueError(
+      f"{fn}: {' and '.join(ring_options)} configure the ring, but "
+      f"method={method!r}. Pass method='ring' (or leave method='auto', "
+      "which then runs the ring), or drop them."
+    )
+  if method == "fused" and unfused is not None:
+    raise ValueError(
+      f"{fn}(method='fused'): the fused kernels do not run this call: "
+      f"{unfused}. Use method='auto' (the default) or 'ring'."
+    )
+  if method != "auto":
+    return method
+  if ring_options:
+    return "ring"
+  choice = explain() if unfused is None else explain_unfused(unfused)
+  recorder = _RECORDER.get()
+  if recorder is not None:
+    recorder.append((fn, choice))
+  return choice.method
+
+
+_RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+  "asyncops_auto_choices", default=None
+)
+
+
+@contextlib.contextmanager
+def recording():
+  """Collects ``(function, Choice)`` for every ``method="auto"`` choice
+  made while tracing inside the block (the benchmark tables print them).
+
+  Example:
+    >>> with recording() as choices:  # doctest: +SKIP
+    ...   jax.jit(f).trace(x, w)
+    >>> [str(c) for _, c in choices]  # doctest: +SKIP
+  """
+  choices: list = []
+  token = _RECORDER.set(choices)
+  try:
+    yield choices
+  finally:
+    _RECORDER.reset(token)
+
+
 def device_kind() -> str | None:
   """The chip of the mesh being traced over (None: unknown)."""
   return jc.trace_device_kind()
@@ -276,107 +410,14 @@ def _acc(dtype):
   return jnp.int32 if jnp.dtype(dtype) == jnp.int8 else None
 
 
-def _dot(x, w):
+def dot(x, w):
+  """``x @ w`` in ``x.dtype`` (int8 accumulates in int32, as the rings)."""
   y = jnp.dot(x, w, preferred_element_type=_acc(x.dtype))
   return y.astype(x.dtype)
 
 
-def xla_allgather_matmul(lhs, rhs, axis_name: str):
-  """XLA's way: ``all_gather(lhs, 1, tiled) @ rhs``."""
-  return _dot(jax.lax.all_gather(lhs, axis_name, axis=1, tiled=True), rhs)
 
-
-def xla_matmul_reducescatter(lhs, rhs, axis_name: str):
-  """XLA's way: ``psum_scatter(lhs @ rhs, scatter_dimension=1, tiled)``."""
-  return jax.lax.psum_scatter(
-    _dot(lhs, rhs), axis_name, scatter_dimension=1, tiled=True
-  )
-
-
-def xla_matmul_allreduce(lhs, rhs, axis_name: str):
-  """XLA's way: ``psum(lhs @ rhs)``."""
-  return jax.lax.psum(_dot(lhs, rhs), axis_name)
-
-
-def resolve(method: str, explain, fn: str) -> tuple[str, Choice | None]:
-  """``(method to run, the Choice when auto)``; checks ``method``."""
-  if method not in METHODS:
-    raise ValueError(
-      f"{fn}: method must be one of {METHODS}, got {method!r}. 'auto' "
-      "chooses from the shape, dtype, ring size and chip."
-    )
-  if method != "auto":
-    return method, None
-  choice = explain()
-  return choice.method, choice
-
-
-def allgather_matmul(lhs, rhs, axis_name: str, *, method: Method = "auto"):
-  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs`` by ``method``
-  (``"auto"``, ``"fused"`` or ``"xla"``; see the module docstring)."""
-  n = int(jax.lax.axis_size(axis_name))
-  m, k = lhs.shape
-  run, _ = resolve(
-    method,
-    lambda: explain_allgather(
-      m,
-      k,
-      rhs.shape[1],
-      n,
-      lhs.dtype,
-      precision=_fused.precision_name(),
-      device_kind=device_kind(),
-    ),
-    "allgather_matmul",
-  )
-  with jax.named_scope(f"method_{run}"):
-    if run == "fused":
-      return _fused.allgather_matmul(lhs, rhs, axis_name)
-    return xla_allgather_matmul(lhs, rhs, axis_name)
-
-
-def matmul_reducescatter(lhs, rhs, axis_name: str, *, method: Method = "auto"):
-  """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension=1, tiled=True)``
-  by ``method``."""
-  n = int(jax.lax.axis_size(axis_name))
-  m, k = lhs.shape
-  run, _ = resolve(
-    method,
-    lambda: explain_reducescatter(
-      m,
-      k,
-      rhs.shape[1] // n,
-      n,
-      lhs.dtype,
-      precision=_fused.precision_name(),
-      device_kind=device_kind(),
-    ),
-    "matmul_reducescatter",
-  )
-  with jax.named_scope(f"method_{run}"):
-    if run == "fused":
-      return _fused.matmul_reducescatter(lhs, rhs, axis_name)
-    return xla_matmul_reducescatter(lhs, rhs, axis_name)
-
-
-def matmul_allreduce(lhs, rhs, axis_name: str, *, method: Method = "auto"):
-  """``psum(lhs @ rhs, axis_name)`` by ``method``."""
-  n = int(jax.lax.axis_size(axis_name))
-  m, k = lhs.shape
-  run, _ = resolve(
-    method,
-    lambda: explain_allreduce(
-      m,
-      k,
-      rhs.shape[1],
-      n,
-      lhs.dtype,
-      precision=_fused.precision_name(),
-      device_kind=device_kind(),
-    ),
-    "matmul_allreduce",
-  )
-  with jax.named_scope(f"method_{run}"):
-    if run == "fused":
-      return _fused.matmul_allreduce(lhs, rhs, axis_name)
-    return xla_matmul_allreduce(lhs, rhs, axis_name)
+def ring_options(api: str, bidirectional: bool) -> tuple[str, ...]:
+  """The ring-only options a caller set, as text (for :func:`pick`)."""
+  out = ("api='ref'",) if api == "ref" else ()
+  return out + (("bidirectional=True",) if bidirectional else ())

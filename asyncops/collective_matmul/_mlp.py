@@ -23,7 +23,12 @@ from collections.abc import Callable
 
 import jax
 
-from asyncops.collective_matmul import _allgather, _reducescatter, _validate
+from asyncops.collective_matmul import (
+  _allgather,
+  _auto,
+  _reducescatter,
+  _validate,
+)
 
 
 def mlp_block(
@@ -38,6 +43,7 @@ def mlp_block(
   sequence_dim: int = -2,
   api: _validate.Api = "value",
   bidirectional: bool = False,
+  method: _auto.Method = "auto",
 ):
   """``reducescatter(activation(allgather(x) @ w_in) @ w_out)``, or gated.
 
@@ -73,6 +79,13 @@ def mlp_block(
       model dimension; use 0 for ``[s, b, d]``). Ignored otherwise.
     api: ``"value"`` (futures) or ``"ref"`` (the Ref API).
     bidirectional: use both ring directions in both matmuls.
+    method: how each of the two collective matmuls runs (default
+      ``"auto"``: chosen per matmul from its shapes and the chip; see
+      :func:`allgather_matmul`). The gated up projection (two weights on
+      one gather) and the sequence-parallel layout have no fused kernel:
+      ``"auto"`` picks the ring or XLA's collective there, and
+      ``"fused"`` is refused. **``api="ref"`` and ``bidirectional=True``
+      configure the ring** (``"auto"`` then runs it).
 
   Returns:
     An array shaped and sharded like ``x``, in ``x.dtype``.
@@ -136,6 +149,7 @@ def mlp_block(
         gather_dim=dim,
         api=api,
         bidirectional=bidirectional,
+        method=method,
       )
     h = activation(hs[0]) if w_gate is None else activation(hs[0]) * hs[1]
     with jax.named_scope("down"):
@@ -146,6 +160,7 @@ def mlp_block(
         scatter_dim=dim,
         api=api,
         bidirectional=bidirectional,
+        method=method,
       )
 
 

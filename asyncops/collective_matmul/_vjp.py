@@ -39,6 +39,13 @@ cotangent is too: its backward is two local matmuls, no communication.
 The bidirectional option carries over to each backward ring whose shape
 allows halving (an even number of rows or batches to split), else that ring
 runs one way.
+
+The fused kernels (``method="fused"``, or chosen by ``"auto"``) are
+primitives without differentiation rules; :func:`fused_allgather` and
+:func:`fused_reducescatter` wrap them in a ``custom_vjp`` whose backward is
+the value-API ring backward of the same canonical form above (two-way when
+the rows halve), so the default ``method="auto"`` differentiates whatever
+it picks. (XLA's collective, the other choice, has JAX's own rules.)
 """
 
 import functools
@@ -47,7 +54,12 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _bwd_rings, _gather_rings, _scatter_rings
+from asyncops.collective_matmul import (
+  _bwd_rings,
+  _fused,
+  _gather_rings,
+  _scatter_rings,
+)
 
 
 def _t(x):
@@ -244,6 +256,56 @@ def _allreduce_bwd(forward, axis_name, res, g):
 
 
 allreduce.defvjp(_allreduce_fwd, _allreduce_bwd)
+
+
+# The fused kernels --------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fused_allgather(x, w, axis_name, n):
+  """``_fused.allgather_matmul(x [M, k], w [n k, f])``, differentiable: the
+  backward is the contracting gather's ring backward (``_bwd_rings``)."""
+  del n
+  return _fused.allgather_matmul(x, w, axis_name)
+
+
+def _fused_allgather_fwd(x, w, axis_name, n):
+  return fused_allgather(x, w, axis_name, n), (x, w)
+
+
+def _fused_allgather_bwd(axis_name, n, res, g):
+  x, w = res
+  g = g.astype(x.dtype)
+  kw = dict(n=n, api="value", bidirectional=x.shape[0] % 2 == 0)
+  with jax.named_scope("d_lhs"):
+    dx = _bwd_rings.scatter_columns_t((g,), (w,), axis_name, **kw)
+  with jax.named_scope("d_rhs"):
+    (dw,) = _bwd_rings.gather_weights_contracting(x, (g,), axis_name, **kw)
+  return _like(dx, x), _like(dw, w)
+
+
+fused_allgather.defvjp(_fused_allgather_fwd, _fused_allgather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fused_reducescatter(x, w, axis_name, n):
+  """``_fused.matmul_reducescatter(x [M, k], w [k, n c])``, differentiable:
+  the backward is the scatter-columns ring backward (``_bwd_rings``)."""
+  del n
+  return _fused.matmul_reducescatter(x, w, axis_name)
+
+
+def _fused_reducescatter_fwd(x, w, axis_name, n):
+  return fused_reducescatter(x, w, axis_name, n), (x, w)
+
+
+def _fused_reducescatter_bwd(axis_name, n, res, g):
+  x, w = res
+  options = _options(False, x, n, True, "value", True)
+  return _reducescatter_bwd(False, axis_name, options, (x, w), g)
+
+
+fused_reducescatter.defvjp(_fused_reducescatter_fwd, _fused_reducescatter_bwd)
 
 
 # The seams the public functions call --------------------------------------
