@@ -318,3 +318,42 @@ def test_auto_explains_its_choice():
     4096, 1000, 3584, 8, jnp.bfloat16, precision="DEFAULT", device_kind=None
   )
   assert c.method == "xla" and "unavailable" in c.reason
+
+
+def test_auto_under_grad_runs_fused_forward_and_ring_backward():
+  """``jit(grad)`` of the default (auto picks the fused kernel at the
+  chapter's shape on v5e): the forward is the fused kernel, the backward
+  the ring's start/done pairs (``_vjp.fused_allgather``), every ring pair
+  overlapped, and the residuals (``x``, ``w``) copy nothing."""
+
+  def loss(a, w):
+    y = cm.allgather_matmul(a, w, "y")
+    return jax.lax.psum(jnp.sum(y.astype(jnp.float32) ** 2), ("x", "y"))
+
+  mesh = tpu_mesh("v5e:2x4", (2, 4), ("x", "y"))
+  f = jax.jit(
+    jax.grad(
+      jax.shard_map(
+        loss,
+        mesh=mesh,
+        in_specs=(P("x", "y"), P(None, "y")),
+        out_specs=P(),
+      ),
+      (0, 1),
+    )
+  )
+  args = (
+    _sds(mesh, (B, D), P("x", "y"), jnp.bfloat16),
+    _sds(mesh, (D, F), P(None, "y"), jnp.bfloat16),
+  )
+  report = analyze(f, *args)
+  text = report.hlo_text
+  assert "ring_allgather_matmul" in _kernels(text)
+  assert "method_fused" in text
+  # The backward's ring pairs (the fused kernel's own start/compute/done
+  # are checked by the tests above).
+  ring = [
+    p for p in report.kernel_pairs if not p.start.startswith("asyncops_ring_")
+  ]
+  assert len(ring) >= 2 and all(p.overlapped for p in ring), ring
+  assert not report.defensive_copies and not report.inflight_copies
