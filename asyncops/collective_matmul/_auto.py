@@ -96,7 +96,6 @@ _HOP_S = 1e-6
 _FUSED_OVERHEAD_S = 1.5e-6  # the start's barrier and issue, the done
 _XLA_OVERHEAD_S = 1e-6
 _MARGIN = 0.97
-_MAX_AG_PANELS = 2
 
 
 def chip_for(device_kind: str | None) -> Chip:
@@ -195,10 +194,26 @@ def _decide(
   )
 
 
+def _fused_s(panels, compute, w_s, rest_s, n, chunk, link) -> float:
+  """The fused estimate over ``panels`` row panels, one after the other:
+  each re-reads ``w`` and runs its own ring of ``1 / panels`` of the rows
+  (``rest_s``: the other HBM traffic, ``chunk``: one step's bytes)."""
+  p = panels
+  ring = (n - 1) * (chunk / p / (2 * link) + _HOP_S)
+  c = compute / p
+  return p * (_FUSED_OVERHEAD_S + max(c, w_s + rest_s / p, ring + c / n))
+
+
 def explain_allgather(
   m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
 ) -> Choice:
-  """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices."""
+  """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices.
+
+  The fused estimate counts its row panels (each re-reads ``w`` and
+  restarts the ring); XLA's all-gather, blocking, is costed over one ring
+  direction (what the benchmark model finds in XLA's program: 12.0 us
+  exposed at M = 16, 5113 us at M = 16384, v5e, tp 8).
+  """
   chip = chip_for(device_kind)
   t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
   w_bytes = n * k * f * jnp.dtype(dtype).itemsize
@@ -206,37 +221,44 @@ def explain_allgather(
   compute = 2 * m * n * k * f / _flops_rate(chip, dtype, precision)
   hbm = (w_bytes + n * m * k * t + out_bytes) / chip.hbm
   chunk = m * k * t
-  ring = (n - 1) * (chunk / (2 * chip.link) + _HOP_S)
-  fused = _FUSED_OVERHEAD_S + max(compute, hbm, ring + compute / n)
-  xla = _XLA_OVERHEAD_S + ring + max(compute, hbm)
-  reason = _fused.ag_supported(m, k, f, n, dtype, 2, device_kind)
-  if reason is None:
-    panels = _fused.plan_allgather(
-      m,
-      k,
-      f,
-      n,
-      dtype,
-      dtype,
-      dtype,
-      directions=2,
-      precision=precision,
-      device_kind=device_kind,
-    ).panels
-    if panels > _MAX_AG_PANELS:
-      # Each panel re-reads w and restarts the ring: modelled 1.32x of
-      # XLA's best at 8 panels (M 16384, tp 8, v5e), 0.99x at 2 (M 4096).
-      reason = (
-        f"the accumulator needs {panels} row panels, each re-reading w "
-        f"(more than {_MAX_AG_PANELS})"
-      )
-  return _decide(reason, fused, xla, compute, hbm, chip)
+  xla_ring = (n - 1) * (chunk / chip.link + _HOP_S)
+  xla = _XLA_OVERHEAD_S + xla_ring + max(compute, hbm)
+  plan = _fused.plan_allgather(
+    m,
+    k,
+    f,
+    n,
+    dtype,
+    dtype,
+    dtype,
+    directions=2,
+    precision=precision,
+    device_kind=device_kind,
+  )
+  reason = None if plan.spec is not None else plan.reason
+  panels = max(plan.panels, 1)
+  fused = _fused_s(
+    panels,
+    compute,
+    w_bytes / chip.hbm,
+    hbm - w_bytes / chip.hbm,
+    n,
+    chunk,
+    chip.link,
+  )
+  choice = _decide(reason, fused, xla, compute, hbm, chip)
+  if panels > 1 and choice.method == "fused":
+    choice = dataclasses.replace(
+      choice, reason=f"{choice.reason} ({panels} row panels)"
+    )
+  return choice
 
 
 def explain_reducescatter(
   m: int, k: int, c: int, n: int, dtype, *, precision: str, device_kind
 ) -> Choice:
-  """The choice for ``psum_scatter(x [m, k] @ w [k, n c])``."""
+  """The choice for ``psum_scatter(x [m, k] @ w [k, n c])`` (the fused
+  estimate counts its row panels, as :func:`explain_allgather`)."""
   chip = chip_for(device_kind)
   t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
   w_bytes = k * n * c * jnp.dtype(dtype).itemsize
@@ -244,9 +266,28 @@ def explain_reducescatter(
   compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
   hbm = (w_bytes + m * k * t + m * c * jnp.dtype(dtype).itemsize) / chip.hbm
   ring = (n - 1) * (part / (2 * chip.link) + _HOP_S)
-  fused = _FUSED_OVERHEAD_S + max(compute, hbm, ring + compute / n)
   xla = _XLA_OVERHEAD_S + ring + max(compute, hbm)
-  reason = _fused.rs_supported(m, k, c, n, dtype, 2, device_kind)
+  plan = _fused.plan_reducescatter(
+    m,
+    k,
+    c,
+    n,
+    dtype,
+    dtype,
+    directions=2,
+    precision=precision,
+    device_kind=device_kind,
+  )
+  reason = None if plan.spec is not None else plan.reason
+  fused = _fused_s(
+    max(plan.panels, 1),
+    compute,
+    w_bytes / chip.hbm,
+    hbm - w_bytes / chip.hbm,
+    n,
+    part,
+    chip.link,
+  )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it
   # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
@@ -414,7 +455,6 @@ def dot(x, w):
   """``x @ w`` in ``x.dtype`` (int8 accumulates in int32, as the rings)."""
   y = jnp.dot(x, w, preferred_element_type=_acc(x.dtype))
   return y.astype(x.dtype)
-
 
 
 def ring_options(api: str, bidirectional: bool) -> tuple[str, ...]:
