@@ -135,7 +135,7 @@ def _forward(lhs, rhs, axis_name, *, api, bidirectional, n, run="ring"):
     if pad:
       rhs = jnp.pad(rhs, ((0, 0), (0, pad)))
     block = _reducescatter.matmul_reducescatter(
-      lhs, rhs, axis_name, api=api, bidirectional=bidirectional
+      lhs, rhs, axis_name, api=api, bidirectional=bidirectional, method="ring"
     )
     if n == 1:
       return block[..., :f]
