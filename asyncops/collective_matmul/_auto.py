@@ -32,8 +32,11 @@ roofline-style estimate from public chip figures:
   plus a hop of latency per step, with ``d`` directions in use.
 
 ``fused ~ 1.5 us + max(C, M, T(2) + C / n)`` (the last chunk or partial sum
-is only consumed after it arrives) and ``xla ~ 1 us + T_xla + max(C, M)``
-(XLA's collective blocks; it is given two ring directions, the generous
+is only consumed after it arrives), summed over the fused kernel's row
+panels when its accumulator needs several (each re-reads ``w`` and
+restarts its ring), and ``xla ~ 1 us + T_xla + max(C, M)`` (XLA's
+collective blocks; the all-gather runs over one ring direction, as the
+benchmark model finds XLA's, the reduce-scatter is given two, the generous
 case). The fused kernels are chosen when the shape runs on them, the
 estimate is at least 3% faster, and, for the all-gather and all-reduce,
 the matmul is not bound by reading ``w`` (``C >= M / 2``): at decode sizes
