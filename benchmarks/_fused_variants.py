@@ -202,19 +202,5 @@ _variants.register(
   _args("allreduce:jit"),
 )
 
-# method="auto" (until the public functions take method=, these rows run
-# asyncops.collective_matmul._auto directly).
-_variants.register(
-  "allgather_matmul_auto",
-  _flagship(module="_auto", method="auto"),
-  _args("jit"),
-)
-for _fam, _lib in (
-  ("reducescatter", "matmul_reducescatter"),
-  ("allreduce", "matmul_allreduce"),
-):
-  _variants.register(
-    f"{_fam}:asyncops_auto",
-    _family(_fam, _lib, module="_auto", method="auto"),
-    _args(f"{_fam}:jit"),
-  )
+# method="auto" rows (``allgather_matmul_auto``, ``<family>:asyncops_auto``)
+# are the public functions' default; ``benchmarks._variants`` builds them.

@@ -11,8 +11,10 @@ jitted function. ``precision`` is passed to every matmul.
 - ``asyncops_manual``: the same loop with ``asyncops.ppermute_start/_done``
   and ``optimization_barrier`` pinning each chunk matmul between them.
 - ``allgather_matmul`` / ``allgather_matmul_bidi``:
-  ``asyncops.collective_matmul.allgather_matmul`` when it exists;
-  ``allgather_matmul_ref`` / ``allgather_matmul_ref_bidi``: ``api="ref"``;
+  ``asyncops.collective_matmul.allgather_matmul`` when it exists, its ring
+  (``method="ring"``); ``allgather_matmul_ref`` /
+  ``allgather_matmul_ref_bidi``: ``api="ref"``; ``allgather_matmul_auto``:
+  the library's default, ``method="auto"``;
   ``allgather_matmul_int8[_bidi]`` / ``allgather_matmul_fp8[_bidi]``:
   ``transfer="int8"`` / ``"float8_e4m3fn"`` (opt-in with ``--variants``).
 
@@ -277,6 +279,9 @@ def _ppermute_mlp_gated(x, w_in, w_out, w_gate, *, precision=None):
 def _lib_fn(name: str, precision, lib_kw=(), kw_args=(), **kw):
   lib = _library(name)
   kw = {**dict(lib_kw), **kw}
+  if "method" not in kw and _has_method(name):
+    # The library's rows are its ring; ``asyncops_auto`` is the default.
+    kw["method"] = "ring"
 
   def f(*args):
     # The last len(kw_args) arguments are passed by keyword (e.g. w_gate).
@@ -481,7 +486,10 @@ def build(name: str, mesh, *, precision=None):
   lib = _library("allgather_matmul")
   if lib is not None:
     # The library takes no precision argument; set the default at trace.
+    ring = {"method": "ring"} if _has_method("allgather_matmul") else {}
+
     def _lib(a, w, **kw):
+      kw = {**ring, **kw}
       with jax.default_matmul_precision(precision or "default"):
         return lib(a, w, AXIS, **kw)
 

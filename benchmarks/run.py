@@ -147,24 +147,21 @@ def family_variants(family: str, ref: bool, extra: list[str]) -> list[str]:
   return [n for n in names if not n.endswith((":unsharded", ":jit"))]
 
 
-def auto_choice(family, variant, mesh, shape, config):
-  """What ``method="auto"`` runs for ``variant``'s per-device shapes on
-  ``mesh``'s chip, and why (:mod:`asyncops.collective_matmul._auto`)."""
+def auto_choice(variant, mesh, shape, config):
+  """What ``method="auto"`` runs in ``variant`` on ``mesh``'s chip, and
+  why: ``(methods, reasons)``, one per collective matmul (an MLP has two),
+  recorded while tracing (:func:`asyncops.collective_matmul._auto.
+  recording`; tracing is cheap, the compile is cached separately)."""
   from asyncops.collective_matmul import _auto  # noqa: PLC0415
 
   dtype, precision = config
+  fn = _variants.build(variant, mesh, precision=precision)
   args = _variants.abstract_args(variant, mesh, shape, dtype)
-  (m, k), (rk, cols) = (a.sharding.shard_shape(a.shape) for a in args[:2])
-  n = mesh.shape[_variants.AXIS]
-  kw = {
-    "precision": "HIGHEST" if precision == "highest" else "DEFAULT",
-    "device_kind": mesh.devices.flat[0].device_kind,
-  }
-  if family == "allgather":
-    return _auto.explain_allgather(m, k, cols, n, dtype, **kw)
-  if family == "reducescatter":
-    return _auto.explain_reducescatter(m, k, cols // n, n, dtype, **kw)
-  return _auto.explain_allreduce(m, k, cols, n, dtype, **kw)
+  with _auto.recording() as choices, _mesh.quiet_fd2():
+    fn.trace(*args)
+  methods = ", ".join(c.method for _, c in choices) or "n/a"
+  reasons = "; ".join(f"{f}: {c}" for f, c in choices) or "no auto choice"
+  return methods, reasons
 
 
 class Bench:
@@ -256,9 +253,9 @@ class Bench:
     for v in _measure.progress(names, f"{topology} {family} {config}"):
       res = _measure.measure(self.spec(v, topology, tp, shape, config))
       if v.endswith("_auto"):
-        choice = auto_choice(family, v, mesh, shape, config)
-        res.row["auto_choice"] = choice.method
-        res.row["auto_reason"] = str(choice)
+        methods, reasons = auto_choice(v, mesh, shape, config)
+        res.row["auto_choice"] = methods
+        res.row["auto_reason"] = reasons
       rows.append((self.guard(res, floor), None))
     bound_us = bound.row["step_us"]
     best_us = best.row["step_us"]
@@ -397,6 +394,13 @@ def llama_sweep(bench: Bench, a) -> None:
       x = n // tp
       for family in a.sweep_families.split(","):
         summary = []
+        variants = [
+          v
+          for v in a.variants.split(",")
+          if v
+          and ((family == "allgather") == (":" not in v))
+          and (":" not in v or v.startswith(f"{family}:"))
+        ] or None
         for m in ms:
           rows = bench.one_table(
             family,
@@ -404,6 +408,7 @@ def llama_sweep(bench: Bench, a) -> None:
             tp,
             (m * x, LLAMA_D, LLAMA_F),
             (jnp.dtype(jnp.bfloat16), None),
+            variants,
           )
           summary.append((m, rows))
         _print_sweep(family, topology, tp, summary)
@@ -533,7 +538,9 @@ def _parser() -> argparse.ArgumentParser:
     "--shape, --families, --variants and --preset are not given",
   )
   p.add_argument(
-    "--variants", default="", help="only these (besides bound, jit, xla_best)"
+    "--variants",
+    default="",
+    help="only these (besides bound, jit, xla_best); sweeps too",
   )
   p.add_argument("--ref", action="store_true", help="add api='ref' rows")
   p.add_argument(

@@ -113,8 +113,14 @@ def programs(mesh, variant, *, bidirectional=False, api="value"):
       jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
     )
 
+  # The ring (method="ring"); the default, "auto", may run XLA's
+  # collective or the fused kernel instead.
   ours = functools.partial(
-    ASYNCOPS[variant], axis_name=AXIS, bidirectional=bidirectional, api=api
+    ASYNCOPS[variant],
+    axis_name=AXIS,
+    bidirectional=bidirectional,
+    api=api,
+    method="ring",
   )
   return {
     "jit": jax.jit(jit_matmul, out_shardings=NamedSharding(mesh, out_spec)),

@@ -168,7 +168,9 @@ def ring_on_tpu(topology: str = "v5e:2x4") -> None:
 
 def matmul_program(mesh, **kw):
   def body(lhs, rhs):
-    return cm.allgather_matmul(lhs, rhs, "y", **kw)
+    # The ring of start/done futures (the default, method="auto", may
+    # run XLA's collective or the fused kernel instead).
+    return cm.allgather_matmul(lhs, rhs, "y", **{"method": "ring", **kw})
 
   return jax.jit(
     jax.shard_map(

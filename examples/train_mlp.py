@@ -88,8 +88,14 @@ def train_step(block, mesh, lr):
 
 
 def _blocks(api, bidirectional):
+  # The rings, forward and backward (method="ring"; the default, "auto",
+  # may run XLA's collectives or the fused kernels instead).
   ours = functools.partial(
-    mlp_block, axis_name="y", api=api, bidirectional=bidirectional
+    mlp_block,
+    axis_name="y",
+    api=api,
+    bidirectional=bidirectional,
+    method="ring",
   )
   return {"asyncops": ours, "lax": lax_mlp}
 

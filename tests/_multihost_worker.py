@@ -81,7 +81,7 @@ lhs = rng.standard_normal((b, d), dtype=np.float32)
 rhs = rng.standard_normal((d, ff), dtype=np.float32)
 g = jax.jit(
   jax.shard_map(
-    lambda a, w: allgather_matmul(a, w, "y"),
+    lambda a, w: allgather_matmul(a, w, "y", method="ring"),
     mesh=mesh,
     in_specs=(P("x", "y"), P(None, "y")),
     out_specs=P("x", "y"),

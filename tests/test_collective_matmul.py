@@ -17,12 +17,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
-from asyncops.collective_matmul import (
-  allgather_matmul,
-  matmul_allreduce,
-  matmul_reducescatter,
-  mlp_block,
+from asyncops import collective_matmul as _cm
+
+# These tests are about the rings (value and Ref APIs): method="ring".
+# The default, method="auto", may run the fused kernel or XLA's
+# collective instead (tests/test_fused_matmul*.py, test_auto_default).
+allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
+matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
+matmul_reducescatter = functools.partial(
+  _cm.matmul_reducescatter, method="ring"
 )
+mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
 MESHES = {"2x4": ((2, 4), ("x", "y")), "1x8": ((1, 8), ("x", "y"))}
 # (B, D, F): global shapes; small ones keep the file fast.

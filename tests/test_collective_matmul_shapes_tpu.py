@@ -21,13 +21,18 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asyncops.collective_matmul import (
-  allgather_matmul,
-  matmul_reducescatter,
-  mlp_block,
-)
+from asyncops import collective_matmul as _cm
 from asyncops.inspect import analyze, tpu_mesh
 from tests.test_collective_matmul_tpu import MATMUL_OPS, chunk_scope
+
+# These tests are about the rings (value and Ref APIs): method="ring".
+# The default, method="auto", may run the fused kernel or XLA's
+# collective instead (tests/test_fused_matmul*.py, test_auto_default).
+allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
+matmul_reducescatter = functools.partial(
+  _cm.matmul_reducescatter, method="ring"
+)
+mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
 N = 4  # the ring axis "y" of a 2x4 mesh
 S, D, F = 4096, 8192, 28672  # tokens in a step; Llama-3-70B's D and F

@@ -12,6 +12,9 @@ Two layers:
   ``jax.lax`` collectives and must equal the reference.
 """
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +22,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from asyncops import collective_matmul as cm
 from asyncops.collective_matmul import _auto, _fused
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _reducescatter_matmul as rsk
@@ -169,13 +173,13 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("method", ["auto", "fused", "xla"])
+@pytest.mark.parametrize("method", ["auto", "fused", "xla", "ring"])
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
 def test_entry_points_equal_the_product(family, method, mesh_shape):
   name, shapes, in_specs, out_spec = FAMILIES[family]
   (ash, wsh) = shapes(64, 32 * 8, 16 * 8)
   a, w = _ints(ash, jnp.float32, 4), _ints(wsh, jnp.float32, 5)
-  fn = getattr(_auto, name)
+  fn = getattr(cm, name)
 
   def body(x, y):
     return fn(x, y, "y", method=method)
@@ -199,9 +203,71 @@ def test_fused_reference_dtypes(dtype):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_bad_method_names_the_argument():
-  with pytest.raises(ValueError, match="method must be one of"):
-    _auto.resolve("fastest", None, "allgather_matmul")
+def _traced(fn, *shapes, in_specs, out_spec, **kw):
+  mesh = u.cpu_mesh((2, 4))
+  args = [
+    u.sharded_sds(mesh, s, p, jnp.float32)
+    for s, p in zip(shapes, in_specs, strict=True)
+  ]
+  body = functools.partial(fn, axis_name="y", **kw)
+  return jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+  ).trace(*args)
+
+
+_AG = dict(in_specs=(P("x", "y"), P(None, "y")), out_spec=P("x", "y"))
+
+
+def test_auto_is_the_default_everywhere():
+  for fn in (
+    cm.allgather_matmul,
+    cm.matmul_reducescatter,
+    cm.matmul_allreduce,
+    cm.mlp_block,
+  ):
+    assert inspect.signature(fn).parameters["method"].default == "auto"
+
+
+@pytest.mark.parametrize(
+  "kw,match",
+  [
+    ({"method": "fastest"}, "method must be one of"),
+    ({"method": "fused", "bidirectional": True}, "configure the ring"),
+    ({"method": "xla", "api": "ref"}, "configure the ring"),
+    ({"method": "fused", "return_gathered": True}, "return_gathered"),
+  ],
+)
+def test_bad_method_names_the_argument(kw, match):
+  with pytest.raises(ValueError, match=match):
+    _traced(cm.allgather_matmul, (32, 256), (256, 128), **_AG, **kw)
+
+
+def test_fused_refuses_a_row_gather():
+  with pytest.raises(ValueError, match="gathers a row dimension"):
+    _traced(
+      cm.allgather_matmul,
+      (64, 32),
+      (32, 128),
+      in_specs=(P("y"), P(None, "y")),
+      out_spec=P(None, "y"),
+      gather_dim=0,
+      method="fused",
+    )
+
+
+def test_auto_records_its_choice_and_ring_options_run_the_ring():
+  with _auto.recording() as choices:
+    _traced(cm.allgather_matmul, (32, 256), (256, 128), **_AG)
+    _traced(
+      cm.allgather_matmul, (32, 256), (256, 128), **_AG, bidirectional=True
+    )
+  # The second call set a ring option: no choice to make.
+  ((fn, c),) = choices
+  assert fn == "allgather_matmul" and c.method in ("fused", "xla")
+  text = _traced(
+    cm.allgather_matmul, (32, 256), (256, 128), **_AG, bidirectional=True
+  ).jaxpr
+  assert "asyncops" in str(text)  # the ring's start/done primitives
 
 
 @pytest.mark.parametrize(

@@ -597,7 +597,9 @@ def _cm_programs():
 
   def ag(api, bidi):
     def ours(x, w):
-      return cm.allgather_matmul(x, w, "y", api=api, bidirectional=bidi)
+      return cm.allgather_matmul(
+        x, w, "y", api=api, bidirectional=bidi, method="ring"
+      )
 
     def ref(x, w):
       return jax.lax.all_gather(x, "y", axis=1, tiled=True) @ w
@@ -606,7 +608,9 @@ def _cm_programs():
 
   def rs(api, bidi):
     def ours(x, w):
-      return cm.matmul_reducescatter(x, w, "y", api=api, bidirectional=bidi)
+      return cm.matmul_reducescatter(
+        x, w, "y", api=api, bidirectional=bidi, method="ring"
+      )
 
     def ref(x, w):
       return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=1, tiled=True)
@@ -615,7 +619,9 @@ def _cm_programs():
 
   def mlp(api, bidi):
     def ours(x, w_in, w_out):
-      return cm.mlp_block(x, w_in, w_out, "y", api=api, bidirectional=bidi)
+      return cm.mlp_block(
+        x, w_in, w_out, "y", api=api, bidirectional=bidi, method="ring"
+      )
 
     def ref(x, w_in, w_out):
       h = jax.lax.all_gather(x, "y", axis=1, tiled=True) @ w_in

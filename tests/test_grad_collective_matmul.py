@@ -24,12 +24,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import (
-  allgather_matmul,
-  matmul_allreduce,
-  matmul_reducescatter,
-  mlp_block,
+from asyncops import collective_matmul as _cm
+
+# These tests are about the rings (value and Ref APIs): method="ring".
+# The default, method="auto", may run the fused kernel or XLA's
+# collective instead (tests/test_fused_matmul*.py, test_auto_default).
+allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
+matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
+matmul_reducescatter = functools.partial(
+  _cm.matmul_reducescatter, method="ring"
 )
+mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
 RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
 
@@ -230,6 +235,68 @@ def test_allreduce_backward_has_no_communication():
   for prim in ("asyncops_start", "all_gather"):
     assert text.count(prim) == fwd.count(prim) > 0, prim
   assert "psum_scatter" not in text and "reduce_scatter" not in text
+
+
+# method="auto" (the default), "fused" and "xla" -------------------------------
+
+# name -> (global shapes, specs, reference); f32, small.
+_METHOD_CASES = {
+  "allgather_matmul": (
+    [(16, 64), (64, 32)],
+    (P("x", "y"), P(None, "y")),
+    lambda x, w: jax.lax.all_gather(x, "y", axis=1, tiled=True) @ w,
+  ),
+  "matmul_reducescatter": (
+    [(16, 64), (64, 32)],
+    (P("x", "y"), P("y", None)),
+    lambda x, w: jax.lax.psum_scatter(
+      x @ w, "y", scatter_dimension=1, tiled=True
+    ),
+  ),
+  "matmul_allreduce": (
+    [(16, 64), (64, 32)],
+    (P("x", "y"), P("y", None)),
+    lambda x, w: jax.lax.psum(x @ w, "y"),
+  ),
+}
+
+
+@pytest.mark.parametrize("method", ["auto", "fused", "xla"])
+@pytest.mark.parametrize("name", sorted(_METHOD_CASES))
+def test_every_method_differentiates(name, method):
+  """The fused kernels (primitives without rules of their own) through
+  their ``custom_vjp`` (the ring backward), XLA's collective through JAX's
+  rules; ``auto`` picks one of them (here XLA: small rows)."""
+  shapes, specs, ref = _METHOD_CASES[name]
+  fn = getattr(_cm, name)
+
+  def ours(x, w):
+    return fn(x, w, "y", method=method)
+
+  _check(ours, ref, shapes, specs, "float32", shapes[0][1])
+
+
+@pytest.mark.parametrize("name", ["allgather_matmul", "matmul_reducescatter"])
+def test_auto_picks_fused_and_differentiates(name):
+  """Rows enough that the default picks the fused kernel (v5e figures, the
+  chip assumed off TPU); its gradient is the ring backward's."""
+  from asyncops.collective_matmul import _auto  # noqa: PLC0415
+
+  mesh = _mesh()
+  if name == "allgather_matmul":
+    shapes, specs = [(1024, 1024), (1024, 4096)], (P("x", "y"), P(None, "y"))
+    ref = _METHOD_CASES[name][2]
+  else:
+    shapes, specs = [(512, 1024), (1024, 4096)], (P("x", "y"), P("y", None))
+    ref = _METHOD_CASES[name][2]
+  fn = getattr(_cm, name)
+
+  def ours(x, w):
+    return fn(x, w, "y")
+
+  with _auto.recording() as choices:
+    _check(ours, ref, shapes, specs, "float32", shapes[0][1], mesh=mesh)
+  assert choices and {c.method for _, c in choices} == {"fused"}
 
 
 # mlp_block -------------------------------------------------------------------

@@ -156,7 +156,15 @@ def _mlp_loss(mesh, api, bidirectional):
 
   def loss(x, w_in, w_out):
     # x * 2: a computed input, as above.
-    y = mlp_block(x * 2, w_in, w_out, "y", api=api, bidirectional=bidirectional)
+    y = mlp_block(
+      x * 2,
+      w_in,
+      w_out,
+      "y",
+      api=api,
+      bidirectional=bidirectional,
+      method="ring",
+    )
     return jax.lax.psum(jnp.sum(jnp.sin(y.astype(jnp.float32))), ("x", "y"))
 
   return jax.shard_map(

@@ -471,7 +471,9 @@ def test_collective_matmuls_pass_the_guard_on_v5p(name, bidirectional):
   ]
   f = asyncops.jit(
     jax.shard_map(
-      functools.partial(fn, axis_name="y", bidirectional=bidirectional),
+      functools.partial(
+        fn, axis_name="y", bidirectional=bidirectional, method="ring"
+      ),
       mesh=mesh,
       in_specs=specs,
       out_specs=out,

@@ -1,9 +1,11 @@
 """All-gather collective matmul: ``all_gather(lhs, gather_dim) @ rhs``.
 
-The public function validates, folds ``lhs`` into one of two canonical
-shapes (``_layout``: gathering the contracting dimension, or gathering a
-row dimension) and runs the matching ring (``_gather_rings``); the results
-are unfolded by reshapes. See those modules for the algorithms.
+The public function validates, picks a method (``_auto``: the fused ring
+kernel, XLA's collective, or the value/Ref-API ring), folds ``lhs`` into
+one of two canonical shapes (``_layout``: gathering the contracting
+dimension, or gathering a row dimension) and runs the matching ring
+(``_gather_rings``) or kernel (``_fused``); the results are unfolded by
+reshapes. See those modules for the algorithms.
 """
 
 from collections.abc import Sequence
@@ -11,7 +13,14 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _layout, _quantized, _validate, _vjp
+from asyncops.collective_matmul import (
+  _auto,
+  _fused,
+  _layout,
+  _quantized,
+  _validate,
+  _vjp,
+)
 
 
 def allgather_matmul(
@@ -24,6 +33,7 @@ def allgather_matmul(
   api: _validate.Api = "value",
   bidirectional: bool = False,
   transfer: _quantized.Transfer = "native",
+  method: _auto.Method = "auto",
 ):
   """All-gathers ``lhs`` along ``gather_dim`` and multiplies by ``rhs``.
 
@@ -75,7 +85,21 @@ def allgather_matmul(
       about half of bfloat16's bytes; **the result is then that of the
       dequantized lhs** (``all_gather(q * s) @ w``, ``_quantized``), not
       the exact product. Floating ``lhs``, ``gather_dim=-1`` and
-      ``return_gathered=False`` only.
+      ``return_gathered=False`` only; it always runs the ring
+      (``method`` ``"auto"`` or ``"ring"``).
+    method: how (``asyncops.collective_matmul._auto``): ``"auto"``
+      (default) picks from the per-device shapes, dtype, ring size and chip
+      between the fused ring kernel (``"fused"``: one Pallas kernel, the
+      accumulator in VMEM, both ring directions; the contracting form with
+      one weight and no ``return_gathered``), XLA's collective then
+      ``jnp.dot`` (``"xla"``: where the matmul is bound by reading the
+      weights, decode-size rows, or the fused kernel is not faster) and,
+      for the forms the fused kernel does not run, the ring of
+      ``start``/``done`` futures around XLA's chunk matmuls (``"ring"``).
+      **``api="ref"`` and ``bidirectional=True`` configure the ring**:
+      with ``"auto"`` they run it, with ``"fused"`` or ``"xla"`` they are
+      an error. Every method differentiates (the fused kernel with the
+      ring's backward).
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by
@@ -85,12 +109,14 @@ def allgather_matmul(
     size 1, plain local matmuls.
 
   Raises:
-    ValueError: an unknown ``transfer``, or a quantized one with a row
-      ``gather_dim`` or ``return_gathered``; ``rhs`` is not rank 2, the
-      contracting sizes disagree (the message says which form
-      ``gather_dim`` selected), ``gather_dim`` is not an axis of ``lhs``,
-      the halves are impossible with
-      ``bidirectional=True``, an empty ``rhs`` list, or an unknown ``api``.
+    ValueError: ``rhs`` is not rank 2, the contracting sizes disagree (the
+      message says which form ``gather_dim`` selected), ``gather_dim`` is
+      not an axis of ``lhs``, the halves are impossible with
+      ``bidirectional=True``, an empty ``rhs`` list, an unknown ``api``,
+      ``method`` or ``transfer``; ring options with
+      ``method="fused"``/``"xla"``, ``method="fused"`` for a form it does
+      not run; a quantized ``transfer`` with a row ``gather_dim``,
+      ``return_gathered`` or ``method="fused"``/``"xla"``.
     TypeError: mismatched or non-movable dtypes; a quantized
       ``transfer`` of an integer ``lhs``.
     NameError: ``axis_name`` is not bound.
@@ -144,12 +170,49 @@ def allgather_matmul(
     return_gathered=return_gathered,
   )
   if transfer != "native":
+    if method not in ("auto", "ring"):
+      raise ValueError(
+        f"{fn}: transfer={transfer!r} runs the quantized ring, but "
+        f"method={method!r}. Pass method='auto' (the default) or 'ring', "
+        "or transfer='native'."
+      )
     return _quantized_path(
       lhs, ws, single, fold, axis_name, n, api, bidirectional, transfer
     )
+  run = _auto.pick(
+    method,
+    fn,
+    ring_options=_auto.ring_options(api, bidirectional),
+    unfused=_unfused(fold, ws, return_gathered),
+    explain=lambda: _auto.explain_allgather(
+      fold.m,
+      fold.k,
+      ws[0].shape[1],
+      n,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=_auto.device_kind(),
+    ),
+    explain_unfused=lambda why: _auto.explain_ring(
+      2 * n * lhs.size * sum(w.shape[1] for w in ws),
+      sum(w.size for w in ws) * jnp.dtype(lhs.dtype).itemsize,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=_auto.device_kind(),
+      why=why,
+    ),
+  )
   if n == 1:
     outs = tuple(jnp.dot(lhs, w, preferred_element_type=lhs.dtype) for w in ws)
     gathered = lhs
+  elif run == "xla":
+    with jax.named_scope(fn), jax.named_scope("method_xla"):
+      gathered = jax.lax.all_gather(lhs, axis_name, axis=dim, tiled=True)
+      outs = tuple(_auto.dot(gathered, w) for w in ws)
+  elif run == "fused":
+    with jax.named_scope(fn), jax.named_scope("method_fused"):
+      out = _vjp.fused_allgather(fold.fold(lhs), ws[0], axis_name, n)
+      outs, gathered = (fold.unfold(out, ws[0].shape[1]),), None
   else:
     with jax.named_scope(fn):
       outs, gathered = canonical(
@@ -192,6 +255,20 @@ def _quantized_path(lhs, ws, single, fold, axis_name, n, api, bidi, transfer):
     fold.unfold(o, w.shape[1]) for o, w in zip(outs, ws, strict=True)
   )
   return outs[0] if single else outs
+
+
+def _unfused(fold: _layout.Fold, ws: tuple, return_gathered: bool):
+  """Why the fused kernel cannot run this call (None: it can)."""
+  if fold.rows_form:
+    return (
+      f"gather_dim={fold.dim} gathers a row dimension (the fused kernel "
+      "gathers the contracting one, gather_dim=-1)"
+    )
+  if len(ws) > 1:
+    return f"{len(ws)} weights share one gather (the fused kernel takes one)"
+  if return_gathered:
+    return "return_gathered=True (the fused kernel keeps no gathered lhs)"
+  return None
 
 
 def canonical(rows_form: bool, x, ws: tuple, axis_name: str, **options):

@@ -1,14 +1,22 @@
-"""``method="auto"``: which implementation a collective matmul runs.
+"""``method="auto"``, the default of the public collective matmuls: which
+implementation a call runs.
 
 Candidates (per device, inside ``shard_map``):
 
 - ``"fused"``: the fused ring kernels (``asyncops.collective_matmul._fused``):
   chunks or partial sums travel both ways around the ring while the matmul
-  consumes them, the accumulator in VMEM.
+  consumes them, the accumulator in VMEM. Only the canonical forms (gather
+  the contracting dimension, scatter the columns) with one weight; they
+  differentiate through ``_vjp.fused_allgather`` / ``fused_reducescatter``
+  (a ``custom_vjp`` with the ring backward).
 - ``"xla"``: XLA's collective and then (or before) ``jnp.dot``:
   ``all_gather(x) @ w``, ``psum_scatter(x @ w)``, ``psum(x @ w)``.
-- ``"ring"`` (never chosen automatically): the value-API ring of
-  ``start``/``done`` futures around XLA's chunk matmuls.
+- ``"ring"``: the value-API (or Ref-API) ring of ``start``/``done`` futures
+  around XLA's chunk matmuls. ``"auto"`` runs it when the caller set a
+  ring-only option (``api="ref"``, ``bidirectional=True``), and for the
+  forms the fused kernels do not run (row gathers and scatters, several
+  weights on one gather, ``return_gathered``) unless the matmul is bound
+  by reading the weights (:func:`explain_ring`).
 
 The choice is made at trace time from the per-device shapes, the dtype,
 the ring size and the chip the mesh is made of (``AbstractMesh.
@@ -24,8 +32,11 @@ roofline-style estimate from public chip figures:
   plus a hop of latency per step, with ``d`` directions in use.
 
 ``fused ~ 1.5 us + max(C, M, T(2) + C / n)`` (the last chunk or partial sum
-is only consumed after it arrives) and ``xla ~ 1 us + T_xla + max(C, M)``
-(XLA's collective blocks; it is given two ring directions, the generous
+is only consumed after it arrives), summed over the fused kernel's row
+panels when its accumulator needs several (each re-reads ``w`` and
+restarts its ring), and ``xla ~ 1 us + T_xla + max(C, M)`` (XLA's
+collective blocks; the all-gather runs over one ring direction, as the
+benchmark model finds XLA's, the reduce-scatter is given two, the generous
 case). The fused kernels are chosen when the shape runs on them, the
 estimate is at least 3% faster, and, for the all-gather and all-reduce,
 the matmul is not bound by reading ``w`` (``C >= M / 2``): at decode sizes
@@ -40,15 +51,17 @@ XLA's all-reduce; the all-gather half, a collective of its own, is costed
 at one ring direction, so XLA's all-reduce is kept wherever the link time
 matters (every shape of the benchmark tables).
 
-:func:`explain_allgather` (and ``_reducescatter`` / ``_allreduce``)
-returns the :class:`Choice` with both estimates and the reason, which the
-benchmark tables print.
+:func:`explain_allgather` (and ``_reducescatter`` / ``_allreduce`` /
+``explain_ring``) returns the :class:`Choice` with the estimates and the
+reason; :func:`recording` collects the choices made while tracing, which
+the benchmark tables print.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
@@ -86,7 +99,6 @@ _HOP_S = 1e-6
 _FUSED_OVERHEAD_S = 1.5e-6  # the start's barrier and issue, the done
 _XLA_OVERHEAD_S = 1e-6
 _MARGIN = 0.97
-_MAX_AG_PANELS = 2
 
 
 def chip_for(device_kind: str | None) -> Chip:
@@ -112,8 +124,10 @@ class Choice:
     method: ``"fused"`` or ``"xla"``.
     reason: one line.
     fused_us: the fused kernels' estimate (None when they cannot run).
-    xla_us: the XLA program's estimate.
+    xla_us: the XLA program's estimate (with ``ring_form``: the larger of
+      the matmul's and the weight read's times).
     chip: the chip the estimate is for.
+    ring_form: a form the fused kernels do not run (ring or XLA).
   """
 
   method: str
@@ -121,8 +135,14 @@ class Choice:
   fused_us: float | None
   xla_us: float
   chip: str
+  ring_form: bool = False
 
   def __str__(self) -> str:
+    if self.ring_form:
+      return (
+        f"{self.method} ({self.reason}; est. max(matmul, weight read) "
+        f"{self.xla_us:.1f} us on {self.chip})"
+      )
     f = "n/a" if self.fused_us is None else f"{self.fused_us:.1f}"
     return (
       f"{self.method} ({self.reason}; est. fused {f} us, xla "
@@ -177,10 +197,26 @@ def _decide(
   )
 
 
+def _fused_s(panels, compute, w_s, rest_s, n, chunk, link) -> float:
+  """The fused estimate over ``panels`` row panels, one after the other:
+  each re-reads ``w`` and runs its own ring of ``1 / panels`` of the rows
+  (``rest_s``: the other HBM traffic, ``chunk``: one step's bytes)."""
+  p = panels
+  ring = (n - 1) * (chunk / p / (2 * link) + _HOP_S)
+  c = compute / p
+  return p * (_FUSED_OVERHEAD_S + max(c, w_s + rest_s / p, ring + c / n))
+
+
 def explain_allgather(
   m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
 ) -> Choice:
-  """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices."""
+  """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices.
+
+  The fused estimate counts its row panels (each re-reads ``w`` and
+  restarts the ring); XLA's all-gather, blocking, is costed over one ring
+  direction (what the benchmark model finds in XLA's program: 12.0 us
+  exposed at M = 16, 5113 us at M = 16384, v5e, tp 8).
+  """
   chip = chip_for(device_kind)
   t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
   w_bytes = n * k * f * jnp.dtype(dtype).itemsize
@@ -188,37 +224,44 @@ def explain_allgather(
   compute = 2 * m * n * k * f / _flops_rate(chip, dtype, precision)
   hbm = (w_bytes + n * m * k * t + out_bytes) / chip.hbm
   chunk = m * k * t
-  ring = (n - 1) * (chunk / (2 * chip.link) + _HOP_S)
-  fused = _FUSED_OVERHEAD_S + max(compute, hbm, ring + compute / n)
-  xla = _XLA_OVERHEAD_S + ring + max(compute, hbm)
-  reason = _fused.ag_supported(m, k, f, n, dtype, 2, device_kind)
-  if reason is None:
-    panels = _fused.plan_allgather(
-      m,
-      k,
-      f,
-      n,
-      dtype,
-      dtype,
-      dtype,
-      directions=2,
-      precision=precision,
-      device_kind=device_kind,
-    ).panels
-    if panels > _MAX_AG_PANELS:
-      # Each panel re-reads w and restarts the ring: modelled 1.32x of
-      # XLA's best at 8 panels (M 16384, tp 8, v5e), 0.99x at 2 (M 4096).
-      reason = (
-        f"the accumulator needs {panels} row panels, each re-reading w "
-        f"(more than {_MAX_AG_PANELS})"
-      )
-  return _decide(reason, fused, xla, compute, hbm, chip)
+  xla_ring = (n - 1) * (chunk / chip.link + _HOP_S)
+  xla = _XLA_OVERHEAD_S + xla_ring + max(compute, hbm)
+  plan = _fused.plan_allgather(
+    m,
+    k,
+    f,
+    n,
+    dtype,
+    dtype,
+    dtype,
+    directions=2,
+    precision=precision,
+    device_kind=device_kind,
+  )
+  reason = None if plan.spec is not None else plan.reason
+  panels = max(plan.panels, 1)
+  fused = _fused_s(
+    panels,
+    compute,
+    w_bytes / chip.hbm,
+    hbm - w_bytes / chip.hbm,
+    n,
+    chunk,
+    chip.link,
+  )
+  choice = _decide(reason, fused, xla, compute, hbm, chip)
+  if panels > 1 and choice.method == "fused":
+    choice = dataclasses.replace(
+      choice, reason=f"{choice.reason} ({panels} row panels)"
+    )
+  return choice
 
 
 def explain_reducescatter(
   m: int, k: int, c: int, n: int, dtype, *, precision: str, device_kind
 ) -> Choice:
-  """The choice for ``psum_scatter(x [m, k] @ w [k, n c])``."""
+  """The choice for ``psum_scatter(x [m, k] @ w [k, n c])`` (the fused
+  estimate counts its row panels, as :func:`explain_allgather`)."""
   chip = chip_for(device_kind)
   t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
   w_bytes = k * n * c * jnp.dtype(dtype).itemsize
@@ -226,9 +269,28 @@ def explain_reducescatter(
   compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
   hbm = (w_bytes + m * k * t + m * c * jnp.dtype(dtype).itemsize) / chip.hbm
   ring = (n - 1) * (part / (2 * chip.link) + _HOP_S)
-  fused = _FUSED_OVERHEAD_S + max(compute, hbm, ring + compute / n)
   xla = _XLA_OVERHEAD_S + ring + max(compute, hbm)
-  reason = _fused.rs_supported(m, k, c, n, dtype, 2, device_kind)
+  plan = _fused.plan_reducescatter(
+    m,
+    k,
+    c,
+    n,
+    dtype,
+    dtype,
+    directions=2,
+    precision=precision,
+    device_kind=device_kind,
+  )
+  reason = None if plan.spec is not None else plan.reason
+  fused = _fused_s(
+    max(plan.panels, 1),
+    compute,
+    w_bytes / chip.hbm,
+    hbm - w_bytes / chip.hbm,
+    n,
+    part,
+    chip.link,
+  )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it
   # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
@@ -264,6 +326,122 @@ def explain_allreduce(
   return _decide(None, fused, xla, compute, hbm, chip)
 
 
+def explain_ring(
+  flops: float, w_bytes: int, dtype, *, precision: str, device_kind, why: str
+) -> Choice:
+  """The choice for a form the fused kernels do not run (``why``): the
+  value-API ring, unless the matmul is bound by reading the weights from
+  HBM (``C < M / 2``, decode-size rows), where XLA's collective and one
+  ``jnp.dot`` are kept (the ring reads the weights in ``n`` slices and adds
+  a launch per step; modelled 1.36x of ``xla_best`` at M = 16, v5e, tp 8).
+
+  Args:
+    flops: the matmul's FLOPs per device.
+    w_bytes: the weight bytes each device reads.
+    dtype: the operands' dtype.
+    precision: ``"DEFAULT"`` or ``"HIGHEST"``.
+    device_kind: the chip (None: v5e).
+    why: why the fused kernels do not run, for the reason.
+  """
+  chip = chip_for(device_kind)
+  compute = flops / _flops_rate(chip, dtype, precision)
+  hbm = w_bytes / chip.hbm
+  us = max(compute, hbm) * 1e6
+  if compute < hbm / 2:
+    return Choice(
+      "xla",
+      f"{why}; bound by reading the weights from HBM (decode-size rows): "
+      "no transfer left to hide",
+      None,
+      us,
+      chip.name,
+      ring_form=True,
+    )
+  return Choice(
+    "ring",
+    f"{why}; the ring's transfers hide under the matmul",
+    None,
+    us,
+    chip.name,
+    ring_form=True,
+  )
+
+
+def pick(
+  method: str,
+  fn: str,
+  *,
+  ring_options: tuple[str, ...],
+  unfused: str | None,
+  explain,
+  explain_unfused,
+) -> str:
+  """The method a public collective matmul runs.
+
+  Args:
+    method: the caller's ``method``.
+    fn: the public function's name, for errors.
+    ring_options: the ring-only options the caller set (``api='ref'``,
+      ``bidirectional=True``), as text; ``"auto"`` then runs the ring.
+    unfused: why the fused kernels cannot run this call's form (None: they
+      can).
+    explain: ``() -> Choice`` between ``"fused"`` and ``"xla"``.
+    explain_unfused: ``(why) -> Choice`` between ``"ring"`` and ``"xla"``.
+
+  Raises:
+    ValueError: an unknown ``method``; ring options with ``"fused"`` or
+      ``"xla"``; ``"fused"`` for a form it does not run.
+  """
+  if method not in METHODS:
+    raise ValueError(
+      f"{fn}: method must be one of {METHODS}, got {method!r}. 'auto' "
+      "chooses from the shape, dtype, ring size and chip."
+    )
+  if ring_options and method in ("fused", "xla"):
+    raise ValueError(
+      f"{fn}: {' and '.join(ring_options)} configure the ring, but "
+      f"method={method!r}. Pass method='ring' (or leave method='auto', "
+      "which then runs the ring), or drop them."
+    )
+  if method == "fused" and unfused is not None:
+    raise ValueError(
+      f"{fn}(method='fused'): the fused kernels do not run this call: "
+      f"{unfused}. Use method='auto' (the default) or 'ring'."
+    )
+  if method != "auto":
+    return method
+  if ring_options:
+    return "ring"
+  choice = explain() if unfused is None else explain_unfused(unfused)
+  recorder = _RECORDER.get()
+  if recorder is not None:
+    recorder.append((fn, choice))
+  return choice.method
+
+
+_RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+  "asyncops_auto_choices", default=None
+)
+
+
+@contextlib.contextmanager
+def recording():
+  """Collects ``(function, Choice)`` for every ``method="auto"`` choice
+  made while tracing inside the block (the benchmark tables print them).
+
+  Example:
+    >>> with recording() as choices:  # doctest: +SKIP
+    ...   jax.jit(f).trace(x, w)
+    >>> [str(c) for _, c in choices]  # doctest: +SKIP
+  """
+  choices: list = []
+  token = _RECORDER.set(choices)
+  try:
+    yield choices
+  finally:
+    _RECORDER.reset(token)
+
+
 def device_kind() -> str | None:
   """The chip of the mesh being traced over (None: unknown)."""
   return jc.trace_device_kind()
@@ -276,108 +454,13 @@ def _acc(dtype):
   return jnp.int32 if jnp.dtype(dtype) == jnp.int8 else None
 
 
-def _dot(x, w):
+def dot(x, w):
+  """``x @ w`` in ``x.dtype`` (int8 accumulates in int32, as the rings)."""
   y = jnp.dot(x, w, preferred_element_type=_acc(x.dtype))
   return y.astype(x.dtype)
 
 
-def xla_allgather_matmul(lhs, rhs, axis_name: str):
-  """XLA's way: ``all_gather(lhs, 1, tiled) @ rhs``."""
-  return _dot(jax.lax.all_gather(lhs, axis_name, axis=1, tiled=True), rhs)
-
-
-def xla_matmul_reducescatter(lhs, rhs, axis_name: str):
-  """XLA's way: ``psum_scatter(lhs @ rhs, scatter_dimension=1, tiled)``."""
-  return jax.lax.psum_scatter(
-    _dot(lhs, rhs), axis_name, scatter_dimension=1, tiled=True
-  )
-
-
-def xla_matmul_allreduce(lhs, rhs, axis_name: str):
-  """XLA's way: ``psum(lhs @ rhs)``."""
-  return jax.lax.psum(_dot(lhs, rhs), axis_name)
-
-
-def resolve(method: str, explain, fn: str) -> tuple[str, Choice | None]:
-  """``(method to run, the Choice when auto)``; checks ``method``."""
-  if method not in METHODS:
-    raise ValueError(
-      f"{fn}: method must be one of {METHODS}, got {method!r}. 'auto' "
-      "chooses from the shape, dtype, ring size and chip."
-    )
-  if method != "auto":
-    return method, None
-  choice = explain()
-  return choice.method, choice
-
-
-def _run(fn: str, method, explain, cols: int, fused, xla, lhs, rhs, axis_name):
-  """Runs ``fused`` or ``xla`` on ``(lhs, rhs, axis_name)`` as ``method``
-  says (for ``"auto"``: as ``explain`` of the shapes, ``cols`` the result's
-  columns per device, chooses), inside a ``method_<run>`` named scope."""
-  n = int(jax.lax.axis_size(axis_name))
-  m, k = lhs.shape
-  run, _ = resolve(
-    method,
-    lambda: explain(
-      m,
-      k,
-      cols,
-      n,
-      lhs.dtype,
-      precision=_fused.precision_name(),
-      device_kind=device_kind(),
-    ),
-    fn,
-  )
-  with jax.named_scope(f"method_{run}"):
-    if run == "fused":
-      return fused(lhs, rhs, axis_name)
-    return xla(lhs, rhs, axis_name)
-
-
-def allgather_matmul(lhs, rhs, axis_name: str, *, method: Method = "auto"):
-  """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs`` by ``method``
-  (``"auto"``, ``"fused"`` or ``"xla"``; see the module docstring)."""
-  return _run(
-    "allgather_matmul",
-    method,
-    explain_allgather,
-    rhs.shape[1],
-    _fused.allgather_matmul,
-    xla_allgather_matmul,
-    lhs,
-    rhs,
-    axis_name,
-  )
-
-
-def matmul_reducescatter(lhs, rhs, axis_name: str, *, method: Method = "auto"):
-  """``psum_scatter(lhs @ rhs, axis_name, scatter_dimension=1, tiled=True)``
-  by ``method``."""
-  return _run(
-    "matmul_reducescatter",
-    method,
-    explain_reducescatter,
-    rhs.shape[1] // int(jax.lax.axis_size(axis_name)),
-    _fused.matmul_reducescatter,
-    xla_matmul_reducescatter,
-    lhs,
-    rhs,
-    axis_name,
-  )
-
-
-def matmul_allreduce(lhs, rhs, axis_name: str, *, method: Method = "auto"):
-  """``psum(lhs @ rhs, axis_name)`` by ``method``."""
-  return _run(
-    "matmul_allreduce",
-    method,
-    explain_allreduce,
-    rhs.shape[1],
-    _fused.matmul_allreduce,
-    xla_matmul_allreduce,
-    lhs,
-    rhs,
-    axis_name,
-  )
+def ring_options(api: str, bidirectional: bool) -> tuple[str, ...]:
+  """The ring-only options a caller set, as text (for :func:`pick`)."""
+  out = ("api='ref'",) if api == "ref" else ()
+  return out + (("bidirectional=True",) if bidirectional else ())

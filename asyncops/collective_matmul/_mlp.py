@@ -25,6 +25,7 @@ import jax
 
 from asyncops.collective_matmul import (
   _allgather,
+  _auto,
   _dp_window,
   _reducescatter,
   _validate,
@@ -43,6 +44,7 @@ def mlp_block(
   sequence_dim: int = -2,
   api: _validate.Api = "value",
   bidirectional: bool = False,
+  method: _auto.Method = "auto",
 ):
   """``reducescatter(activation(allgather(x) @ w_in) @ w_out)``, or gated.
 
@@ -78,6 +80,13 @@ def mlp_block(
       model dimension; use 0 for ``[s, b, d]``). Ignored otherwise.
     api: ``"value"`` (futures) or ``"ref"`` (the Ref API).
     bidirectional: use both ring directions in both matmuls.
+    method: how each of the two collective matmuls runs (default
+      ``"auto"``: chosen per matmul from its shapes and the chip; see
+      :func:`allgather_matmul`). The gated up projection (two weights on
+      one gather) and the sequence-parallel layout have no fused kernel:
+      ``"auto"`` picks the ring or XLA's collective there, and
+      ``"fused"`` is refused. **``api="ref"`` and ``bidirectional=True``
+      configure the ring** (``"auto"`` then runs it).
 
   Returns:
     An array shaped and sharded like ``x``, in ``x.dtype``.
@@ -160,6 +169,7 @@ def mlp_block(
         gather_dim=dim,
         api=api,
         bidirectional=bidirectional,
+        method=method,
       )
     h = activation(hs[0]) if w_gate is None else activation(hs[0]) * hs[1]
     if window is not None:
@@ -172,6 +182,7 @@ def mlp_block(
         scatter_dim=dim,
         api=api,
         bidirectional=bidirectional,
+        method=method,
       )
 
 

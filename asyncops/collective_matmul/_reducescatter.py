@@ -1,15 +1,17 @@
 """Reduce-scatter collective matmul: ``psum_scatter(lhs @ rhs, dim)``.
 
-The public function validates, folds ``lhs`` into one of two canonical
-shapes (``_layout``: scattering the output columns, or scattering a row
-dimension) and runs the matching ring (``_scatter_rings``); the result is
-unfolded by a reshape. See those modules for the algorithms.
+The public function validates, picks a method (``_auto``: the fused ring
+kernel, XLA's collective, or the value/Ref-API ring), folds ``lhs`` into
+one of two canonical shapes (``_layout``: scattering the output columns,
+or scattering a row dimension) and runs the matching ring
+(``_scatter_rings``) or kernel (``_fused``); the result is unfolded by a
+reshape. See those modules for the algorithms.
 """
 
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _layout, _validate, _vjp
+from asyncops.collective_matmul import _auto, _fused, _layout, _validate, _vjp
 
 
 def matmul_reducescatter(
@@ -20,6 +22,7 @@ def matmul_reducescatter(
   scatter_dim: int = -1,
   api: _validate.Api = "value",
   bidirectional: bool = False,
+  method: _auto.Method = "auto",
 ):
   """Multiplies ``lhs @ rhs`` and reduce-scatters along ``scatter_dim``.
 
@@ -56,6 +59,15 @@ def matmul_reducescatter(
       around the ring. The column form halves the rows (their number must
       be even); a row form halves the dimensions before ``scatter_dim`` if
       even, else the rows of a block.
+    method: how: ``"auto"`` (default) picks from the per-device shapes,
+      dtype, ring size and chip between the fused ring kernel
+      (``"fused"``, the column form only: partial sums leave as they are
+      made, the accumulator in VMEM), XLA's matmul then
+      ``psum_scatter`` (``"xla"``) and, for the row form, the ring of
+      ``start``/``done`` futures (``"ring"``); see
+      :func:`allgather_matmul`. **``api="ref"`` and
+      ``bidirectional=True`` configure the ring** (``"auto"`` then runs
+      it). Every method differentiates.
 
   Returns:
     ``lhs.shape[:-1] + (f,)`` with ``scatter_dim`` divided by ``n``, in
@@ -66,7 +78,9 @@ def matmul_reducescatter(
     ValueError: ``rhs`` is not rank 2, the contracting sizes differ, the
       scattered size is not divisible by ``n``, ``scatter_dim`` is not a
       dimension of the result, the halves are impossible with
-      ``bidirectional=True``, or an unknown ``api``.
+      ``bidirectional=True``, an unknown ``api`` or ``method``, ring
+      options with ``method="fused"``/``"xla"``, or ``method="fused"``
+      with a row ``scatter_dim``.
     TypeError: mismatched or non-movable dtypes.
     NameError: ``axis_name`` is not bound.
 
@@ -120,8 +134,46 @@ def matmul_reducescatter(
       _validate.halvable(fold.p, fold.r, fn, "lhs", f"scatter_dim={dim}")
     else:
       _validate.even_rows(fold.m, fn, "lhs")
+  unfused = None
+  if fold.rows_form:
+    unfused = (
+      f"scatter_dim={dim} scatters a row dimension (the fused kernel "
+      "scatters the columns, scatter_dim=-1)"
+    )
+  run = _auto.pick(
+    method,
+    fn,
+    ring_options=_auto.ring_options(api, bool(bidirectional)),
+    unfused=unfused,
+    explain=lambda: _auto.explain_reducescatter(
+      fold.m,
+      fold.k,
+      rhs.shape[1] // n,
+      n,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=_auto.device_kind(),
+    ),
+    explain_unfused=lambda why: _auto.explain_ring(
+      2 * lhs.size * rhs.shape[1],
+      rhs.size * jnp.dtype(rhs.dtype).itemsize,
+      lhs.dtype,
+      precision=_fused.precision_name(),
+      device_kind=_auto.device_kind(),
+      why=why,
+    ),
+  )
   if n == 1:
     return jnp.dot(lhs, rhs, preferred_element_type=lhs.dtype)
+  if run == "xla":
+    with jax.named_scope(fn), jax.named_scope("method_xla"):
+      return jax.lax.psum_scatter(
+        _auto.dot(lhs, rhs), axis_name, scatter_dimension=dim, tiled=True
+      )
+  if run == "fused":
+    with jax.named_scope(fn), jax.named_scope("method_fused"):
+      out = _vjp.fused_reducescatter(fold.fold(lhs), rhs, axis_name, n)
+      return fold.unfold(out, out.shape[-1])
   with jax.named_scope(fn):
     out = canonical(
       fold.rows_form,

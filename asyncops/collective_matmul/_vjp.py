@@ -41,6 +41,13 @@ cotangent is too: its backward is two local matmuls, no communication.
 The bidirectional option carries over to each backward ring whose shape
 allows halving (an even number of rows or batches to split), else that ring
 runs one way.
+
+The fused kernels (``method="fused"``, or chosen by ``"auto"``) are
+primitives without differentiation rules; :func:`fused_allgather` and
+:func:`fused_reducescatter` wrap them in a ``custom_vjp`` whose backward is
+the value-API ring backward of the same canonical form above (two-way when
+the rows halve), so the default ``method="auto"`` differentiates whatever
+it picks. (XLA's collective, the other choice, has JAX's own rules.)
 """
 
 import functools
@@ -52,6 +59,7 @@ from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import (
   _bwd_rings,
   _dp_reduce,
+  _fused,
   _gather_rings,
   _layout,
   _linear,
@@ -380,6 +388,94 @@ def _allreduce_bwd(forward, axis_name, res, g):
 
 
 allreduce.defjvp(_allreduce_jvp, symbolic_zeros=True)
+
+
+# The fused kernels --------------------------------------------------------
+
+
+def _bilinear_jvp(f, bwd, primals, tangents):
+  """The JVP of ``f(x, w)``, bilinear in ``(x, w)``: ``f(x, w)`` and the
+  tangent ``f(tx, w) + f(x, tw)`` as a linear map (``_linear.call``) whose
+  transpose is ``bwd(res, g) -> (dx, dw)``."""
+  x, w = primals
+  tx, tw = tangents
+  out = f(x, w)
+  lin = (None if _zero(tx) else tx, None if _zero(tw) else tw)
+  has = tuple(v is not None for v in lin)
+
+  def fwd(res, lin):
+    (x, w), (tx, tw) = res, lin
+    terms = []
+    if tx is not None:
+      terms.append(f(tx, w))
+    if tw is not None:
+      terms.append(f(x, tw))
+    return functools.reduce(jnp.add, terms)
+
+  def transpose(res, g):
+    dx, dw = bwd(res, g)
+    return (dx if has[0] else None, dw if has[1] else None)
+
+  return out, _linear.call(fwd, transpose, (x, w), lin, out)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def fused_allgather(x, w, axis_name, n):
+  """``_fused.allgather_matmul(x [M, k], w [n k, f])``, differentiable:
+  forward mode runs the fused kernel on the tangents; the backward is the
+  contracting gather's ring backward (``_bwd_rings``)."""
+  del n
+  return _fused.allgather_matmul(x, w, axis_name)
+
+
+def _fused_allgather_jvp(axis_name, n, primals, tangents):
+  return _bilinear_jvp(
+    lambda x, w: _fused.allgather_matmul(x, w, axis_name),
+    functools.partial(_fused_allgather_bwd, axis_name, n),
+    primals,
+    tangents,
+  )
+
+
+def _fused_allgather_bwd(axis_name, n, res, g):
+  x, w = res
+  g = g.astype(x.dtype)
+  kw = dict(n=n, api="value", bidirectional=x.shape[0] % 2 == 0)
+  with jax.named_scope("d_lhs"):
+    dx = _bwd_rings.scatter_columns_t((g,), (w,), axis_name, **kw)
+  with jax.named_scope("d_rhs"):
+    (dw,) = _bwd_rings.gather_weights_contracting(x, (g,), axis_name, **kw)
+  return _like(dx, x), _like(dw, w)
+
+
+fused_allgather.defjvp(_fused_allgather_jvp, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def fused_reducescatter(x, w, axis_name, n):
+  """``_fused.matmul_reducescatter(x [M, k], w [k, n c])``, differentiable:
+  forward mode runs the fused kernel on the tangents; the backward is the
+  scatter-columns ring backward (``_bwd_rings``)."""
+  del n
+  return _fused.matmul_reducescatter(x, w, axis_name)
+
+
+def _fused_reducescatter_jvp(axis_name, n, primals, tangents):
+  return _bilinear_jvp(
+    lambda x, w: _fused.matmul_reducescatter(x, w, axis_name),
+    functools.partial(_fused_reducescatter_bwd, axis_name, n),
+    primals,
+    tangents,
+  )
+
+
+def _fused_reducescatter_bwd(axis_name, n, res, g):
+  x, w = res
+  options = _options(False, x, n, True, "value", True)
+  return _reducescatter_bwd(False, axis_name, options, (x, w), g)
+
+
+fused_reducescatter.defjvp(_fused_reducescatter_jvp, symbolic_zeros=True)
 
 
 # The seams the public functions call --------------------------------------
