@@ -23,12 +23,16 @@ from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import (
-  allgather_matmul,
-  matmul_allreduce,
-  matmul_reducescatter,
-  mlp_block,
+from asyncops import collective_matmul as _cm
+
+# These tests are about the rings (value and Ref APIs): method="ring". The
+# default, method="auto", is checked by test_default_method_forward_mode.
+allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
+matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
+matmul_reducescatter = functools.partial(
+  _cm.matmul_reducescatter, method="ring"
 )
+mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
 RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
 ALL = P(("x", "y"))
@@ -365,8 +369,9 @@ def test_forward_over_reverse():
 def test_grad_is_still_the_backward_rings():
   """``jax.grad`` transposes the tangent map with the backward rings: the
   same transfers as before forward mode existed (two forward rings and
-  three backward rings of ``n - 1``), no ``all_gather`` or
-  ``psum_scatter``, and nothing of the tangent rings."""
+  three backward rings of ``n - 1``, and the two weight gradients'
+  exchanges over the data axis ``x``, ``_dp_reduce``), no ``all_gather``
+  or ``psum_scatter``, and nothing of the tangent rings."""
   mesh = _mesh()
   specs = (P("x", "y"), P(None, "y"), P("y", None))
 
@@ -377,7 +382,7 @@ def test_grad_is_still_the_backward_rings():
   f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
   args = _put([jnp.ones(s) for s in [(8, 64), (64, 64), (64, 64)]], specs)
   text = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(*args))
-  assert text.count("asyncops_start[") == 6 + 9
+  assert text.count("asyncops_start[") == 6 + 9 + 2
   assert "asyncops_linear" not in text
   for collective in ("all_gather[", "psum_scatter[", "reduce_scatter["):
     assert collective not in text, collective
@@ -511,3 +516,45 @@ def test_fused_int8_transfer_is_not_differentiable():
   x, w = _put([jnp.ones((16, 512)), jnp.ones((512, 256))], (P("x", "y"), P()))
   with pytest.raises(NotImplementedError, match="transfer='native'"):
     jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w)))).trace(x, w)
+
+
+@pytest.mark.parametrize("which", ["allgather", "reducescatter"])
+def test_default_method_forward_mode(which):
+  """The public functions with the fused kernel (what ``method="auto"``
+  picks at large shapes): ``jax.jvp`` runs the fused kernel on the
+  tangents, ``jax.grad`` the ring backward; both equal ``jax.lax``'s."""
+  _, ref, wspec, ospec, wshape, _ = _fused_case(which)
+  public = {
+    "allgather": _cm.allgather_matmul,
+    "reducescatter": _cm.matmul_reducescatter,
+  }[which]
+  mesh = _mesh()
+  specs = (P("x", "y"), wspec)
+  x, w = _put(
+    [_data((16, 1024), "float32", 0), _data(wshape, "float32", 1, 1 / 32)],
+    specs,
+  )
+
+  def programs(fn):
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=ospec)
+
+    def loss(x, w):
+      return jnp.sum(jnp.sin(sm(x, w)))
+
+    return jax.grad(loss, (0, 1)), lambda p, t: jax.jvp(sm, p, t)
+
+  with jax.default_matmul_precision("highest"):
+    g, j = programs(lambda x, w: public(x, w, "y", method="fused"))
+    gr, jr = programs(ref)
+    t = (jnp.cos(x), w)
+    got = (*jax.jit(g)(x, w), *jax.jit(j)((x, w), t))
+    want = (*jax.jit(gr)(x, w), *jax.jit(jr)((x, w), t))
+    for a, b in zip(got, want, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    grad_text = str(jax.make_jaxpr(g)(x, w))
+    jvp_text = str(jax.make_jaxpr(j)((x, w), t))
+  assert "asyncops_start[" in grad_text  # the ring backward
+  fused = f"asyncops_fused_{which}_matmul["
+  # The primal product, and the tangent map (the fused kernel on the
+  # tangents, run when lowered) as one linear call.
+  assert fused in jvp_text and "asyncops_linear" in jvp_text
