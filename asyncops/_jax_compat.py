@@ -90,6 +90,13 @@ JAX_VERSION = _version(jax.__version__)
 # jax 0.10 (``asyncops.stateful._ad`` refuses it earlier, with the fix).
 REF_REVERSE_MODE = JAX_VERSION >= (0, 10)
 
+# The libtpu of jax 0.9 (0.0.34) aborts the whole process (a failed CHECK
+# in memory-space assignment, "Conflicting pending required assignment")
+# compiling programs whose kernels move 8-bit floats or 4-bit types; the
+# libtpu of jax 0.10 (0.0.42) compiles them (tests/test_dtypes_tpu.py).
+# Older jax refuses those dtypes at trace time, naming the fix.
+NARROW_DMA = JAX_VERSION >= (0, 10)
+
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE

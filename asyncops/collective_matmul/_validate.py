@@ -19,9 +19,7 @@ Api = Literal["value", "ref"]
 # matmul would accumulate 4-bit integers in 4 bits; quantized transfers,
 # transfer="int8" / "float8_e4m3fn", are the way to send fewer bytes.)
 OPERAND_DTYPES = tuple(
-  d
-  for d in _common.MOVABLE_DTYPES
-  if d not in ("float8_e4m3fn", "float8_e5m2", "int4", "uint4", "float4_e2m1fn")
+  d for d in _common.MOVABLE_DTYPES if d not in _common.NARROW_DTYPES
 )
 
 

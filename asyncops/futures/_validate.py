@@ -32,6 +32,14 @@ def array(x, fn: str, name: str = "x", *, carriers: bool = True):
       f"Convert it with jnp.asarray({name})."
     )
   dtype = jnp.dtype(x.dtype)
+  if dtype.name in _common.NARROW_DTYPES and not jc.NARROW_DMA:
+    raise TypeError(
+      f"{fn}: {name} has dtype {dtype.name}, which our kernels move on jax "
+      f">= 0.10 only (this jax {jax.__version__}'s libtpu aborts compiling "
+      f"such transfers). Upgrade: pip install 'jax[tpu]>=0.10', or move "
+      f"the bytes as uint8 (jax.lax.bitcast_convert_type({name}, "
+      "jnp.uint8) for 8-bit floats)."
+    )
   if dtype.name not in _common.MOVABLE_DTYPES:
     carried = _bitcast.carrier(dtype)
     if carried is None:

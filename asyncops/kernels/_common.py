@@ -38,6 +38,15 @@ from asyncops import _jax_compat as jc
 # are not supported") and XLA's TPU compiler complex64 in a Mosaic call; the
 # value API moves those as a carrier (asyncops.futures._bitcast). 64-bit
 # types are not DMA-able.
+# The 8-bit floats and 4-bit types move on jax >= 0.10 only
+# (``_jax_compat.NARROW_DMA``).
+NARROW_DTYPES = (
+  "float8_e4m3fn",
+  "float8_e5m2",
+  "int4",
+  "uint4",
+  "float4_e2m1fn",
+)
 MOVABLE_DTYPES = (
   "float32",
   "bfloat16",
@@ -48,12 +57,7 @@ MOVABLE_DTYPES = (
   "uint16",
   "int8",
   "uint8",
-  "float8_e4m3fn",
-  "float8_e5m2",
-  "int4",
-  "uint4",
-  "float4_e2m1fn",
-)
+) + (NARROW_DTYPES if jc.NARROW_DMA else ())
 
 # A TPU has a small, fixed number of barrier semaphores (tens).
 MAX_COLLECTIVE_IDS = 16
