@@ -21,7 +21,7 @@ from tests._hlo_util import tpu_mesh
 def test_mlp_block_jvp_overlapped_and_copy_free(topology):
   mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
   f = jax.shard_map(
-    lambda x, w_in, w_out: mlp_block(x * 2, w_in, w_out, "y"),
+    lambda x, w_in, w_out: mlp_block(x * 2, w_in, w_out, "y", method="ring"),
     mesh=mesh,
     in_specs=(P("x", "y"), P(None, "y"), P("y", None)),
     out_specs=P("x", "y"),
