@@ -2,6 +2,7 @@
 the roofline guard and the JSON rows. Structure on real TPU compiles; no
 wall time."""
 
+import dataclasses
 import json
 
 import jax
@@ -13,6 +14,7 @@ from benchmarks import (
   _chips,
   _hlo,
   _kernel_costs,
+  _measure,
   _mesh,
   _roofline,
   _timeline,
@@ -296,3 +298,23 @@ def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
   assert start.dur > 0
   chunk = m * k * 2
   assert sum(start.args["links"].values()) > 8 * (n - 1) * chunk
+
+
+def test_compile_cache_is_keyed_on_the_lowered_program(tmp_path, monkeypatch):
+  """A second compile of the same program is read from the cache; a change
+  of the lowered program (another shape) or of the compiler options is
+  not, and neither is keyed on the library's source files."""
+  monkeypatch.setenv("ASYNCOPS_BENCH_CACHE", str(tmp_path))
+  spec = _measure.Spec("jit", "v5e:2x4", None, (256, 512, 1024), jnp.bfloat16)
+  text, _, seconds = _measure.compile_spec(spec)
+  assert len(list(tmp_path.glob("*.json.gz"))) == 1
+  again, _, seconds_again = _measure.compile_spec(spec)
+  assert (again, seconds_again) == (text, seconds)
+  assert len(list(tmp_path.glob("*.json.gz"))) == 1
+  other = dataclasses.replace(spec, shape=(256, 512, 2048))
+  _measure.compile_spec(other)
+  options = dataclasses.replace(
+    spec, options={"xla_tpu_enable_windowed_einsum_for_all_gather": False}
+  )
+  _measure.compile_spec(options)
+  assert len(list(tmp_path.glob("*.json.gz"))) == 3
