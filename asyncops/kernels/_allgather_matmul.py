@@ -120,13 +120,52 @@ class AgSpec:
   collective_id: int | None = None
   vmem_limit: int | None = None
   quantized: bool = False
+  steps: tuple[int, ...] | None = None
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
+    if self.steps is not None:
+      st = tuple(self.steps)
+      if (
+        not st
+        or any(not isinstance(g, int) or g < 1 for g in st)
+        or sum(st) != self.n
+        or st[0] != 1
+      ):
+        raise ValueError(
+          f"AgSpec.steps must be positive ints summing to n = {self.n} "
+          f"with steps[0] == 1 (the local chunk), got {self.steps!r}; e.g. "
+          f"{(1,) * self.n} (one chunk per step) or {(1, self.n - 1)}."
+        )
     if self.quantized and jnp.dtype(self.dtype) != jnp.int8:
       raise ValueError(f"quantized chunks travel as int8, got {self.dtype}")
     if self.k % self.directions or self.f % self.bn:
       raise ValueError(f"k/directions and f/bn must divide: {self}")
+
+  @property
+  def plan(self) -> tuple[int, ...]:
+    """Chunks per step (``steps``, or one chunk per step)."""
+    return tuple(self.steps) if self.steps is not None else (1,) * self.n
+
+  @property
+  def g(self) -> int:
+    """Most chunks of one step (the grid's chunk axis)."""
+    return max(self.plan)
+
+  @property
+  def offsets(self) -> tuple[int, ...]:
+    """First ring unit of each step."""
+    out, a = [], 0
+    for g in self.plan:
+      out.append(a)
+      a += g
+    return tuple(out)
+
+  @property
+  def scope(self) -> str:
+    """The named scope the compute kernel runs in (the benchmark model
+    reads the step plan from it)."""
+    return "ring_steps_" + "-".join(str(g) for g in self.plan)
 
   @property
   def shifts(self) -> tuple[int, ...]:
@@ -159,11 +198,15 @@ def vmem_bytes(spec: AgSpec) -> int:
   o = jnp.dtype(spec.out_dtype).itemsize
   return (
     spec.m * spec.f * 4  # accumulator
-    + 2 * spec.m * spec.k * t  # chunk double buffer
+    + 2 * spec.g * spec.m * spec.k * t  # chunk double buffer
     + 2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
     + 2 * spec.k * spec.bn * w  # w blocks, both halves, two buffers
     + 2 * spec.m * spec.bn * o  # output blocks
-    + (4 * spec.directions * spec.m * SCALE_LANES * 4 if spec.quantized else 0)
+    + (
+      (2 * spec.g + 2) * spec.directions * spec.m * SCALE_LANES * 4
+      if spec.quantized
+      else 0
+    )
   )
 
 
@@ -173,8 +216,25 @@ SCALE_LANES = 128
 
 
 def _chunk(me, shift: int, s, n: int):
-  """The chunk a direction with ``shift`` holds at step ``s``."""
+  """The chunk a direction with ``shift`` holds at ring unit ``s``."""
   return jax.lax.rem(me - shift * s + 2 * n * n, n)
+
+
+def _table(values, i):
+  """``values[i]`` for a traced ``i`` (a static tuple of ints)."""
+  out = jnp.int32(values[-1])
+  for idx in range(len(values) - 2, -1, -1):
+    out = jnp.where(i == idx, jnp.int32(values[idx]), out)
+  return out
+
+
+def _unit(spec: "AgSpec", s, c):
+  """``(ring unit of chunk c of step s, is c a chunk of step s)``; the
+  unit is clamped to the step's last chunk where ``c`` is past it (the
+  pipeline then fetches no new ``w`` block)."""
+  size = _table(spec.plan, s)
+  first = _table(spec.offsets, s)
+  return first + jnp.minimum(c, size - 1), c < size
 
 
 # Kernel bodies ---------------------------------------------------------------
@@ -223,9 +283,11 @@ def start_kernel(
 
 
 def compute_kernel(*refs, spec: AgSpec):
-  """Grid step ``(s, j, d)``: half ``d`` of output block ``j`` at step
-  ``s`` (the two halves of a step meet different ``w`` rows, so they are
-  two grid steps; ``w`` is one operand, read once).
+  """Grid step ``(s, j, c, d)``: half ``d`` of chunk ``c`` of step ``s``,
+  output block ``j`` (each (chunk, half) meets its own ``w`` rows, so they
+  are separate grid steps; ``w`` is one operand, read once). A step of
+  ``g`` chunks runs ``c = 0 .. g - 1`` (the grid's chunk axis is the
+  largest step's; the other iterations do nothing and fetch nothing).
 
   ``refs``: ``me, x, [x scales], w, recv, [recv scales], recv_sems, out,
   token, acc, chunk buffer, [scale buffer], copy_sems`` (the bracketed ones
@@ -243,32 +305,48 @@ def compute_kernel(*refs, spec: AgSpec):
   sbuf = refs[5] if q else None
   copy_sems = refs[-1]
   nd = spec.directions
-  n, kh, bn, nf = spec.n, spec.kh, spec.bn, spec.nf
-  s, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  kh, bn, nf = spec.kh, spec.bn, spec.nf
+  plan, offsets, last = spec.plan, spec.offsets, len(spec.plan) - 1
+  s, j = pl.program_id(0), pl.program_id(1)
+  ci, d = pl.program_id(2), pl.program_id(3)
   slot = jax.lax.rem(s, 2)
   del me_ref  # only the w index map reads it
+  _, valid = _unit(spec, s, ci)
+  first_it = (j == 0) & (ci == 0) & (d == 0)
 
-  @pl.when((s == 0) & (j == 0) & (d == 0))
+  @pl.when((s == 0) & first_it)
   def _():
     tok_ref[0] = jnp.int32(0)
 
-  def local_copies(dd, src_slot, dst_slot):
+  def local_copies(dd, src_slot, cc, dst_slot):
     out = [
-      (recv_ref.at[dd, src_slot], xbuf.at[dst_slot, :, pl.ds(dd * kh, kh)])
+      (
+        recv_ref.at[dd, src_slot],
+        xbuf.at[dst_slot, cc, :, pl.ds(dd * kh, kh)],
+      )
     ]
     if q:
-      out.append((rs_ref.at[dd, src_slot], sbuf.at[dst_slot, dd]))
+      out.append((rs_ref.at[dd, src_slot], sbuf.at[dst_slot, cc, dd]))
     return out
 
-  @pl.when((s > 0) & (j == 0) & (d == 0))
-  def _():
-    for dd in range(nd):
-      for src, dst in local_copies(dd, 0, slot):
-        pltpu.make_async_copy(src, dst, copy_sems.at[dd]).wait()
+  # Step ss > 0 holds ring units offsets[ss] ..; unit u arrived in slot
+  # u - 1 (one per direction).
+  def each_copy(ss, dst_slot):
+    for cc in range(plan[ss]):
+      for dd in range(nd):
+        yield cc, dd, offsets[ss] + cc - 1, dst_slot
+
+  for ss in range(1, last + 1):
+
+    @pl.when((s == ss) & first_it)
+    def _(ss=ss):
+      for cc, dd, u1, dst in each_copy(ss, ss % 2):
+        for src, dst_ref in local_copies(dd, u1, cc, dst):
+          pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd]).wait()
 
   cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
   half = pl.ds(pl.multiple_of(d * kh, kh), kh)
-  held = jnp.where(s == 0, x_ref[:, half], xbuf[slot, :, half])
+  held = jnp.where(s == 0, x_ref[:, half], xbuf[slot, ci, :, half])
   y = jnp.dot(
     held.astype(spec.mxu_dtype),
     w_ref[...].astype(spec.mxu_dtype),
@@ -276,31 +354,37 @@ def compute_kernel(*refs, spec: AgSpec):
     precision=jax.lax.Precision[spec.precision],
   )
   if q:
-    scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, d])
+    scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, ci, d])
     y = y * scale[:, :1]
 
-  @pl.when((s == 0) & (d == 0))
+  first = (s == 0) & (ci == 0) & (d == 0)
+  final = (s == last) & (ci == plan[last] - 1) & (d == nd - 1)
+
+  @pl.when(valid & first)
   def _():
     acc_ref[:, cols] = y
 
-  @pl.when(((s > 0) | (d > 0)) & ((s < n - 1) | (d < nd - 1)))
+  @pl.when(valid & ~first & ~final)
   def _():
     acc_ref[:, cols] += y
 
-  @pl.when((s == n - 1) & (d == nd - 1))
+  @pl.when(valid & final)
   def _():
     o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
 
-  # Slot s holds the halves of step s + 1: wait for them and copy them into
-  # VMEM for the next step (the copy overlaps this step's last block).
-  @pl.when((s < n - 1) & (j == max(nf - 2, 0)) & (d == nd - 1))
-  def _():
-    for dd in range(nd):
-      moving = [recv_ref] + ([rs_ref] if q else [])
-      for buf in moving:
-        c.wait_dma(buf.at[dd, s], recv_sems.at[dd, s])
-      for src, dst in local_copies(dd, s, 1 - slot):
-        pltpu.make_async_copy(src, dst, copy_sems.at[dd]).start()
+  # The chunks of step ss + 1: wait for them and copy them into VMEM (the
+  # copies overlap this step's last block).
+  for ss in range(last):
+    tail = (j == max(nf - 2, 0)) & (ci == plan[ss] - 1) & (d == nd - 1)
+
+    @pl.when((s == ss) & tail)
+    def _(ss=ss):
+      for cc, dd, u1, dst in each_copy(ss + 1, (ss + 1) % 2):
+        moving = [recv_ref] + ([rs_ref] if q else [])
+        for buf in moving:
+          c.wait_dma(buf.at[dd, u1], recv_sems.at[dd, u1])
+        for src, dst_ref in local_copies(dd, u1, cc, dst):
+          pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd]).start()
 
 
 def done_kernel(recv_ref, send_sems, *, spec: AgSpec, recv_scales=None):
@@ -339,17 +423,18 @@ def _once(shape):
   """A block fetched once (its index never changes): one buffer."""
   zeros = (0,) * len(shape)
   return pl.BlockSpec(
-    shape, lambda s, j, d, me: zeros, pipeline_mode=pl.Buffered(1)
+    shape, lambda s, j, ci, d, me: zeros, pipeline_mode=pl.Buffered(1)
   )
 
 
 def _in_specs(spec: AgSpec):
   """``x`` (and its scales) fetched once, then ``w``'s block ``[k/d, bn]``:
-  rows of the chunk direction ``d`` holds at step ``s``, columns of block
-  ``j``."""
+  rows of the chunk direction ``d`` holds at chunk ``ci`` of step ``s``,
+  columns of block ``j``."""
 
-  def w_index(s, j, d, me_ref):
-    chunk = _chunk(me_ref[0], _shift_of(spec, d), s, spec.n)
+  def w_index(s, j, ci, d, me_ref):
+    unit, _ = _unit(spec, s, ci)
+    chunk = _chunk(me_ref[0], _shift_of(spec, d), unit, spec.n)
     return (chunk * spec.directions + d, j)
 
   xs = [_once((spec.m, spec.k))]
@@ -360,27 +445,33 @@ def _in_specs(spec: AgSpec):
 
 def _out_block(spec: AgSpec):
   # Only the last step writes the output; before it every step maps to
-  # block (0, 0), which is first written (and flushed) at (n - 1, 0, d).
-  n = spec.n
+  # block (0, 0), which is first written (and flushed) in the last step.
+  last = len(spec.plan) - 1
   return pl.BlockSpec(
-    (spec.m, spec.bn), lambda s, j, d, me: (0, jnp.where(s == n - 1, j, 0))
+    (spec.m, spec.bn),
+    lambda s, j, ci, d, me: (0, jnp.where(s == last, j, 0)),
   )
 
 
 def _scratch(spec: AgSpec):
   out = [
     pltpu.VMEM((spec.m, spec.f), spec.acc_dtype),
-    pltpu.VMEM((2, spec.m, spec.k), jnp.dtype(spec.dtype)),
+    pltpu.VMEM((2, spec.g, spec.m, spec.k), jnp.dtype(spec.dtype)),
   ]
   if spec.quantized:
-    shape = (2, spec.directions, spec.m, SCALE_LANES)
+    shape = (2, spec.g, spec.directions, spec.m, SCALE_LANES)
     out.append(pltpu.VMEM(shape, jnp.float32))
-  return out + [pltpu.SemaphoreType.DMA((spec.directions,))]
+  return out + [pltpu.SemaphoreType.DMA((spec.g, spec.directions))]
+
+
+def _grid(spec: AgSpec):
+  """``(steps, column blocks, chunks of the largest step, directions)``."""
+  return (len(spec.plan), spec.nf, spec.g, spec.directions)
 
 
 def _params(spec: AgSpec, collective_id=None):
   return pltpu.CompilerParams(
-    dimension_semantics=("arbitrary",) * 3,
+    dimension_semantics=("arbitrary",) * 4,
     has_side_effects=True,
     vmem_limit_bytes=spec.vmem_limit,
     collective_id=collective_id,
@@ -428,12 +519,17 @@ def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape):
   result: a later reader of the result makes XLA stage it in VMEM and copy
   it out)."""
   nq = len(xs)
+  with jax.named_scope(spec.scope):
+    return _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq)
+
+
+def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq):
   return pl.pallas_call(
     functools.partial(compute_kernel, spec=spec),
     out_shape=(out_shape, c.shape_like(xs[0], (1,), jnp.int32)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      grid=(spec.n, spec.nf, spec.directions),
+      grid=_grid(spec),
       in_specs=_in_specs(spec) + [c.HBM] * nq + [c.SEM],
       out_specs=(_out_block(spec), _SMEM),
       scratch_shapes=_scratch(spec),
@@ -515,9 +611,11 @@ def one_kernel(
     o_ref = refs[2 * nq + 1]
     recvs = refs[2 * nq + 2 : 3 * nq + 2]
     ss, rs, *scratch = refs[3 * nq + 2 :]
-    s, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s, j = pl.program_id(0), pl.program_id(1)
+    ci, d = pl.program_id(2), pl.program_id(3)
+    nsteps = len(spec.plan)
 
-    @pl.when((s == 0) & (j == 0) & (d == 0))
+    @pl.when((s == 0) & (j == 0) & (ci == 0) & (d == 0))
     def _():
       scl = (anys[1], recvs[1]) if spec.quantized else None
       start_kernel(anys[0], recvs[0], ss, rs, spec=spec, scales=scl)
@@ -527,7 +625,9 @@ def one_kernel(
       me_ref, *blocks, *recvs, rs, o_ref, tok_ref, *scratch, spec=spec
     )
 
-    @pl.when((s == spec.n - 1) & (j == spec.nf - 1) & (d == nd - 1))
+    last = (s == nsteps - 1) & (j == spec.nf - 1) & (ci == spec.g - 1)
+
+    @pl.when(last & (d == nd - 1))
     def _():
       done_kernel(
         recvs[0],
@@ -541,7 +641,7 @@ def one_kernel(
     out_shape=(out_shape, *_recv_shapes(x, spec)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
-      grid=(spec.n, spec.nf, nd),
+      grid=_grid(spec),
       in_specs=_in_specs(spec) + [c.ANY] * nq,
       out_specs=(_out_block(spec),) + (c.ANY,) * nq,
       scratch_shapes=[_sem_array(spec), _sem_array(spec)]
