@@ -28,6 +28,7 @@ does, written with ``jnp`` ops of the same shapes:
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -61,51 +62,82 @@ def _matmul_cast(x, w, out_dtype):
   ).astype(out_dtype)
 
 
-def ring_steps(x, w, *, out_dtype):
-  """The all-gather kernel's work, one ring step at a time: ``x [n, m, k]``
-  (the chunk each step holds), ``w [n, k, f]`` (its rows); step ``s`` adds
-  ``x[s] @ w[s]`` into a float32 (int32 for int8) accumulator, cast once at
-  the end. XLA decides where the accumulator lives, as it would for this
-  program written by hand."""
+def ring_steps(w, *xs, plan=None, out_dtype):
+  """The all-gather kernel's work, one dot per step of its plan: ``w [n k,
+  f]`` (every row, as stored), ``xs[s] [m, g_s k]`` (the ``g_s`` chunks
+  step ``s`` holds; ``plan`` = ``(g_0, g_1, ...)``, default one chunk per
+  step). Step ``s`` adds ``xs[s] @ w_s`` (its ``g_s k`` rows of ``w``) into
+  a float32 (int32 for int8) accumulator, cast once at the end. XLA decides
+  where the accumulator lives, as it would for this program written by
+  hand."""
+  k = xs[0].shape[1] // (plan[0] if plan else 1)
+  plan = plan or tuple(x.shape[1] // k for x in xs)
   acc = None
   floating = jnp.issubdtype(w.dtype, jnp.floating)
   # float32 chunks travel only at HIGHEST precision (``_fused``); bfloat16
   # chunks meet a float32 w in one bfloat16 pass (DEFAULT).
-  highest = jnp.dtype(x.dtype) == jnp.float32
-  for s in range(x.shape[0]):
-    xs, ws = x[s], w[s]
-    if jnp.dtype(xs.dtype) == jnp.int8 and floating:
-      xs = xs.astype(jnp.bfloat16)  # quantized codes meet the MXU as bf16
-    if floating and jnp.dtype(ws.dtype).itemsize > jnp.dtype(xs.dtype).itemsize:
+  highest = jnp.dtype(xs[0].dtype) == jnp.float32
+  row = 0
+  for xs_, g in zip(xs, plan, strict=True):
+    ws = w[row * k : (row + g) * k]
+    row += g
+    if jnp.dtype(xs_.dtype) == jnp.int8 and floating:
+      xs_ = xs_.astype(jnp.bfloat16)  # quantized codes meet the MXU as bf16
+    if floating and jnp.dtype(ws.dtype).itemsize > jnp.dtype(xs_.dtype).itemsize:
       # The kernel reads w as stored and rounds it in VMEM: the same work
       # as a dot in w's dtype at DEFAULT precision (one bfloat16 pass).
-      xs = xs.astype(ws.dtype)
+      xs_ = xs_.astype(ws.dtype)
     y = jnp.dot(
-      xs,
-      ws.astype(xs.dtype),
-      preferred_element_type=_acc(xs.dtype),
+      xs_,
+      ws.astype(xs_.dtype),
+      preferred_element_type=_acc(xs_.dtype),
       precision=jax.lax.Precision.HIGHEST if highest else None,
     )
     acc = y if acc is None else acc + y
   return acc.astype(out_dtype)
 
 
-def _ag_twin(operands, results):
-  """One ``[m, k] x [k, f]`` dot per ring step, accumulated (see
-  :func:`ring_steps`): the shapes of the dots the kernel runs (each step's
-  chunk times its rows of ``w``; the kernel tiles them in ``[k/d, bn]``
-  blocks inside one pipeline)."""
+_STEPS = re.compile(r"ring_steps_([\d-]+)_nf(\d+)")
+
+
+def step_plan(attrs: str, n: int) -> tuple[tuple[int, ...], int]:
+  """``(chunks per step, column blocks)`` of an all-gather compute kernel,
+  from the ``ring_steps_<g0-g1-..>_nf<blocks>`` scope it runs in (one
+  chunk per step and one block when absent)."""
+  found = _STEPS.search(attrs)
+  if not found:
+    return (1,) * n, 1
+  plan = tuple(int(g) for g in found.group(1).split("-"))
+  if sum(plan) != n:
+    raise ValueError(f"ring_steps plan {plan} does not cover a ring of {n}")
+  return plan, int(found.group(2))
+
+
+def _ag_twin(operands, results, attrs=""):
+  """One ``[m, g k] x [g k, f]`` dot per step of the kernel's plan (``g``
+  chunks), accumulated (see :func:`ring_steps`): the shapes of the dots
+  the kernel runs (it tiles each in ``[k/d, bn]`` blocks inside one
+  pipeline). Each step waits for its chunks' receive slots."""
   # Operands: me, x, [x scales [d, m, 128]], w, recv, [recv scales], sems.
   _, x, *rest = operands
   w = next(o for o in rest if len(o.dims) == 2)
   recv = next(o for o in rest if len(o.dims) == 4)
   n = recv.dims[1] + 1
   (m, k), f = x.dims, w.dims[1]
-  fn = functools.partial(ring_steps, out_dtype=_dt(results[0]))
-  return fn, (_sds((n, m, k), _dt(x)), _sds((n, k, f), _dt(w)))
+  plan, blocks = step_plan(attrs, n)
+  fn = functools.partial(ring_steps, plan=plan, out_dtype=_dt(results[0]))
+  needs, unit = [], 0
+  for g in plan:
+    needs.append(tuple(u - 1 for u in range(unit, unit + g) if u > 0))
+    unit += g
+  args = (_sds((n * k, f), _dt(w)),) + tuple(
+    _sds((m, g * k), _dt(x)) for g in plan
+  )
+  return fn, args, _kernel_costs.Steps(tuple(needs), blocks)
 
 
-def _rs_twin(operands, results):
+def _rs_twin(operands, results, attrs=""):
+  del attrs
   _, x, w, recv = operands[:4]
   out = results[0]
   m, cols = x.dims[0], w.dims[1]
@@ -181,6 +213,13 @@ _variants.register(
 _variants.register(
   "allgather_matmul_fused_uni", _flagship(directions=1), _args("jit")
 )
+# Fixed step plans of the fused all-gather (a 4-ring), to compare plans.
+for _plan in ((1, 1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 3)):
+  _variants.register(
+    "allgather_matmul_fused_s" + "".join(map(str, _plan)),
+    _flagship(directions=2, steps=_plan),
+    _args("jit"),
+  )
 _variants.register(
   "allgather_matmul_fused_int8",
   _flagship(directions=2, transfer="int8"),

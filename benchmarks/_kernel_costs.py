@@ -11,11 +11,16 @@ that floor). Otherwise our kernels would be graded more kindly than XLA's.
 A kernel author registers the twin next to the benchmark variant that uses
 the kernel::
 
-  def _twin(operands, results):
+  def _twin(operands, results, attrs):      # attrs: the call's HLO text
     x, w = operands[:2]                      # Leaf: .dims, .dtype
     return jnp.matmul, (x, w)                # fn, arguments (Leaf or SDS)
 
   register("asyncops_fused_matmul", _twin)   # instruction-name prefix
+
+A twin may return a third item, :class:`Steps`: the kernel then runs
+step by step, one twin dot per step (in program order), each step gated on
+the receive slots it consumes (``benchmarks._timeline.KernelSteps``); the
+kernel's total is still the twin program's modelled time.
 
 Kernels with no twin fall back to the bytes model and are flagged in the
 row (``custom call without a cost``); our pure DMA start/done kernels need
@@ -35,8 +40,19 @@ from asyncops.inspect import Instr
 from benchmarks import _hlo, _timeline
 from benchmarks._chips import Chip
 
-# twin(operands, results) -> (fn, args) or None when it does not apply.
-Twin = Callable[[Sequence[Any], Sequence[Any]], "tuple[Callable, tuple] | None"]
+# twin(operands, results, attrs) -> (fn, args[, Steps]) or None when it
+# does not apply.
+Twin = Callable[[Sequence[Any], Sequence[Any], str], "tuple | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """A twin's step structure: per dot of its program (in order), the
+  receive slots the kernel waits for before that step, and the kernel's
+  column blocks per step (see ``_timeline.KernelSteps``)."""
+
+  needs: tuple[tuple[int, ...], ...]
+  blocks: int = 1
 _TWINS: dict[str, Twin] = {}
 
 _DTYPES = {
@@ -96,15 +112,39 @@ class KernelCoster:
     operands = [
       lf for n in ins.operands if n in table for lf in table[n].arrays
     ]
-    built = _TWINS[prefix](operands, list(ins.arrays))
+    built = _TWINS[prefix](operands, list(ins.arrays), ins.attrs)
     if built is None:
       return None
-    fn, args = built
+    fn, args, *steps = built
     s = jax.sharding.SingleDeviceSharding(self.device)
     args = tuple(_sds(a, s) for a in args)
-    key = (prefix, tuple((a.shape, str(a.dtype)) for a in args))
+    key = (prefix, tuple((a.shape, str(a.dtype)) for a in args), *steps)
     if key not in self.cache:
       text = jax.jit(fn).trace(*args).lower().compile().as_text()
       tl = _timeline.simulate(_hlo.parse(text), self.chip, prefetch="charged")
       self.cache[key] = tl.step_s
+      if steps:
+        self.cache[key] = _split(tl, steps[0])
     return self.cache[key]
+
+
+def _split(tl: _timeline.Timeline, steps: Steps) -> _timeline.KernelSteps:
+  """The twin's modelled time step by step: each compute box joins the
+  step of the next dot (boxes after the last dot join the last step). If
+  XLA did not keep one dot per step, the time is split in proportion to
+  each step's chunks (its slots; one for the first step)."""
+  n = len(steps.needs)
+  costs = [0.0] * n
+  i = 0
+  boxes = [e for e in tl.events if e.track == "compute"]
+  dots = sum(1 for e in boxes if e.args.get("flops", 0) > 0)
+  if dots == n:
+    for e in boxes:
+      costs[min(i, n - 1)] += e.dur
+      if e.args.get("flops", 0) > 0:
+        i += 1
+    costs[-1] += tl.step_s - sum(costs)  # anything off the compute track
+  else:
+    sizes = [max(len(nd), 1) for nd in steps.needs]
+    costs = [tl.step_s * g / sum(sizes) for g in sizes]
+  return _timeline.KernelSteps(tuple(costs), steps.needs, steps.blocks)

@@ -313,6 +313,7 @@ def _colors(ins: Instr) -> int:
 _X_AXIS = "ring_axis_x/"
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
 _RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
+_HOPS = re.compile(r"ring_hops_([\d-]+)")
 
 
 @dataclasses.dataclass
@@ -321,11 +322,35 @@ class _Transfer:
   family: str
   start: float
   end: float
+  # Fused all-gather starts: arrival of each receive slot (both directions).
+  slots: tuple[float, ...] = ()
 
 
-# Kernel-cost hook: (kernel instruction, module) -> seconds, or None when no
-# jnp twin is registered for it (see benchmarks/_kernel_costs.py).
-KernelCost = Callable[[Instr, Module], "float | None"]
+@dataclasses.dataclass(frozen=True)
+class KernelSteps:
+  """A kernel's cost step by step, each step gated on the receive slots it
+  consumes (a fused ring kernel waits for its chunks inside the kernel).
+
+  Attributes:
+    costs: seconds of each step (XLA's estimate of its jnp twin's dot).
+    needs: per step, the receive slots of the start it waits for.
+    blocks: column blocks per step; a step waits for its successor's
+      slots before its last block (after all of them when 1).
+  """
+
+  costs: tuple[float, ...]
+  needs: tuple[tuple[int, ...], ...]
+  blocks: int = 1
+
+  @property
+  def total(self) -> float:
+    return sum(self.costs)
+
+
+# Kernel-cost hook: (kernel instruction, module) -> seconds (or a
+# KernelSteps), or None when no jnp twin is registered for it (see
+# benchmarks/_kernel_costs.py).
+KernelCost = Callable[[Instr, Module], "float | KernelSteps | None"]
 
 _CMP = {
   "LT": lambda a, b: a < b,
@@ -583,9 +608,53 @@ class _Sim:
     cost = self.kernel_cost(ins, self.m)
     if cost is None:
       return None
+    if isinstance(cost, KernelSteps):
+      cost = cost.total
     cost = max(cost, self._floor(self._comp, ins))
     self.twin += cost
     return cost
+
+  def _stepped(self, comp: str, ins: Instr, t: float) -> float | None:
+    """A kernel charged step by step (:class:`KernelSteps`): each step
+    starts when the slots it consumes have arrived (the wait, inside the
+    kernel, is exposed communication); None if the kernel is not."""
+    mosaic = ins.opcode == "custom-call" and ins.target == "tpu_custom_call"
+    if not mosaic or self.kernel_cost is None:
+      return None
+    steps = self.kernel_cost(ins, self.m)
+    if not isinstance(steps, KernelSteps):
+      return None
+    slots: tuple[float, ...] = ()
+    for name in self._sources(comp, ins):
+      slots = slots or self.pending[name].slots
+    total = self._twin_cost(ins)  # the floor applies to the whole kernel
+    extra = total - steps.total
+    costs = list(steps.costs)
+    costs[-1] += extra
+    nb = max(steps.blocks, 1)
+    frac = (nb - 1) / nb if nb > 1 else 1.0
+    self.flops += self._flops(ins)[0]
+    for i, cost in enumerate(costs):
+      if i + 1 < len(costs):
+        ready = max((slots[u] for u in steps.needs[i + 1] if u < len(slots)),
+                    default=0.0)
+        # The kernel waits for the next step's chunks before this step's
+        # last block: the blocks before it run first.
+        head = cost * frac
+        self._emit("compute", ins.name, "compute", t, head, op=ins.opcode)
+        t += head
+        if ready > t:
+          self._emit("compute", ins.name, "wait", t, ready - t)
+          self.exposed += ready - t
+          t = ready
+        self._emit("compute", ins.name, "compute", t, cost - head,
+                   op=ins.opcode)
+        t += cost - head
+      else:
+        self._emit("compute", ins.name, "compute", t, cost, op=ins.opcode)
+        t += cost
+    self.compute += total
+    return t
 
   def _ici(self, sends, nbytes, scale: float = 1.0):
     """An ICI transfer: ``(bytes per directed link, hop latency)``."""
@@ -823,6 +892,31 @@ class _Sim:
       latency = max(latency, lat)
     return load, latency * max(self.ring_size - 1, 1)
 
+  def _allgather_slots(self, ins: Instr) -> list[tuple[int, dict, float]]:
+    """A fused all-gather start's sends, ``(slot, link load, latency)`` in
+    the order it issues them (slot ``t`` of each direction, nearest peers
+    first); empty for every other transfer."""
+    if not ins.name.startswith("asyncops_ring_allgather") or not ins.arrays:
+      return []
+    recv = ins.arrays[0]
+    if len(recv.dims) < 2:
+      return []
+    d, n1 = recv.dims[0], recv.dims[1]
+    shifts = (1, -1) if d == 2 else (-1,)
+    size = recv.nbytes / d / n1
+    # The peers' distances, slot by slot (``ring_hops_1-3-2`` in the op
+    # name; slot t is t + 1 away when absent).
+    found = _HOPS.search(ins.attrs)
+    hops = [int(a) for a in found.group(1).split("-")] if found else []
+    if sorted(hops) != list(range(1, n1 + 1)):
+      hops = list(range(1, n1 + 1))
+    out = []
+    for t in range(n1):
+      for sh in shifts:
+        load, lat = self._ici(ring_sends(self.rings, sh * hops[t]), size)
+        out.append((t, load, lat))
+    return out
+
   def _ref_message(self, ins: Instr, dst_bytes: int) -> float:
     """Bytes one stateful (``*_ref_start``) kernel moves.
 
@@ -955,8 +1049,20 @@ class _Sim:
       self._emit("compute", ins.name, "overhead", t, self.chip.issue_s)
       t += self.chip.issue_s
     args = {"op": ins.opcode}
+    slots: tuple[float, ...] = ()
     if track == "ici":
-      begin, end = self._ici_slot(t, *cost)
+      parts = self._allgather_slots(ins) if ins.opcode == "custom-call" else []
+      if parts:  # slot by slot, in the order the start sends them
+        ends: dict[int, float] = {}
+        begin, end = None, t
+        for slot, load, lat in parts:
+          b, e = self._ici_slot(t, load, lat)
+          ends[slot] = max(ends.get(slot, 0.0), e)
+          begin = b if begin is None else min(begin, b)
+          end = max(end, e)
+        slots = tuple(ends[i] for i in sorted(ends))
+      else:
+        begin, end = self._ici_slot(t, *cost)
       lane = self._lane(begin, end)
       args["links"] = dict(cost[0])
     else:
@@ -974,7 +1080,7 @@ class _Sim:
       **args,
     )
     key = f"{ins.name}#{next(self.seq)}"
-    self.pending[ins.name] = _Transfer(key, family, begin, end)
+    self.pending[ins.name] = _Transfer(key, family, begin, end, slots)
     self.transfers += 1
     return t
 
@@ -1010,9 +1116,15 @@ class _Sim:
     return t + self.chip.done_s
 
   def _compute(self, comp: str, ins: Instr, t: float) -> float:
+    stepped = self._stepped(comp, ins, t)
+    if stepped is not None:
+      return stepped
     cost = self._op_cost(comp, ins)
-    self.flops += self._flops(ins)[0]
-    self._emit("compute", ins.name, "compute", t, cost, op=ins.opcode)
+    flops = self._flops(ins)[0]
+    self.flops += flops
+    self._emit(
+      "compute", ins.name, "compute", t, cost, op=ins.opcode, flops=flops
+    )
     self.compute += cost
     return t + cost
 

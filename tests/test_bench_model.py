@@ -64,7 +64,7 @@ def test_kernel_without_twin_is_flagged(probe):
 def test_kernel_is_charged_its_jnp_twin_never_its_own_claim(probe):
   text, mesh = probe
   _kernel_costs.register(
-    "twin_probe_matmul", lambda ops, res: (jnp.matmul, tuple(ops[:2]))
+    "twin_probe_matmul", lambda ops, res, _: (jnp.matmul, tuple(ops[:2]))
   )
   try:
     coster = _kernel_costs.KernelCoster(CHIP, mesh.devices.flat[0])

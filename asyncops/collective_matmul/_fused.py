@@ -108,6 +108,16 @@ def _block_cols(f: int, k: int, itemsize: int) -> int | None:
   return None
 
 
+def choose_steps(n: int, m: int, k: int, f: int, dtype) -> tuple[int, ...]:
+  """Chunks per step of the all-gather kernel for ``[m, k] @ [n k, f]``.
+
+  One chunk per step (today's choice everywhere; see
+  ``design/benchmarks.md``).
+  """
+  del m, k, f, dtype
+  return (1,) * n
+
+
 @dataclasses.dataclass(frozen=True)
 class AgPlan:
   """How one all-gather matmul runs: kernel spec and row panels."""
@@ -133,8 +143,12 @@ def plan_allgather(
   mesh_axes: tuple[str, ...] = (),
   collective_id: int | None = None,
   quantized: bool = False,
+  steps: tuple[int, ...] | None = None,
 ) -> AgPlan:
-  """Block size, directions and panels for ``[m, k] @ [n k, f]``.
+  """Block size, directions, step plan and panels for ``[m, k] @ [n k, f]``.
+
+  ``steps``: chunks per ring step (``AgSpec.steps``); None chooses them
+  (:func:`choose_steps`).
 
   Returns a plan with ``spec=None`` and a ``reason`` when the fused kernel
   cannot run this shape (the caller falls back).
@@ -175,6 +189,7 @@ def plan_allgather(
       precision=precision,
       collective_id=collective_id,
       quantized=quantized,
+      steps=steps if steps is not None else choose_steps(n, rows, k, f, t),
     )
     need = agk.vmem_bytes(s)
     limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
@@ -273,6 +288,7 @@ def _ag_tpu(
   precision,
   collective_id,
   quantized=False,
+  steps=None,
 ):
   m, k = x.shape
   plan = plan_allgather(
@@ -290,6 +306,7 @@ def _ag_tpu(
     mesh_axes=mesh_axes,
     collective_id=collective_id,
     quantized=quantized,
+    steps=steps,
   )
   spec = _planned(plan, "allgather_matmul")
   scales = None
@@ -345,7 +362,13 @@ jc.register_lowering(
 
 
 def allgather_matmul(
-  lhs, rhs, axis_name: str, *, directions: int = 2, transfer: str = "native"
+  lhs,
+  rhs,
+  axis_name: str,
+  *,
+  directions: int = 2,
+  transfer: str = "native",
+  steps: tuple[int, ...] | None = None,
 ):
   """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
 
@@ -360,6 +383,10 @@ def allgather_matmul(
       magnitude / 127), a quarter of float32's bytes and half of
       bfloat16's. The result then equals ``all_gather(dequantize(
       quantize(lhs))) @ rhs``, not the exact product.
+    steps: chunks the kernel multiplies per step, e.g. ``(1, 2, 1)`` on a
+      ring of 4: the local chunk, then both neighbours' at once, then the
+      antipode's (positive, summing to the ring size, the first 1). None
+      (default) chooses from the shape (:func:`choose_steps`).
 
   Returns:
     ``[m, f]`` in ``lhs.dtype``.
@@ -380,6 +407,7 @@ def allgather_matmul(
   """
   quantized = _transfer(transfer)
   n = int(jax.lax.axis_size(axis_name))
+  steps = _steps_arg(steps, n)
   mesh = jax.sharding.get_abstract_mesh()
   return allgather_matmul_p.bind(
     lhs,
@@ -392,7 +420,26 @@ def allgather_matmul(
     precision=precision_name(),
     collective_id=None,
     quantized=quantized,
+    steps=steps,
   )
+
+
+def _steps_arg(steps, n: int) -> tuple[int, ...] | None:
+  """``steps`` checked against the ring size (a clear error, not a wrong
+  result)."""
+  if steps is None:
+    return None
+  try:
+    st = tuple(int(g) for g in steps)
+  except (TypeError, ValueError):
+    st = ()
+  if not st or sum(st) != n or st[0] != 1 or min(st) < 1:
+    raise ValueError(
+      f"allgather_matmul: steps must be positive ints summing to the ring "
+      f"size {n}, the first 1 (the local chunk), got {steps!r}; e.g. "
+      f"{(1,) * n} or {(1, n - 1)}, or None to choose from the shape."
+    )
+  return st
 
 
 def _transfer(transfer) -> bool:

@@ -165,7 +165,27 @@ class AgSpec:
   def scope(self) -> str:
     """The named scope the compute kernel runs in (the benchmark model
     reads the step plan from it)."""
-    return "ring_steps_" + "-".join(str(g) for g in self.plan)
+    plan = "-".join(str(g) for g in self.plan)
+    return f"ring_steps_{plan}_nf{self.nf}"
+
+  @property
+  def hops(self) -> tuple[int, ...]:
+    """Ring distance of the peer each receive slot comes from, nearest
+    first: ``1, n - 1, 2, n - 2, ...`` (slot ``t`` of direction ``d``
+    holds half ``d`` of the chunk ``shift_d * hops[t]`` behind; ``n - 1``
+    ahead is the neighbour on the other side, one hop away on a cycle)."""
+    out = []
+    for a in range(1, self.n // 2 + 1):
+      for b in (a, self.n - a):
+        if b not in out:
+          out.append(b)
+    return tuple(out)
+
+  @property
+  def hops_scope(self) -> str:
+    """The named scope the start kernel runs in (the benchmark model reads
+    the order of the sends from it)."""
+    return "ring_hops_" + "-".join(str(a) for a in self.hops)
 
   @property
   def shifts(self) -> tuple[int, ...]:
@@ -264,7 +284,7 @@ def start_kernel(
       [(src, True) for src in senders],
       len(senders),
     )
-  # Direct sends, nearest first: half d goes to the peer sh * (t + 1) away,
+  # Direct sends, nearest first: half d goes to the peer sh * hops[t] away,
   # which uses it at step t + 1 (its slot t).
   for t in range(n - 1):
     for d, sh in enumerate(spec.shifts):
@@ -277,7 +297,7 @@ def start_kernel(
           dst,
           send_sems.at[d, t],
           recv_sems.at[d, t],
-          device_id=c.ring_peer(spec, me, sh * (t + 1)),
+          device_id=c.ring_peer(spec, me, sh * spec.hops[t]),
           device_id_type=pl.DeviceIdType.MESH,
         ).start()
 
@@ -434,7 +454,8 @@ def _in_specs(spec: AgSpec):
 
   def w_index(s, j, ci, d, me_ref):
     unit, _ = _unit(spec, s, ci)
-    chunk = _chunk(me_ref[0], _shift_of(spec, d), unit, spec.n)
+    hop = _table((0, *spec.hops), unit)
+    chunk = _chunk(me_ref[0], _shift_of(spec, d), hop, spec.n)
     return (chunk * spec.directions + d, j)
 
   xs = [_once((spec.m, spec.k))]
@@ -501,7 +522,14 @@ def start(xs, *, spec: AgSpec):
     scales = (ins[1], recvs[1]) if spec.quantized else None
     start_kernel(ins[0], recvs[0], ss, rs, spec=spec, scales=scales)
 
-  out = pl.pallas_call(
+  with jax.named_scope(spec.hops_scope):
+    out = _start_call(kernel, xs, spec)
+  return tuple(out[:nq]), out[nq], out[nq + 1]
+
+
+def _start_call(kernel, xs, spec: AgSpec):
+  nq = len(xs)
+  return pl.pallas_call(
     kernel,
     out_shape=tuple(c.hbm_like(r) for r in _recv_shapes(xs[0], spec))
     + (_sem_array(spec), _sem_array(spec)),
@@ -510,7 +538,6 @@ def start(xs, *, spec: AgSpec):
     compiler_params=c.params(collective_id=spec.collective_id),
     name="asyncops_ring_allgather_start",
   )(*xs)
-  return tuple(out[:nq]), out[nq], out[nq + 1]
 
 
 def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape):
