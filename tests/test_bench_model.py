@@ -266,38 +266,85 @@ def fused_chapter():
 
 def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
   """The fused kernel costs XLA's estimate of the dots it runs, one
-  ``[m, k] x [k, f]`` per ring step into a float32 accumulator (not one
-  unsharded dot with its weight prefetch serialised before it), never less
-  than the FLOPs at peak; its start's sends are routed peer by peer."""
+  ``[m, g k] x [g k, f]`` per step of its plan (``g`` chunks) into a
+  float32 accumulator (not one unsharded dot with its weight prefetch
+  serialised before it), never less than the FLOPs at peak; each step
+  waits for the receive slots it consumes; its start's sends are routed
+  peer by peer."""
   from benchmarks import _fused_variants, _measure  # noqa: PLC0415
 
   res = fused_chapter
   tl = res.timeline
   assert not tl.flags, tl.flags
   n, m, k, f = 4, 512, 512, 2048
+  module = _hlo.parse(res.text)
+  (kernel,) = [
+    i
+    for c in module.computations.values()
+    for i in c
+    if i.name.startswith("ring_allgather_matmul")
+  ]
+  plan, blocks = _fused_variants.step_plan(kernel.attrs, n)
+  assert sum(plan) == n and blocks == f // 1024
   device = _measure.mesh_for("v5e:2x4", "ring", None).devices.flat[0]
   s = jax.sharding.SingleDeviceSharding(device)
-  args = (
-    jax.ShapeDtypeStruct((n, m, k), jnp.bfloat16, sharding=s),
-    jax.ShapeDtypeStruct((n, k, f), jnp.bfloat16, sharding=s),
-  )
-  fn = lambda x, w: _fused_variants.ring_steps(x, w, out_dtype=jnp.bfloat16)  # noqa: E731
+  args = [jax.ShapeDtypeStruct((n * k, f), jnp.bfloat16, sharding=s)] + [
+    jax.ShapeDtypeStruct((m, g * k), jnp.bfloat16, sharding=s) for g in plan
+  ]
+
+  def fn(w, *xs):
+    return _fused_variants.ring_steps(
+      w, *xs, plan=plan, out_dtype=jnp.bfloat16
+    )
+
   twin_text = jax.jit(fn).trace(*args).lower().compile().as_text()
   steps = _timeline.simulate(_hlo.parse(twin_text), CHIP, prefetch="charged")
   assert tl.twin_s == pytest.approx(steps.step_s)
   assert tl.twin_s >= 2 * m * n * k * f / CHIP.bf16_flops
-  # The ring steps are one dot per step, each of the kernel's chunk shape.
-  assert twin_text.count("convolution(") + twin_text.count(" dot(") == n
+  # One dot per step, each of the step's shape.
+  assert twin_text.count("convolution(") + twin_text.count(" dot(") == len(
+    plan
+  )
+  # The kernel's boxes: its compute plus any wait for a step's chunks,
+  # which counts as exposed communication.
+  boxes = [e for e in tl.events if e.name == kernel.name]
+  busy = sum(e.dur for e in boxes if e.kind == "compute")
+  waited = sum(e.dur for e in boxes if e.kind == "wait")
+  assert busy == pytest.approx(tl.twin_s)
+  assert tl.exposed_comm_s >= waited
   # No result copy: the kernel's output is the program's result.
   kinds = [e.name.split(".")[0] for e in tl.events if e.track == "compute"]
   assert not [k for k in kinds if k.startswith("copy")], kinds
   # Direct sends: each of the 8 devices sends its chunk to its 3 peers,
-  # each copy routed on its own (some peers are 2 or 3 hops away), so the
+  # each copy routed on its own (the antipode is 2 hops away), so the
   # links carry more than one link-crossing per copy.
   (start,) = [e for e in tl.events if e.track == "ici"]
   assert start.dur > 0
   chunk = m * k * 2
   assert sum(start.args["links"].values()) > 8 * (n - 1) * chunk
+
+
+def test_fused_kernel_waits_for_each_steps_chunks():
+  """A step that needs a slot arriving after the previous step's blocks
+  stalls inside the kernel (exposed), before that step's last block."""
+  sim = _timeline._Sim(None, CHIP, [(0,), (1,)], [[0, 1]], "free")
+  steps = _timeline.KernelSteps((2e-6, 3e-6), ((), (0,)), blocks=2)
+  sim.pending["start"] = _timeline._Transfer("k", "f", 0.0, 5e-6, (5e-6,))
+  sim._sources = lambda comp, ins: ["start"]
+  sim._twin_cost = lambda ins: steps.total
+  sim._flops = lambda ins: (0.0, 0.0)
+  sim.kernel_cost = lambda ins, m: steps
+  end = sim._stepped("entry", _FakeIns(), 0.0)
+  # 1 us of step 0 (its first block), wait to 5 us, its last block, step 1.
+  assert end == pytest.approx(5e-6 + 1e-6 + 3e-6)
+  assert sim.exposed == pytest.approx(4e-6)
+
+
+@dataclasses.dataclass
+class _FakeIns:
+  name: str = "ring_allgather_matmul"
+  opcode: str = "custom-call"
+  target: str = "tpu_custom_call"
 
 
 def test_compile_cache_is_keyed_on_the_lowered_program(tmp_path, monkeypatch):

@@ -76,14 +76,17 @@ def _check_interpreter_output(capfd):
 
 
 @pytest.mark.parametrize(
-  "mesh_shape,directions,blocks,dtype",
+  "mesh_shape,directions,blocks,dtype,steps",
   [
-    ((1, 4), 2, 3, "float32"),
-    ((2, 3), 1, 1, "bfloat16"),
-    ((1, 2), 2, 2, "float32"),
+    ((1, 4), 2, 3, "float32", None),
+    ((1, 4), 2, 2, "bfloat16", (1, 2, 1)),  # both neighbours at once
+    ((2, 3), 1, 1, "bfloat16", (1, 2)),
+    ((1, 2), 2, 2, "float32", None),
   ],
 )
-def test_allgather_kernel_bodies(mesh_shape, directions, blocks, dtype, capfd):
+def test_allgather_kernel_bodies(
+  mesh_shape, directions, blocks, dtype, steps, capfd
+):
   x_n, n = mesh_shape
   dtype = jnp.dtype(dtype)
   a = _ints((16 * x_n, n * 256), dtype, 0)
@@ -91,7 +94,7 @@ def test_allgather_kernel_bodies(mesh_shape, directions, blocks, dtype, capfd):
 
   def body(x, y):
     name = dtype.name
-    spec = _ag_spec(n, x, y, name, name, name, directions)
+    spec = _ag_spec(n, x, y, name, name, name, directions, steps=steps)
     return _one_kernel(agk, x, y, spec, y.shape[1], dtype)
 
   in_specs = (P("x", "y"), P(None, "y"))
@@ -366,6 +369,24 @@ def test_quantize_round_trip():
   err = jnp.abs(back - x).reshape(8, 2, 256).max(axis=2)
   assert bool(jnp.all(err <= top / 254 + 1e-6))
   assert bool(jnp.all(back[2] == 0))
+
+
+@pytest.mark.parametrize("steps", [(2, 2), (1, 2), (1, 0, 3)])
+def test_step_plan_is_checked(steps):
+  with pytest.raises(ValueError, match="steps must be positive ints summing"):
+    _fused._steps_arg(steps, 4)
+  with pytest.raises(ValueError, match=r"AgSpec.steps must be positive"):
+    agk.AgSpec("y", ("y",), 4, 8, 256, 128, "bfloat16", "bfloat16",
+               "bfloat16", bn=128, steps=steps)
+  assert _fused._steps_arg([1, 3], 4) == (1, 3)
+
+
+def test_sends_go_nearest_first_on_both_sides():
+  spec = agk.AgSpec("y", ("y",), 8, 8, 256, 128, "bfloat16", "bfloat16",
+                    "bfloat16", bn=128, steps=(1, 2, 2, 3))
+  assert spec.hops == (1, 7, 2, 6, 3, 5, 4)
+  assert spec.scope == "ring_steps_1-2-2-3_nf1"
+  assert spec.offsets == (0, 1, 3, 5) and spec.g == 3
 
 
 def test_transfer_argument_is_checked():

@@ -8,12 +8,27 @@ chunk arrives and accumulates the ``[m, f]`` product in float32 (int32 for
 int8) **in VMEM** (it never goes back to HBM between steps), then writes
 the result once, in bf16/f32/int8 as the output asks.
 
-Two directions (``directions=2``): the columns of every chunk are split in
-halves; step ``s`` uses the first half of chunk ``i - s`` and the second
-half of chunk ``i + s``, so the nearest peers on both sides feed the first
-steps and each half meets its own ``[k/2, bn]`` blocks of ``w`` (each row
-of ``w`` belongs to exactly one (chunk, half): ``w`` is read from HBM
-once). One direction: step ``s`` uses the whole chunk ``i + s``.
+Ring units and slots. Unit ``0`` is the local chunk; unit ``u >= 1`` is
+what receive slot ``u - 1`` holds, from the peer ``hops[u - 1]`` away,
+nearest first on both sides: ``hops = (1, n - 1, 2, n - 2, ...)`` (``n -
+1`` ahead is the neighbour behind, one link away on a cycle). Two
+directions (``directions=2``): the columns of every chunk are split in
+halves; unit ``u`` holds the first half of chunk ``i - hops[u - 1]`` and
+the second half of chunk ``i + hops[u - 1]``, so on a 4-ring units 1 and 2
+are both neighbours' whole chunks and unit 3 the antipode's; each half
+meets its own ``[k/2, bn]`` blocks of ``w`` (each row of ``w`` belongs to
+exactly one (chunk, half): ``w`` is read from HBM once). One direction:
+unit ``u`` holds the whole chunk ``i + hops[u - 1]``.
+
+Step plan (``AgSpec.steps``, chosen by ``collective_matmul._fused.
+choose_steps`` from the shape, dtype and chip): step ``s`` multiplies
+``steps[s]`` consecutive units, e.g. ``(1, 1, 1, 1)`` (one unit per step)
+or ``(1, 2, 1)`` (the local chunk, then both neighbours at once, then the
+antipode). A step of ``g`` units is one ``[m, g k] @ [g k, f]`` dot
+tiled in ``[k/d, bn]`` blocks, its contraction innermost (grid ``(step,
+block, unit of the step, half)``): fewer, larger steps re-read the
+accumulator fewer times, but a step cannot start before all its units
+have arrived.
 
 Kernels, in program order (all three appear in the compiled HLO):
 
@@ -21,19 +36,22 @@ Kernels, in program order (all three appear in the compiled HLO):
    of the ring (each writes into this device's receive buffer; the second
    round on a kernel-local semaphore, jax-ml/jax PR #27963), then **direct
    sends**: half ``d`` of ``x`` to the
-   peer ``shift_d * (t + 1)`` away, into its slot ``t``, for ``t = 0 ..
+   peer ``shift_d * hops[t]`` away, into its slot ``t``, for ``t = 0 ..
    n - 2``, nearest first. Returns the receive buffer ``[d, n - 1, m,
-   k/d]`` (slot ``t`` of direction ``d`` holds the half used at step
-   ``t + 1``; its first output, which ``benchmarks/`` routes) and DMA
+   k/d]`` (slot ``t`` of direction ``d`` holds the half of unit ``t +
+   1``; its first output, which ``benchmarks/`` routes) and DMA
    semaphore arrays ``[d, n - 1]`` for sends and receives.
-2. ``ring_allgather_matmul``: grid ``(n, f / bn, d)``. Step ``s``
-   multiplies the halves it holds (``x`` at step 0) by their ``w`` blocks
-   (streamed by the Pallas pipeline) into the float32 VMEM accumulator.
-   After block ``max(nf - 2, 0)`` of step ``s < n - 1`` it waits for the
-   halves of step ``s + 1`` and starts copying them into the other slot of
-   a VMEM double buffer, so the copy overlaps the step's last block. The
-   last step adds its product and writes ``[m, bn]`` output blocks. It
-   starts **no remote DMA**, and returns an SMEM token besides the result.
+2. ``ring_allgather_matmul``: grid ``(steps, f / bn, max(steps), d)``.
+   Step ``s`` multiplies the halves it holds (``x`` at step 0) by their
+   ``w`` blocks (streamed by the Pallas pipeline) into the float32 VMEM
+   accumulator. After the last unit of block ``max(nf - 2, 0)`` of a step
+   it waits for the units of the next step and starts copying them into
+   the other slot of a VMEM double buffer ``[2, max(steps), m, k]``, so
+   the copies overlap the step's last block. The last step adds its
+   product and writes ``[m, bn]`` output blocks. It starts **no remote
+   DMA**, and returns an SMEM token besides the result. It runs in a
+   ``ring_steps_<plan>_nf<blocks>`` named scope (the start in
+   ``ring_hops_<hops>``), which ``benchmarks/_timeline.py`` reads.
 3. ``asyncops_ring_allgather_done``: waits for every send; it takes the
    token (not the result), so it runs after the compute kernel and the
    sends stay in flight under the matmul.
@@ -68,9 +86,8 @@ buffers and the ``w`` blocks must fit in VMEM (the caller splits ``m`` into
 panels when they do not). One ring axis; other mesh axes keep this device's
 coordinates. All ``n - 1`` receive slots are allocated up front (``(n - 1)
 m k`` elements of HBM), as a forwarding ring's are. A step waits for its
-chunk inside the kernel: the benchmark model sees the transfers end at the
-done, not a stall at an early step if the nearest peers' halves arrive
-late (they are sent first).
+units inside the kernel; the benchmark model charges that wait (each slot
+arrives on its own, FIFO per link, in the order the start sends them).
 """
 
 import dataclasses
