@@ -83,7 +83,8 @@ def ring_steps(w, *xs, plan=None, out_dtype):
     row += g
     if jnp.dtype(xs_.dtype) == jnp.int8 and floating:
       xs_ = xs_.astype(jnp.bfloat16)  # quantized codes meet the MXU as bf16
-    if floating and jnp.dtype(ws.dtype).itemsize > jnp.dtype(xs_.dtype).itemsize:
+    wider = jnp.dtype(ws.dtype).itemsize > jnp.dtype(xs_.dtype).itemsize
+    if floating and wider:
       # The kernel reads w as stored and rounds it in VMEM: the same work
       # as a dot in w's dtype at DEFAULT precision (one bfloat16 pass).
       xs_ = xs_.astype(ws.dtype)

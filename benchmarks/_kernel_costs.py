@@ -53,6 +53,8 @@ class Steps:
 
   needs: tuple[tuple[int, ...], ...]
   blocks: int = 1
+
+
 _TWINS: dict[str, Twin] = {}
 
 _DTYPES = {

@@ -636,8 +636,9 @@ class _Sim:
     self.flops += self._flops(ins)[0]
     for i, cost in enumerate(costs):
       if i + 1 < len(costs):
-        ready = max((slots[u] for u in steps.needs[i + 1] if u < len(slots)),
-                    default=0.0)
+        ready = max(
+          (slots[u] for u in steps.needs[i + 1] if u < len(slots)), default=0.0
+        )
         # The kernel waits for the next step's chunks before this step's
         # last block: the blocks before it run first.
         head = cost * frac
@@ -647,8 +648,9 @@ class _Sim:
           self._emit("compute", ins.name, "wait", t, ready - t)
           self.exposed += ready - t
           t = ready
-        self._emit("compute", ins.name, "compute", t, cost - head,
-                   op=ins.opcode)
+        self._emit(
+          "compute", ins.name, "compute", t, cost - head, op=ins.opcode
+        )
         t += cost - head
       else:
         self._emit("compute", ins.name, "compute", t, cost, op=ins.opcode)

@@ -293,18 +293,14 @@ def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
   ]
 
   def fn(w, *xs):
-    return _fused_variants.ring_steps(
-      w, *xs, plan=plan, out_dtype=jnp.bfloat16
-    )
+    return _fused_variants.ring_steps(w, *xs, plan=plan, out_dtype=jnp.bfloat16)
 
   twin_text = jax.jit(fn).trace(*args).lower().compile().as_text()
   steps = _timeline.simulate(_hlo.parse(twin_text), CHIP, prefetch="charged")
   assert tl.twin_s == pytest.approx(steps.step_s)
   assert tl.twin_s >= 2 * m * n * k * f / CHIP.bf16_flops
   # One dot per step, each of the step's shape.
-  assert twin_text.count("convolution(") + twin_text.count(" dot(") == len(
-    plan
-  )
+  assert twin_text.count("convolution(") + twin_text.count(" dot(") == len(plan)
   # The kernel's boxes: its compute plus any wait for a step's chunks,
   # which counts as exposed communication.
   boxes = [e for e in tl.events if e.name == kernel.name]

@@ -376,14 +376,36 @@ def test_step_plan_is_checked(steps):
   with pytest.raises(ValueError, match="steps must be positive ints summing"):
     _fused._steps_arg(steps, 4)
   with pytest.raises(ValueError, match=r"AgSpec.steps must be positive"):
-    agk.AgSpec("y", ("y",), 4, 8, 256, 128, "bfloat16", "bfloat16",
-               "bfloat16", bn=128, steps=steps)
+    agk.AgSpec(
+      "y",
+      ("y",),
+      4,
+      8,
+      256,
+      128,
+      "bfloat16",
+      "bfloat16",
+      "bfloat16",
+      bn=128,
+      steps=steps,
+    )
   assert _fused._steps_arg([1, 3], 4) == (1, 3)
 
 
 def test_sends_go_nearest_first_on_both_sides():
-  spec = agk.AgSpec("y", ("y",), 8, 8, 256, 128, "bfloat16", "bfloat16",
-                    "bfloat16", bn=128, steps=(1, 2, 2, 3))
+  spec = agk.AgSpec(
+    "y",
+    ("y",),
+    8,
+    8,
+    256,
+    128,
+    "bfloat16",
+    "bfloat16",
+    "bfloat16",
+    bn=128,
+    steps=(1, 2, 2, 3),
+  )
   assert spec.hops == (1, 7, 2, 6, 3, 5, 4)
   assert spec.scope == "ring_steps_1-2-2-3_nf1"
   assert spec.offsets == (0, 1, 3, 5) and spec.g == 3
