@@ -108,13 +108,31 @@ def _block_cols(f: int, k: int, itemsize: int) -> int | None:
   return None
 
 
-def choose_steps(n: int, m: int, k: int, f: int, dtype) -> tuple[int, ...]:
+def choose_steps(
+  n: int, m: int, k: int, f: int, w_dtype, device_kind: str | None = None
+) -> tuple[int, ...]:
   """Chunks per step of the all-gather kernel for ``[m, k] @ [n k, f]``.
 
-  One chunk per step (today's choice everywhere; see
-  ``design/benchmarks.md``).
+  Two plans: one chunk per step, or the two sides paired (``(1, 2, ...,
+  2[, 1])``: the local chunk, then the units at each distance from both
+  sides at once, which arrive together). A step fewer saves one pass over
+  the float32 accumulator, but a paired step cannot start before both its
+  units are in and its dot is longer. The benchmark model (XLA's
+  estimates of the steps' dots, each step waiting for its slots;
+  ``design/benchmarks.md``) favours pairs only for large bfloat16 chunks
+  (``k >= 2048`` rows of a 2-byte ``w``); at the chapter's ``k = 512`` and
+  for float32 weights one chunk per step is as fast or faster on v5e and
+  v6e.
+
+  Example:
+    >>> choose_steps(4, 1024, 2048, 7168, "bfloat16")
+    (1, 2, 1)
+    >>> choose_steps(4, 512, 512, 2048, "bfloat16")
+    (1, 1, 1, 1)
   """
-  del m, k, f, dtype
+  del m, f, device_kind
+  if n >= 3 and k >= 2048 and jnp.dtype(w_dtype).itemsize == 2:
+    return (1,) + (2,) * ((n - 1) // 2) + (1,) * ((n - 1) % 2)
   return (1,) * n
 
 
@@ -189,7 +207,9 @@ def plan_allgather(
       precision=precision,
       collective_id=collective_id,
       quantized=quantized,
-      steps=steps if steps is not None else choose_steps(n, rows, k, f, t),
+      steps=steps
+      if steps is not None
+      else choose_steps(n, rows, k, f, w_dtype, device_kind),
     )
     need = agk.vmem_bytes(s)
     limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
