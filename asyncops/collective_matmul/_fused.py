@@ -109,7 +109,13 @@ def _block_cols(f: int, k: int, itemsize: int) -> int | None:
 
 
 def choose_steps(
-  n: int, m: int, k: int, f: int, w_dtype, device_kind: str | None = None
+  n: int,
+  m: int,
+  k: int,
+  f: int,
+  w_dtype,
+  device_kind: str | None = None,
+  t_dtype="bfloat16",
 ) -> tuple[int, ...]:
   """Chunks per step of the all-gather kernel for ``[m, k] @ [n k, f]``.
 
@@ -117,21 +123,26 @@ def choose_steps(
   2[, 1])``: the local chunk, then the units at each distance from both
   sides at once, which arrive together). A step fewer saves one pass over
   the float32 accumulator, but a paired step cannot start before both its
-  units are in and its dot is longer. The benchmark model (XLA's
-  estimates of the steps' dots, each step waiting for its slots;
-  ``design/benchmarks.md``) favours pairs only for large bfloat16 chunks
-  (``k >= 2048`` rows of a 2-byte ``w``); at the chapter's ``k = 512`` and
-  for float32 weights one chunk per step is as fast or faster on v5e and
-  v6e.
+  units are in. The benchmark model (XLA's estimates of the steps' dots,
+  each step waiting for its slots; ``design/benchmarks.md``) favours
+  pairs only for large bfloat16 chunks (``k >= 2048`` rows of a 2-byte
+  ``w``) that cross a link faster than the MXU multiplies them (v5e at
+  prefill); elsewhere (the chapter's ``k = 512``, float32 weights, v6e's
+  fast MXU) one chunk per step is as fast or faster.
 
   Example:
-    >>> choose_steps(4, 1024, 2048, 7168, "bfloat16")
+    >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v5 lite")
     (1, 2, 1)
-    >>> choose_steps(4, 512, 512, 2048, "bfloat16")
+    >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v6 lite")
     (1, 1, 1, 1)
   """
-  del m, f, device_kind
-  if n >= 3 and k >= 2048 and jnp.dtype(w_dtype).itemsize == 2:
+  from asyncops.collective_matmul import _auto  # noqa: PLC0415 (cycle)
+
+  chip = _auto.chip_for(device_kind)
+  link_s = m * k * jnp.dtype(t_dtype).itemsize / chip.link
+  mxu_s = 2 * m * k * f / chip.bf16_flops
+  big = k >= 2048 and jnp.dtype(w_dtype).itemsize == 2
+  if n >= 3 and big and link_s <= 0.75 * mxu_s:
     return (1,) + (2,) * ((n - 1) // 2) + (1,) * ((n - 1) % 2)
   return (1,) * n
 
@@ -209,7 +220,7 @@ def plan_allgather(
       quantized=quantized,
       steps=steps
       if steps is not None
-      else choose_steps(n, rows, k, f, w_dtype, device_kind),
+      else choose_steps(n, rows, k, f, w_dtype, device_kind, t),
     )
     need = agk.vmem_bytes(s)
     limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
