@@ -6,7 +6,9 @@ Variants (registered with :func:`benchmarks._variants.register`):
   ``asyncops.collective_matmul``'s fused ring all-gather matmul (two ring
   directions / one), the flagship's ``A[B_X, D_Y] W[D, F_Y]``;
   ``allgather_matmul_fused_int8``: its chunks travel as int8 with per-row
-  scales (the result is the dequantized chunks' product).
+  scales (the result is the dequantized chunks' product);
+  ``allgather_matmul_fused_s<plan>`` (``s1111``, ``s121``, ``s112``,
+  ``s13``): a fixed step plan on a 4-ring, to compare plans.
 - ``reducescatter:asyncops_fused`` / ``..._fused_uni``: the fused ring
   matmul-reduce-scatter.
 - ``allreduce:asyncops_fused``: the fused matmul-reduce-scatter, then XLA's
@@ -16,9 +18,12 @@ Twins (:mod:`benchmarks._kernel_costs`): what each computing kernel of
 ``asyncops/kernels/_allgather_matmul.py`` and ``_reducescatter_matmul.py``
 does, written with ``jnp`` ops of the same shapes:
 
-- ``ring_allgather_matmul``: one ``x [m, k] @ w [k, f]`` dot per ring
-  step (each step's chunk times its rows of ``w``) added into a float32
-  accumulator, cast once (:func:`ring_steps`). Not the unsharded matmul:
+- ``ring_allgather_matmul``: one ``x_s [m, g k] @ w_s [g k, f]`` dot per
+  step of the kernel's plan (``g`` chunks; the plan is read from the
+  kernel's ``ring_steps_<plan>_nf<blocks>`` scope) added into a float32
+  accumulator, cast once (:func:`ring_steps`); each step waits for the
+  receive slots it consumes (:class:`_kernel_costs.Steps`). Not the
+  unsharded matmul:
   XLA's estimate of one ``[m, n k] x [n k, f]`` dot is the work of a
   different program (and, simulated with its weight prefetch charged,
   serialises the weight read before the dot, which the kernel streams).
