@@ -91,6 +91,10 @@ def test_allgather_kernels_in_order(topology):
     if "parameter" in parse_module(text).instr(o).opcode
   ]
   assert len(w_operands) == 2  # x and w, each once
+  # The model reads the step plan and the order of the sends from these
+  # scopes (one chunk per step at this shape; nearest peers first).
+  assert re.search(r"ring_steps_1-1-1-1_nf\d+", compute.attrs)
+  assert "ring_hops_1-3-2" in start.attrs
   report = analyze(text)
   assert not report.defensive_copies, report.defensive_copies
   _assert_result_written_in_place(text, compute)
