@@ -145,13 +145,22 @@ def test_allgather_int8_transfers(topology, dtype):
   assert not report.defensive_copies, report.defensive_copies
 
 
-def test_allgather_one_direction():
-  def f(a, w):
-    return _fused.allgather_matmul(a, w, "y", directions=1)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_allgather_one_direction_with_a_step_plan(topology):
+  """One direction, and a plan of larger steps (both neighbours' chunks in
+  one step): the kernel compiles, the model's scope names the plan, and
+  nothing is copied."""
 
-  text = _compile(*_allgather("v5e:2x4", f))
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y", directions=1, steps=(1, 2, 1))
+
+  text = _compile(*_allgather(topology, f))
   (start,) = _calls(text, "asyncops_ring_allgather_start")
   assert start.leaves[0].dims == (1, 3, B // 2, D // 4)
+  (compute,) = _calls(text, "ring_allgather_matmul")
+  assert re.search(r"ring_steps_1-2-1_nf\d+", compute.attrs)
+  assert not analyze(text).defensive_copies
+  _assert_result_written_in_place(text, compute)
 
 
 def test_allgather_ring_of_eight():
