@@ -81,8 +81,8 @@ scaled per row before it is accumulated: the result is
 ``all_gather(dequantize(quantize(x))) @ w``.
 
 Limits. ``k / d`` a multiple of 128; ``f`` divisible by ``bn``; the
-accumulator ``[m, f]`` (float32; int32 for int8), two ``[m, k]`` chunk
-buffers and the ``w`` blocks must fit in VMEM (the caller splits ``m`` into
+accumulator ``[m, f]`` (float32; int32 for int8), ``2 max(steps)``
+``[m, k]`` chunk buffers and the ``w`` blocks must fit in VMEM (the caller splits ``m`` into
 panels when they do not). One ring axis; other mesh axes keep this device's
 coordinates. All ``n - 1`` receive slots are allocated up front (``(n - 1)
 m k`` elements of HBM), as a forwarding ring's are. A step waits for its
