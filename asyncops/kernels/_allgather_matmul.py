@@ -83,11 +83,12 @@ scaled per row before it is accumulated: the result is
 Limits. ``k / d`` a multiple of 128; ``f`` divisible by ``bn``; the
 accumulator ``[m, f]`` (float32; int32 for int8), ``2 max(steps)``
 ``[m, k]`` chunk buffers and the ``w`` blocks must fit in VMEM (the
-caller splits ``m`` into panels when they do not). One ring axis; other mesh axes keep this device's
-coordinates. All ``n - 1`` receive slots are allocated up front (``(n - 1)
-m k`` elements of HBM), as a forwarding ring's are. A step waits for its
-units inside the kernel; the benchmark model charges that wait (each slot
-arrives on its own, FIFO per link, in the order the start sends them).
+caller splits ``m`` into panels when they do not). One ring axis; other
+mesh axes keep this device's coordinates. All ``n - 1`` receive slots
+are allocated up front (``(n - 1) m k`` elements of HBM), as a
+forwarding ring's are. A step waits for its units inside the kernel; the
+benchmark model charges that wait (each slot arrives on its own, FIFO per
+link, in the order the start sends them).
 """
 
 import dataclasses
