@@ -202,6 +202,8 @@ def allgather_matmul(
       why=why,
     ),
   )
+  if run == "ring_bidi":  # auto's two-way ring (even rows, checked)
+    run, bidirectional = "ring", True
   if n == 1:
     outs = tuple(jnp.dot(lhs, w, preferred_element_type=lhs.dtype) for w in ws)
     gathered = lhs
