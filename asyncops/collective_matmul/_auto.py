@@ -134,8 +134,9 @@ class Cal:
     fused_floor: a fused all-gather step costs at least this share of the
       HBM time of its rows of ``w`` (the kernel's charge, XLA's estimate
       of one ``[m, k] x [k, f]`` dot per step, after the weight read).
-    fused_panel_s: a fused kernel's fixed cost per row panel beyond the
-      weight read (its ring restarts, the partial sums' traffic).
+    fused_panel: a fused kernel's cost per extra row panel beyond its
+      weight read, in weight reads (its ring restarts; the model: 2 panels
+      at M = 4096, v5e, tp 8, 100 us more than one panel's estimate).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -149,15 +150,15 @@ class Cal:
   ring_dot_s: float
   ring_acc: float
   fused_floor: float
-  fused_panel_s: float
+  fused_panel: float
   xla_hbm: float
 
 
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 25e-6, 0.85),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 25e-6, 0.85),
-  "v5p": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 20e-6, 0.76),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 20e-6, 0.76),
+  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 1.4, 0.85),
+  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 1.4, 0.85),
+  "v5p": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76),
 }
 
 
@@ -353,14 +354,15 @@ def explain_allgather(
     _fused_s(
       panels, compute, w_s, hbm - w_s, n, chunk, chip.link, floor_s=floor
     )
-    + (panels - 1) * cal.fused_panel_s
+    + (panels - 1) * cal.fused_panel * w_s
   )
   rings = {}
   for d in (1, 2):
     if d == 2 and m % 2:
       continue
-    hidden = k * f * b + chunk + cal.ring_acc * acc
-    rings[d] = _ring_s(n, d, compute, hidden, 0, chip, chunk, cal)
+    # The value ring moves x as it is (``chunk`` is the fused kernel's).
+    hidden = k * f * b + m * k * b + cal.ring_acc * acc
+    rings[d] = _ring_s(n, d, compute, hidden, 0, chip, m * k * b, cal)
   choice = _decide(
     reason,
     fused,
@@ -393,7 +395,10 @@ def explain_reducescatter(
   part = m * c * t
   compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
   hbm = (w_bytes + m * k * t + m * c * b) / chip.hbm
-  ring = (n - 1) * (part / (2 * chip.link) + _HOP_S)
+  # XLA's reduce-scatter inside shard_map runs over one ring direction
+  # after the whole matmul (the model: 11.9 us exposed at M = 16, 85 at
+  # M = 256, v5e, tp 8), as its all-gather does.
+  ring = (n - 1) * (part / chip.link + _HOP_S)
   xla = _XLA_OVERHEAD_S + ring + max(compute, hbm / cal.xla_hbm)
   plan = _fused.plan_reducescatter(
     m,
@@ -409,24 +414,21 @@ def explain_reducescatter(
   reason = None if plan.spec is not None else plan.reason
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
-  fused = (
-    _fused_s(
-      panels,
-      compute,
-      w_s,
-      hbm - w_s,
-      n,
-      part,
-      chip.link,
-    )
-    + (panels - 1) * cal.fused_panel_s
+  fused = _fused_s(
+    panels,
+    compute,
+    w_s,
+    hbm - w_s,
+    n,
+    part,
+    chip.link,
   )
   rings = {}
   for d in (1, 2):
     if d == 2 and m % 2:
       continue
     extra = m * k * b + 2 * m * c * b
-    rings[d] = _ring_s(n, d, compute, k * c * b, extra, chip, part, cal)
+    rings[d] = _ring_s(n, d, compute, k * c * b, extra, chip, m * c * b, cal)
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it
   # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
