@@ -272,7 +272,7 @@ def _decide(
   why = {
     "ring": "the one-way value ring is estimated fastest",
     "ring_bidi": "the two-way value ring is estimated fastest: half the "
-    "bytes per link per step, and no row panels (each would re-read w)",
+    "bytes per link per step",
   }[best]
   if fused_reason is not None:
     why = f"{why}; fused kernels unavailable: {fused_reason}"
@@ -377,6 +377,12 @@ def explain_allgather(
     choice = dataclasses.replace(
       choice, reason=f"{choice.reason} ({panels} row panels)"
     )
+  elif panels > 1 and choice.method.startswith("ring"):
+    choice = dataclasses.replace(
+      choice,
+      reason=f"{choice.reason}; the fused kernel would run {panels} row "
+      "panels, each re-reading w",
+    )
   return choice
 
 
@@ -433,7 +439,7 @@ def explain_reducescatter(
   # and stays exposed, while the fused kernel sends each partial sum as it
   # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
   # XLA's best 96.7 us at M = 16, 97.7 against 122.5 at M = 64).
-  return _decide(
+  choice = _decide(
     reason,
     fused,
     xla,
@@ -444,6 +450,13 @@ def explain_reducescatter(
     ring_s=rings.get(1),
     ring_bidi_s=rings.get(2),
   )
+  if panels > 1 and choice.method.startswith("ring"):
+    choice = dataclasses.replace(
+      choice,
+      reason=f"{choice.reason}; the fused kernel would run {panels} row "
+      "panels, each re-reading w",
+    )
+  return choice
 
 
 def explain_allreduce(
@@ -465,7 +478,10 @@ def explain_allreduce(
   chip = chip_for(device_kind)
   t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
   half = m * c * t / chip.link
-  xla = rs.xla_us * 1e-6 + (n - 1) * (half / 2 + _HOP_S)
+  # XLA's all-reduce: both halves over both ring directions (``rs``'s
+  # XLA estimate has its reduce-scatter over one).
+  xla = rs.xla_us * 1e-6 - (n - 1) * (half + _HOP_S)
+  xla += 2 * (n - 1) * (half / 2 + _HOP_S)
   if rs.fused_us is None:
     # The rings' all-reduce is not estimated here: XLA's all-reduce.
     return Choice(
