@@ -11,45 +11,59 @@ Candidates (per device, inside ``shard_map``):
   (a ``custom_vjp`` with the ring backward).
 - ``"xla"``: XLA's collective and then (or before) ``jnp.dot``:
   ``all_gather(x) @ w``, ``psum_scatter(x @ w)``, ``psum(x @ w)``.
-- ``"ring"``: the value-API (or Ref-API) ring of ``start``/``done`` futures
-  around XLA's chunk matmuls. ``"auto"`` runs it when the caller set a
-  ring-only option (``api="ref"``, ``bidirectional=True``), and for the
-  forms the fused kernels do not run (row gathers and scatters, several
-  weights on one gather, ``return_gathered``) unless the matmul is bound
-  by reading the weights (:func:`explain_ring`).
+- ``"ring"`` / ``"ring_bidi"``: the value-API ring of ``start``/``done``
+  futures around XLA's chunk matmuls, one- or two-way (the two-way ring
+  sends half of every chunk or partial sum each way: half the bytes per
+  link per step; it needs an even number of rows). ``"auto"`` runs the
+  ring the caller configured when a ring-only option is set
+  (``api="ref"``, ``bidirectional=True``); for the canonical forms both
+  rings are candidates beside the fused kernel and XLA; for the forms the
+  fused kernels do not run (row gathers and scatters, several weights on
+  one gather, ``return_gathered``) the one-way ring runs unless the matmul
+  is bound by reading the weights (:func:`explain_ring`).
 
 The choice is made at trace time from the per-device shapes, the dtype,
 the ring size and the chip the mesh is made of (``AbstractMesh.
 abstract_device``; a v5e if the mesh names none, e.g. on CPU, where every
-method computes the same result with ``jax.lax``). Each candidate gets a
-roofline-style estimate from public chip figures:
+method computes the same result with ``jax.lax``). Each candidate gets an
+analytic estimate from public chip figures (:data:`CHIPS`) and a few
+per-chip constants fit to the benchmark model's figures (:data:`CAL`):
 
 - MXU time ``C`` = FLOPs / peak (float32 at ``HIGHEST`` takes six bf16
-  passes);
-- HBM time ``M`` = bytes every method must read or write once (``w``, the
-  chunks, the result) / HBM bandwidth;
+  passes); HBM time ``M`` = bytes every method must read or write once
+  (``w``, the chunks, the result) / HBM bandwidth; ``W`` = the weight
+  read alone;
 - ring time ``T(d)`` = bytes received per link direction / link bandwidth
   plus a hop of latency per step, with ``d`` directions in use.
 
-``fused ~ 1.5 us + max(C, M, T(2) + C / n)`` (the last chunk or partial sum
-is only consumed after it arrives), summed over the fused kernel's row
-panels when its accumulator needs several (each re-reads ``w`` and
-restarts its ring), and ``xla ~ 1 us + T_xla + max(C, M)`` (XLA's
-collective blocks; the all-gather runs over one ring direction, as the
-benchmark model finds XLA's, the reduce-scatter is given two, the generous
-case). The fused kernels are chosen when the shape runs on them, the
-estimate is at least 3% faster, and, for the all-gather and all-reduce,
-the matmul is not bound by reading ``w`` (``C >= M / 2``): at decode sizes
-both read ``w`` once and the step is the HBM time either way, so the XLA
-program (no extra kernels, no barrier) is kept. The reduce-scatter has no
-such rule: XLA's reduce-scatter waits for the whole matmul, the fused
-kernel sends partial sums as they are made, which the benchmark model
-finds faster at decode sizes too.
+- ``xla ~ 1 us + T(1) + max(C, M)``: XLA's collective inside
+  ``shard_map`` blocks and runs over one ring direction (what the
+  benchmark model finds in XLA's all-gather and reduce-scatter); the
+  reduce-scatter's matmul, which it waits for, is charged the weight read
+  at ``CAL.xla_hbm`` of HBM bandwidth.
+- ``fused``: per row panel, ``1.5 us + W`` (the kernel's charge, XLA's
+  estimate of the same chunk dots, reads the weight before them) plus the
+  larger of its dots (at least ``CAL.fused_floor W`` and, for the
+  all-gather, its float32 accumulator's traffic per step) and its ring
+  ``T(2)``; the all-gather's extra panels cost ``CAL.fused_panel W`` each.
+- ``ring(d)``: ``n`` steps, each ``max(C / n + rho bytes / HBM + fixed,
+  T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
+  ``ring_step_s``, ``ring_dot_s`` for the second direction's dot).
+
+The fastest estimate wins; the fused kernel is kept over a ring within 3%
+(it holds less memory), and a ring or fused kernel must be 3% under XLA's
+program. For the all-gather, a matmul bound by reading ``w`` (``C < M /
+2``, decode sizes) keeps XLA's program (no extra kernels, no barrier): the
+step is the weight read either way. The reduce-scatter has no such rule:
+XLA's reduce-scatter waits for the whole matmul, the fused kernel sends
+partial sums as they are made, which the benchmark model finds faster at
+decode sizes too.
 
 The all-reduce is the fused reduce-scatter plus XLA's all-gather against
-XLA's all-reduce; the all-gather half, a collective of its own, is costed
-at one ring direction, so XLA's all-reduce is kept wherever the link time
-matters (every shape of the benchmark tables).
+XLA's all-reduce (both halves over both ring directions); the all-gather
+half, a collective of its own, is costed at one ring direction, so XLA's
+all-reduce is kept wherever the link time matters (every shape of the
+benchmark tables).
 
 :func:`explain_allgather` (and ``_reducescatter`` / ``_allreduce`` /
 ``explain_ring``) returns the :class:`Choice` with the estimates and the
