@@ -168,10 +168,14 @@ class Cal:
   xla_hbm: float
 
 
+# v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
+# v5p: three points of it (its value-ring steps cost about 13 us more than
+# their dots at decode, and its two-way ring's second dot 5 us); v4 takes
+# v5e's.
 CAL = {
   "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 1.4, 0.85),
   "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 1.4, 0.85),
-  "v5p": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76),
+  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 0.85, 1.4, 0.76),
   "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76),
 }
 
