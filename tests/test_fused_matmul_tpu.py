@@ -256,7 +256,7 @@ def test_reducescatter_sent_partial_sums_stay_small():
   assert not analyze(text).defensive_copies
 
 
-_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
+_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5p"}
 
 
 @pytest.mark.parametrize(
@@ -268,6 +268,11 @@ _KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
     ("allgather", "v5e", 256, "fused"),
     ("allgather", "v5e", 1024, "fused"),
     ("allgather", "v5e", 4096, "ring_bidi"),  # fused: 2 row panels
+    # Nothing reaches xla_best (a compiler flag); the one-way ring is the
+    # nearest (the two-way ring's large accumulators, the fused 8 panels).
+    ("allgather", "v5e", 16384, "ring"),
+    ("allgather", "v5p", 16, "xla"),
+    ("reducescatter", "v5p", 16, "fused"),
     ("allgather", "v6e", 256, "xla"),
     ("allgather", "v6e", 1024, "ring_bidi"),
     ("reducescatter", "v5e", 16, "fused"),  # the partial sums leave early
@@ -301,6 +306,7 @@ def test_auto_decisions_on_the_llama_sweep(family, chip, m, method):
   reasons = {
     "xla": "HBM",
     "fused": "partial sums" if m == 16 else "the ring transfers",
+    "ring": "one-way value ring",
     "ring_bidi": "two-way value ring",
   }
   assert reasons[method] in c.reason

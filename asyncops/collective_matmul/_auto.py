@@ -116,6 +116,7 @@ _MARGIN = 0.97
 # A value-ring step whose dots and transfer take about as long costs a
 # tenth of the shorter beyond the longer (the model's steps, v5e and v6e).
 _RING_CONTENTION = 0.1
+_BIDI_ACC_BYTES = 128 * 2**20
 
 
 def chip_for(device_kind: str | None) -> Chip:
@@ -148,9 +149,10 @@ class Cal:
     fused_floor: a fused all-gather step costs at least this share of the
       HBM time of its rows of ``w`` (the kernel's charge, XLA's estimate
       of one ``[m, k] x [k, f]`` dot per step, after the weight read).
-    fused_panel: a fused kernel's cost per extra row panel beyond its
-      weight read, in weight reads (its ring restarts; the model: 2 panels
-      at M = 4096, v5e, tp 8, 100 us more than one panel's estimate).
+    fused_panel: a fused all-gather's cost per extra row panel beyond its
+      weight read, in weight reads (its ring restarts and accumulator
+      flushes; the model, v5e, tp 8: 100 us over the one-panel estimate
+      at 2 panels, 300 us per extra panel at 8).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -173,8 +175,8 @@ class Cal:
 # their dots at decode, and its two-way ring's second dot 5 us); v4 takes
 # v5e's.
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 1.4, 0.85),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 1.4, 0.85),
+  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85),
+  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85),
   "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 0.85, 1.4, 0.76),
   "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76),
 }
@@ -380,7 +382,12 @@ def explain_allgather(
       continue
     # The value ring moves x as it is (``chunk`` is the fused kernel's).
     hidden = k * f * b + m * k * b + cal.ring_acc * acc
-    rings[d] = _ring_s(n, d, compute, hidden, 0, chip, m * k * b, cal)
+    # The two-way ring's two half accumulators ([2, m/2, f]) are charged
+    # their traffic beside the dots once they are large (the model, tp 8:
+    # within 4% of this estimate without it at M <= 4096, 1.35x and 2.0x
+    # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
+    extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
+    rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal)
   choice = _decide(
     reason,
     fused,
