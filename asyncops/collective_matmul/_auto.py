@@ -156,6 +156,8 @@ class Cal:
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
+    rs_panel_s: a fused reduce-scatter's cost per extra row panel (the
+      model, tp 8: 28 to 33 us on v5e at 8 and 32 panels, 2 us on v6e).
     xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
       reading the weights bounds it (the reduce-scatter's matmul, which
       its collective waits for).
@@ -168,6 +170,7 @@ class Cal:
   fused_floor: float
   fused_panel: float
   xla_hbm: float
+  rs_panel_s: float
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -175,10 +178,10 @@ class Cal:
 # their dots at decode, and its two-way ring's second dot 5 us); v4 takes
 # v5e's.
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85),
-  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 0.85, 1.4, 0.76),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76),
+  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 30e-6),
+  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 30e-6),
+  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 0.85, 1.4, 0.76, 2e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76, 2e-6),
 }
 
 
@@ -454,6 +457,7 @@ def explain_reducescatter(
     part,
     chip.link,
   )
+  fused += (panels - 1) * cal.rs_panel_s
   rings = {}
   for d in (1, 2):
     if d == 2 and m % 2:
