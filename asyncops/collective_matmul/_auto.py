@@ -151,8 +151,8 @@ class Cal:
       of one ``[m, k] x [k, f]`` dot per step, after the weight read).
     fused_panel: a fused all-gather's cost per extra row panel beyond its
       weight read, in weight reads (its ring restarts and accumulator
-      flushes; the model, v5e, tp 8: 100 us over the one-panel estimate
-      at 2 panels, 300 us per extra panel at 8).
+      flushes; the model, tp 8: v5e 100 us over the one-panel estimate
+      at 2 panels, 300 us per extra panel at 8; v6e 172 us at 8).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -181,7 +181,7 @@ CAL = {
   "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 30e-6),
   "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 30e-6),
   "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 0.85, 1.4, 0.76, 2e-6),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 1.4, 0.76, 2e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 4.8, 0.76, 2e-6),
 }
 
 
