@@ -44,10 +44,14 @@ runs one way.
 
 The fused kernels (``method="fused"``, or chosen by ``"auto"``) are
 primitives without differentiation rules; :func:`fused_allgather` and
-:func:`fused_reducescatter` wrap them in a ``custom_vjp`` whose backward is
-the value-API ring backward of the same canonical form above (two-way when
-the rows halve), so the default ``method="auto"`` differentiates whatever
-it picks. (XLA's collective, the other choice, has JAX's own rules.)
+:func:`fused_reducescatter` wrap them in a ``custom_jvp`` whose backward is
+the value-API one-way ring backward of the same canonical form above, so
+the default ``method="auto"`` differentiates whatever it picks. XLA's
+collective, the other choice, gets JAX's formulas in our order
+(:func:`xla_allgather`; its reduce-scatter keeps JAX's rules). Every
+backward computes the weight gradients first and sums them over the
+data-parallel axes with our exchanges (``_dp_reduce``, ``_dp_window``)
+while the rest of the backward runs.
 """
 
 import functools
@@ -441,7 +445,9 @@ def _fused_allgather_jvp(axis_name, n, primals, tangents):
 def _fused_allgather_bwd(axis_name, n, res, g):
   x, w = res
   g = g.astype(x.dtype)
-  kw = dict(n=n, api="value", bidirectional=x.shape[0] % 2 == 0)
+  # One-way rings: the two-way backward adds each weight-gradient block
+  # from two half products in float32 (modelled slower, design/training.md).
+  kw = dict(n=n, api="value", bidirectional=False)
   # The weight gradient first: its data-parallel all-reduce then runs
   # while the input gradient's ring does (_dp_reduce), as in the ring's
   # backward (_allgather_bwd).
@@ -479,7 +485,7 @@ def _fused_reducescatter_jvp(axis_name, n, primals, tangents):
 
 def _fused_reducescatter_bwd(axis_name, n, res, g):
   x, w = res
-  options = _options(False, x, n, True, "value", True)
+  options = _options(False, x, n, True, "value", False)  # one-way, as above
   return _reducescatter_bwd(False, axis_name, options, (x, w), g)
 
 
