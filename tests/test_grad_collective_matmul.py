@@ -525,7 +525,8 @@ def test_mlp_block_data_parallel_exchange(method, mesh_shape):
   psums_over_x = [
     e
     for e in eqns
-    if e.primitive.name.startswith("psum") and "x" in e.params.get("axes", ())
+    if e.primitive.name.startswith("psum")
+    and "x" in e.params.get("axes", ())
     and "y" not in e.params.get("axes", ())
   ]
   assert not psums_over_x
