@@ -19,10 +19,16 @@ device sends its gradient to the other (a ``ppermute`` of the whole
 buffer, both link directions busy at once) and adds what it receives:
 the same bytes per link as a ring all-reduce, one window, and the same
 rounding as ``psum`` (one add of two values in the weight's dtype).
+Over ``n > 2`` devices the window holds the reduce-scatter half: the
+gradient split into ``n`` slots along the first dimension ``n`` divides,
+an all-to-all of the slots (slot ``p`` to device ``p``, our kernel), then
+a local sum of the ``n`` slots received in the weight's dtype; the
+all-gather half (XLA's ``all_gather``) runs after the window, exposed.
 
-Limits. Axes of another size (or several such axes at once), and a
-backward that is itself differentiated (``grad`` of ``grad``), are reduced
-with ``jax.lax.psum`` after ``fn``: correct, not overlapped.
+Limits. Several data-parallel axes at once, a gradient no dimension of
+which ``n`` divides, and a backward that is itself differentiated
+(``grad`` of ``grad``) are reduced with ``jax.lax.psum`` after ``fn``:
+correct, not overlapped.
 The transfer's ring axis is written into the start's op name
 (``ring_axis_<name>``) so the benchmarks' timeline model routes it over
 that axis' links.

@@ -21,8 +21,8 @@ reverse) open and close it:
   and the activations through.
 
 ``mark_p``'s transpose runs first: it **starts** the exchange of the
-weight gradient (``ppermute`` over the axis of two devices; see
-``_dp_reduce``), ties the activations' cotangent to the start with an
+weight gradient (``ppermute`` over an axis of two devices, an all-to-all
+of slots over more; see ``_dp_reduce``), ties the activations' cotangent to the start with an
 optimization barrier (so the rest of the backward runs after it), and
 parks the future on the :class:`Window` (a static parameter of both
 equations), keyed by the trace it runs in. ``open_p``'s transpose runs
@@ -244,7 +244,8 @@ batching.primitive_batchers[mark_p] = _batch(mark_p)
 def plan(x, w, axis_name: str) -> Window | None:
   """A window for ``w``'s gradient, or None when there is nothing to
   overlap: ``w`` is not replicated over exactly one axis ``x`` varies
-  over, of two devices (other sizes keep ``psum``)."""
+  over, or that axis has more than two devices and no dimension of ``w``
+  splits into as many slots (``psum`` then)."""
   extra = tuple(sorted(jc.varying_axes(x) - jc.varying_axes(w) - {axis_name}))
   if len(extra) != 1 or not _dp_reduce.exchangeable(w.shape, extra[0]):
     return None
