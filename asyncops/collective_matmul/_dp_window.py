@@ -22,8 +22,9 @@ reverse) open and close it:
 
 ``mark_p``'s transpose runs first: it **starts** the exchange of the
 weight gradient (``ppermute`` over an axis of two devices, an all-to-all
-of slots over more; see ``_dp_reduce``), ties the activations' cotangent to the start with an
-optimization barrier (so the rest of the backward runs after it), and
+of slots over more; see ``_dp_reduce``), ties the activations'
+cotangent to the start with an optimization barrier (so the rest of the
+backward runs after it), and
 parks the future on the :class:`Window` (a static parameter of both
 equations), keyed by the trace it runs in. ``open_p``'s transpose runs
 last: it ties the done after the cotangents of ``x`` and the other
