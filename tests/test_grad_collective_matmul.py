@@ -530,3 +530,30 @@ def test_mlp_block_data_parallel_exchange(method, mesh_shape):
     and "y" not in e.params.get("axes", ())
   ]
   assert not psums_over_x
+
+
+def test_xla_allgather_forward_mode_and_vmap_of_grad():
+  """``method="xla"``'s reordered gradient (``_vjp.xla_allgather``) keeps
+  forward mode (``jax.jvp``) and ``vmap`` of ``grad`` equal to
+  ``jax.lax``'s."""
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"))
+  x = _put(mesh, specs[0], _data((16, 64), "float32", 0))
+  w = _put(mesh, specs[1], _data((64, 32), "float32", 1, 1 / 8))
+
+  def make(fn):
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("x", "y"))
+
+  ours = make(lambda x, w: _cm.allgather_matmul(x, w, "y", method="xla"))
+  ref = make(lambda x, w: _ag_ref(x, w)[0])
+  t = (jnp.cos(x), jnp.sin(w))
+  got = jax.jit(lambda p, t: jax.jvp(ours, p, t))((x, w), t)
+  want = jax.jit(lambda p, t: jax.jvp(ref, p, t))((x, w), t)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+  def vgrad(f):
+    g = jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))))
+    return jax.jit(jax.vmap(g, (None, 0)))(x, jnp.stack([w, 2 * w]))
+
+  np.testing.assert_allclose(vgrad(ours), vgrad(ref), rtol=1e-5, atol=1e-5)
