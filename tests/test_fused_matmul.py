@@ -206,10 +206,10 @@ def test_fused_reference_dtypes(dtype):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def _traced(fn, *shapes, in_specs, out_spec, **kw):
+def _traced(fn, *shapes, in_specs, out_spec, dtype=jnp.float32, **kw):
   mesh = u.cpu_mesh((2, 4))
   args = [
-    u.sharded_sds(mesh, s, p, jnp.float32)
+    u.sharded_sds(mesh, s, p, dtype)
     for s, p in zip(shapes, in_specs, strict=True)
   ]
   body = functools.partial(fn, axis_name="y", **kw)
@@ -271,6 +271,37 @@ def test_auto_records_its_choice_and_ring_options_run_the_ring():
     cm.allgather_matmul, (32, 256), (256, 128), **_AG, bidirectional=True
   ).jaxpr
   assert "asyncops" in str(text)  # the ring's start/done primitives
+
+
+_RS = dict(in_specs=(P("x", "y"), P("y", None)), out_spec=P("x", "y"))
+
+
+@pytest.mark.parametrize(
+  "fn,shapes,specs,dtype",
+  [
+    # Per device [4096, 1024] @ [4096, 3584] on a ring of 4 (f32 x, a
+    # v5e by default on CPU).
+    (cm.allgather_matmul, ((8192, 4096), (4096, 14336)), _AG, jnp.float32),
+    # Per device [16384, 3584] @ [3584, 4096], bf16 partial sums.
+    (
+      cm.matmul_reducescatter,
+      ((32768, 14336), (14336, 4096)),
+      _RS,
+      jnp.bfloat16,
+    ),
+  ],
+)
+def test_auto_runs_the_two_way_ring_it_picks(fn, shapes, specs, dtype):
+  """Where auto's estimate picks the two-way value ring (no row panels,
+  half the bytes per link), the traced program is that ring: one
+  bidirectional transfer per step (tracing only, no compile)."""
+  with _auto.recording() as choices:
+    jaxpr = str(_traced(fn, *shapes, **specs, dtype=dtype).jaxpr)
+  ((_, c),) = choices
+  assert c.method == "ring_bidi" and "two-way" in c.reason
+  assert c.ring_bidi_us < min(c.ring_us, c.fused_us, c.xla_us)
+  assert "kind='bidirectional'" in jaxpr
+  assert "kind='ppermute'" not in jaxpr
 
 
 @pytest.mark.parametrize(

@@ -470,3 +470,90 @@ def test_unused_gradient_ring_is_removed():
   # Plus the two weight gradients' exchanges over x (data parallel).
   assert live.count("asyncops_start[") == 6 + 6 + 2
   assert live.count("asyncops_done[") == 6 + 6 + 2
+
+
+# The data-parallel exchange, whatever runs the matmuls ----------------------
+
+
+def _eqns(jaxpr):
+  out = []
+  for e in jaxpr.eqns:
+    out.append(e)
+    for sub in jc.jaxprs_in_params(e.params):
+      out.extend(_eqns(sub))
+  return out
+
+
+@pytest.mark.parametrize(
+  "method,mesh_shape",
+  [("fused", (2, 4)), ("xla", (2, 4)), ("auto", (4, 2)), ("ring", (4, 2))],
+)
+def test_mlp_block_data_parallel_exchange(method, mesh_shape):
+  """``mlp_block``'s weight gradients are summed over the data axis ``x``
+  by our exchanges, not ``psum``, whichever method runs the matmuls (the
+  fused kernels and XLA's collective too: ``auto`` picks XLA's here), and
+  over a data axis of four devices as well (an all-to-all of slots, then
+  XLA's all-gather); the gradients equal ``jax.lax``'s."""
+  mesh = _mesh(mesh_shape)
+  dp, n = mesh_shape
+  d = f = 64
+  shapes = [(8 * dp, d), (d, f), (f, d)]
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+
+  def ours(x, w_in, w_out):
+    return _cm.mlp_block(x, w_in, w_out, "y", method=method)
+
+  _check(ours, _mlp_ref, shapes, specs, "float32", d, mesh=mesh)
+
+  def loss(x, w_in, w_out):
+    return jax.lax.psum(jnp.sum(jnp.sin(ours(x, w_in, w_out))), ("x", "y"))
+
+  args = [
+    jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, p))
+    for s, p in zip(shapes, specs, strict=True)
+  ]
+  f_loss = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+  eqns = _eqns(jax.make_jaxpr(jax.grad(f_loss, (0, 1, 2)))(*args).jaxpr)
+  kind = "ppermute" if dp == 2 else "all_to_all"
+  exchanges = [
+    e
+    for e in eqns
+    if e.primitive.name == "asyncops_start"
+    and e.params["spec"].axis_name == "x"
+  ]
+  assert [e.params["spec"].kind for e in exchanges] == [kind, kind]
+  psums_over_x = [
+    e
+    for e in eqns
+    if e.primitive.name.startswith("psum")
+    and "x" in e.params.get("axes", ())
+    and "y" not in e.params.get("axes", ())
+  ]
+  assert not psums_over_x
+
+
+def test_xla_allgather_forward_mode_and_vmap_of_grad():
+  """``method="xla"``'s reordered gradient (``_vjp.xla_allgather``) keeps
+  forward mode (``jax.jvp``) and ``vmap`` of ``grad`` equal to
+  ``jax.lax``'s."""
+  mesh = _mesh()
+  specs = (P("x", "y"), P(None, "y"))
+  x = _put(mesh, specs[0], _data((16, 64), "float32", 0))
+  w = _put(mesh, specs[1], _data((64, 32), "float32", 1, 1 / 8))
+
+  def make(fn):
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("x", "y"))
+
+  ours = make(lambda x, w: _cm.allgather_matmul(x, w, "y", method="xla"))
+  ref = make(lambda x, w: _ag_ref(x, w)[0])
+  t = (jnp.cos(x), jnp.sin(w))
+  got = jax.jit(lambda p, t: jax.jvp(ours, p, t))((x, w), t)
+  want = jax.jit(lambda p, t: jax.jvp(ref, p, t))((x, w), t)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+  def vgrad(f):
+    g = jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))))
+    return jax.jit(jax.vmap(g, (None, 0)))(x, jnp.stack([w, 2 * w]))
+
+  np.testing.assert_allclose(vgrad(ours), vgrad(ref), rtol=1e-5, atol=1e-5)

@@ -221,3 +221,58 @@ def test_mlp_block_backward_overlapped_and_copy_free(
   assert scopes == {"d_lhs/", "d_rhs/", "d_lhs_rhs/"}
   for p in bwd:
     assert p.source_live and p.dest_live
+
+
+@pytest.fixture(scope="module", params=["v5e:2x4", "v6e:2x4", "v5e:4x2"])
+def auto_mlp_report(request):
+  """``jit(grad)`` of the default ``mlp_block`` (``method="auto"``), bf16,
+  the benchmark's shape; on ``v5e:4x2`` a data axis of four devices (mesh
+  4x2, the ring over ``y`` of two)."""
+  from asyncops.collective_matmul import _auto, mlp_block
+
+  topology, _, layout = request.param.partition(":")
+  shape = (2, 4) if layout == "2x4" else (4, 2)
+  mesh = tpu_mesh(f"{topology}:2x4", shape, ("x", "y"))
+
+  def loss(x, w_in, w_out):
+    y = mlp_block(x * 2, w_in, w_out, "y")
+    return jax.lax.psum(jnp.sum(jnp.sin(y.astype(jnp.float32))), ("x", "y"))
+
+  f = jax.shard_map(
+    loss,
+    mesh=mesh,
+    in_specs=(P("x", "y"), P(None, "y"), P("y", None)),
+    out_specs=P(),
+  )
+  b, d, ff = 1024, 2048, 8192
+  args = (
+    jax.ShapeDtypeStruct((b, d), jnp.bfloat16),
+    jax.ShapeDtypeStruct((d, ff), jnp.bfloat16),
+    jax.ShapeDtypeStruct((ff, d), jnp.bfloat16),
+  )
+  with _auto.recording() as choices:
+    report = analyze(jax.jit(jax.grad(f, (0, 1, 2))), *args)
+  return shape, {c.method for _, c in choices}, report
+
+
+def test_auto_mlp_block_exchanges_overlapped_and_copy_free(auto_mlp_report):
+  """The default path (auto picks the fused kernels here) sums both weight
+  gradients over the data axis ``x`` with our exchanges, each in flight
+  behind backward compute (not XLA's all-reduce), and copies nothing: two
+  devices exchange with a ``ppermute``, four with an all-to-all of slots
+  (then XLA's all-gather)."""
+  shape, methods, report = auto_mlp_report
+  assert methods == {"fused"}
+  report.assert_no_defensive_copies()
+  report.assert_no_inflight_copies()
+  _, bwd = _split(report)
+  dp = [p for p in bwd if "ring_axis_x" in p.kernel]
+  kernel = "asyncops_ppermute" if shape[0] == 2 else "asyncops_all_to_all"
+  assert len(dp) == 2
+  for p in dp:
+    assert report.module.instr(p.start).name.startswith(kernel)
+    assert p.overlapped and p.source_live and p.dest_live
+  rest = [p for p in bwd if p not in dp]
+  assert rest and all(p.overlapped for p in rest)
+  ops = {i.opcode for i in report.module.instructions.values()}
+  assert not {o for o in ops if o.startswith("all-reduce")}, ops

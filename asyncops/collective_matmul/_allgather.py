@@ -202,13 +202,22 @@ def allgather_matmul(
       why=why,
     ),
   )
+  if run == "ring_bidi":  # auto's two-way ring (even rows, checked)
+    run, bidirectional = "ring", True
   if n == 1:
     outs = tuple(jnp.dot(lhs, w, preferred_element_type=lhs.dtype) for w in ws)
     gathered = lhs
   elif run == "xla":
     with jax.named_scope(fn), jax.named_scope("method_xla"):
-      gathered = jax.lax.all_gather(lhs, axis_name, axis=dim, tiled=True)
-      outs = tuple(_auto.dot(gathered, w) for w in ws)
+      if jnp.issubdtype(lhs.dtype, jnp.inexact):
+        # JAX's gradient, reordered so the weights' data-parallel
+        # all-reduce overlaps the input gradient (_vjp.xla_allgather).
+        outs, gathered = _vjp.xla_allgather(
+          lhs, tuple(ws), axis_name, dim % len(lhs.shape)
+        )
+      else:
+        gathered = jax.lax.all_gather(lhs, axis_name, axis=dim, tiled=True)
+        outs = tuple(_auto.dot(gathered, w) for w in ws)
   elif run == "fused":
     with jax.named_scope(fn), jax.named_scope("method_fused"):
       out = _vjp.fused_allgather(fold.fold(lhs), ws[0], axis_name, n)

@@ -19,16 +19,23 @@ device sends its gradient to the other (a ``ppermute`` of the whole
 buffer, both link directions busy at once) and adds what it receives:
 the same bytes per link as a ring all-reduce, one window, and the same
 rounding as ``psum`` (one add of two values in the weight's dtype).
+Over ``n > 2`` devices the window holds the reduce-scatter half: the
+gradient split into ``n`` slots along the first dimension ``n`` divides,
+an all-to-all of the slots (slot ``p`` to device ``p``, our kernel), then
+a local sum of the ``n`` slots received in the weight's dtype; the
+all-gather half (XLA's ``all_gather``) runs after the window, exposed.
 
-Limits. Axes of another size (or several such axes at once), and a
-backward that is itself differentiated (``grad`` of ``grad``), are reduced
-with ``jax.lax.psum`` after ``fn``: correct, not overlapped.
+Limits. Several data-parallel axes at once, a gradient no dimension of
+which ``n`` divides, and a backward that is itself differentiated
+(``grad`` of ``grad``) are reduced with ``jax.lax.psum`` after ``fn``:
+correct, not overlapped.
 The transfer's ring axis is written into the start's op name
 (``ring_axis_<name>``) so the benchmarks' timeline model routes it over
 that axis' links.
 """
 
 import jax
+import jax.numpy as jnp
 from jax.interpreters import ad, batching
 
 from asyncops import _jax_compat as jc
@@ -110,8 +117,61 @@ def _finish(ct, primal, extra: tuple[str, ...]):
   return ct.astype(primal.dtype)
 
 
-def _swappable(extra: tuple[str, ...]) -> bool:
-  return len(extra) == 1 and jax.lax.axis_size(extra[0]) == 2
+def _slot_dim(shape, n: int) -> int | None:
+  """The first dimension of ``shape`` that ``n`` slots split evenly."""
+  return next((d for d, s in enumerate(shape) if s % n == 0), None)
+
+
+def exchangeable(shape, axis: str) -> bool:
+  """Whether :func:`exchange_start` reduces a gradient of ``shape`` over
+  ``axis``: two devices, or more and a dimension they split evenly."""
+  n = jax.lax.axis_size(axis)
+  return n == 2 or (n > 2 and _slot_dim(shape, n) is not None)
+
+
+def exchange_start(ct, axis: str):
+  """Starts the all-reduce of ``ct`` over ``axis`` with our kernels.
+
+  Two devices: each sends its whole gradient to the other (``ppermute``).
+  More: the reduce-scatter half, an all-to-all of ``n`` slots (slot ``p``
+  to device ``p``, split along the first dimension ``n`` divides).
+
+  Returns:
+    ``(sent, fut)``: the start's aliased source and the future, for
+    :func:`exchange_done`.
+  """
+  n = jax.lax.axis_size(axis)
+  with jax.named_scope(f"ring_axis_{axis}"):
+    if n == 2:
+      with jax.named_scope("ring_shift+1"):
+        return _api.ppermute_start(ct, axis, shift=1)
+    d = _slot_dim(ct.shape, n)
+    shape = ct.shape[:d] + (n, ct.shape[d] // n) + ct.shape[d + 1 :]
+    slots = jnp.moveaxis(ct.reshape(shape), d, 0)
+    return _api.all_to_all_start(slots, axis)
+
+
+def exchange_done(sent, fut, axis: str, shape):
+  """Awaits :func:`exchange_start`; returns the sum over ``axis`` (typed
+  varying, as ``sent``).
+
+  Two devices: ``own + received``, ``psum``'s value and rounding. More:
+  the slots received summed in the gradient's dtype (this device's block
+  of the sum), then gathered back by XLA's all-gather (after the window:
+  this half is exposed).
+  """
+  n = jax.lax.axis_size(axis)
+  if n == 2:
+    return sent + _api.ppermute_done(fut)
+  got = _api.done(fut)  # [n, ...]: slot j from device j
+  block = jnp.sum(got, axis=0, dtype=got.dtype)
+  d = _slot_dim(shape, n)
+  with jax.named_scope(f"dp_allgather_axis_{axis}"):
+    return jax.lax.all_gather(block, axis, axis=d, tiled=True)
+
+
+def _swappable(extra: tuple[str, ...], shape) -> bool:
+  return len(extra) == 1 and exchangeable(shape, extra[0])
 
 
 def overlapped(cts, primals, fn, *args):
@@ -139,7 +199,11 @@ def overlapped(cts, primals, fn, *args):
   swap = (
     []
     if jc.differentiating()
-    else [i for i, e in enumerate(extras) if _swappable(e)]
+    else [
+      i
+      for i, (e, c) in enumerate(zip(extras, cts, strict=True))
+      if _swappable(e, c.shape)
+    ]
   )
   if not swap:
     out = fn(*args)
@@ -150,9 +214,7 @@ def overlapped(cts, primals, fn, *args):
   sent, futs = [], []
   for i in swap:
     (axis,) = extras[i]
-    ct = cts[i].astype(primals[i].dtype)
-    with jax.named_scope(f"ring_axis_{axis}"), jax.named_scope("ring_shift+1"):
-      ct, fut = _api.ppermute_start(ct, axis, shift=1)
+    ct, fut = exchange_start(cts[i].astype(primals[i].dtype), axis)
     sent.append(ct)
     futs.append(fut)
 
@@ -165,7 +227,8 @@ def overlapped(cts, primals, fn, *args):
   out = jax.tree.unflatten(tree, leaves)
   reduced = list(cts)
   for i, own, fut in zip(swap, sent, futs, strict=True):
-    reduced[i] = agreed(own + _api.ppermute_done(fut), extras[i])
+    total = exchange_done(own, fut, extras[i][0], cts[i].shape)
+    reduced[i] = agreed(total, extras[i])
   reduced = tuple(
     _finish(c, p, () if i in swap else e)
     for i, (c, p, e) in enumerate(zip(reduced, primals, extras, strict=True))

@@ -21,9 +21,10 @@ reverse) open and close it:
   and the activations through.
 
 ``mark_p``'s transpose runs first: it **starts** the exchange of the
-weight gradient (``ppermute`` over the axis of two devices; see
-``_dp_reduce``), ties the activations' cotangent to the start with an
-optimization barrier (so the rest of the backward runs after it), and
+weight gradient (``ppermute`` over an axis of two devices, an all-to-all
+of slots over more; see ``_dp_reduce``), ties the activations'
+cotangent to the start with an optimization barrier (so the rest of the
+backward runs after it), and
 parks the future on the :class:`Window` (a static parameter of both
 equations), keyed by the trace it runs in. ``open_p``'s transpose runs
 last: it ties the done after the cotangents of ``x`` and the other
@@ -45,7 +46,6 @@ from jax.interpreters import ad, batching
 
 from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import _dp_reduce
-from asyncops.futures import _api
 
 _MISSING = object()
 
@@ -163,24 +163,30 @@ def _mark_transpose(cts, *xs, window, start):
     return out
   own, futs = [], []
   for i in todo:
-    with (
-      jax.named_scope(f"ring_axis_{window.axis}"),
-      jax.named_scope("ring_shift+1"),
-    ):
-      o, f = _api.ppermute_start(out[i], window.axis, shift=1)
+    o, f = _dp_reduce.exchange_start(out[i], window.axis)
     own.append(o)
     futs.append(f)
   others = [None if i in todo else c for i, c in enumerate(out)]
   futs, own, others = _tie(tuple(futs), own, others)
+  # Passed on as the weights' cotangents (open_p's transpose only checks
+  # that nothing was added): two devices, the aliased buffer itself
+  # (the gradient is in flight); more, the gradient (the slots sent are
+  # a reshape of it).
+  passed = [
+    o if o.shape == out[i].shape else out[i]
+    for i, o in zip(todo, own, strict=True)
+  ]
   # The k-th marked weight is the k-th weight open_p reduces.
   window.push(
     [
-      (own[todo.index(i)], futs[todo.index(i)]) if i in todo else None
+      (own[todo.index(i)], futs[todo.index(i)], passed[todo.index(i)])
+      if i in todo
+      else None
       for i in marked
     ]
   )
-  for i, o in zip(todo, own, strict=True):
-    others[i] = o
+  for i, p in zip(todo, passed, strict=True):
+    others[i] = p
   return others
 
 
@@ -203,10 +209,13 @@ def _open_transpose(cts, *xs, window, reduce):
       tuple(started[i][1] for i in todo), own, others
     )
     for k, i in enumerate(todo):
-      total = barriered[k] + _api.ppermute_done(futs[k])
-      if _nonzero(out[i]) and not jc.same_value(out[i], own[k]):
+      passed = started[i][2]
+      total = _dp_reduce.exchange_done(
+        barriered[k], futs[k], window.axis, passed.shape
+      )
+      if _nonzero(out[i]) and not jc.same_value(out[i], passed):
         # Something else added to the cotangent after the start.
-        total = total + jax.lax.psum(out[i] - own[k], window.axis)
+        total = total + jax.lax.psum(out[i] - passed, window.axis)
       others[i] = _dp_reduce.agreed(total, (window.axis,))
     out = others
   for i in reduced:
@@ -236,9 +245,10 @@ batching.primitive_batchers[mark_p] = _batch(mark_p)
 def plan(x, w, axis_name: str) -> Window | None:
   """A window for ``w``'s gradient, or None when there is nothing to
   overlap: ``w`` is not replicated over exactly one axis ``x`` varies
-  over, of two devices (other sizes keep ``psum``)."""
+  over, or that axis has more than two devices and no dimension of ``w``
+  splits into as many slots (``psum`` then)."""
   extra = tuple(sorted(jc.varying_axes(x) - jc.varying_axes(w) - {axis_name}))
-  if len(extra) != 1 or jax.lax.axis_size(extra[0]) != 2:
+  if len(extra) != 1 or not _dp_reduce.exchangeable(w.shape, extra[0]):
     return None
   return Window(extra[0])
 

@@ -163,6 +163,8 @@ def matmul_reducescatter(
       why=why,
     ),
   )
+  if run == "ring_bidi":  # auto's two-way ring (even rows, checked)
+    run, bidirectional = "ring", True
   if n == 1:
     return jnp.dot(lhs, rhs, preferred_element_type=lhs.dtype)
   if run == "xla":

@@ -44,10 +44,14 @@ runs one way.
 
 The fused kernels (``method="fused"``, or chosen by ``"auto"``) are
 primitives without differentiation rules; :func:`fused_allgather` and
-:func:`fused_reducescatter` wrap them in a ``custom_vjp`` whose backward is
-the value-API ring backward of the same canonical form above (two-way when
-the rows halve), so the default ``method="auto"`` differentiates whatever
-it picks. (XLA's collective, the other choice, has JAX's own rules.)
+:func:`fused_reducescatter` wrap them in a ``custom_jvp`` whose backward is
+the value-API one-way ring backward of the same canonical form above, so
+the default ``method="auto"`` differentiates whatever it picks. XLA's
+collective, the other choice, gets JAX's formulas in our order
+(:func:`xla_allgather`; its reduce-scatter keeps JAX's rules). Every
+backward computes the weight gradients first and sums them over the
+data-parallel axes with our exchanges (``_dp_reduce``, ``_dp_window``)
+while the rest of the backward runs.
 """
 
 import functools
@@ -57,6 +61,7 @@ import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import (
+  _auto,
   _bwd_rings,
   _dp_reduce,
   _fused,
@@ -440,12 +445,21 @@ def _fused_allgather_jvp(axis_name, n, primals, tangents):
 def _fused_allgather_bwd(axis_name, n, res, g):
   x, w = res
   g = g.astype(x.dtype)
-  kw = dict(n=n, api="value", bidirectional=x.shape[0] % 2 == 0)
-  with jax.named_scope("d_lhs"):
-    dx = _bwd_rings.scatter_columns_t((g,), (w,), axis_name, **kw)
+  # One-way rings: the two-way backward adds each weight-gradient block
+  # from two half products in float32 (modelled slower, design/training.md).
+  kw = dict(n=n, api="value", bidirectional=False)
+  # The weight gradient first: its data-parallel all-reduce then runs
+  # while the input gradient's ring does (_dp_reduce), as in the ring's
+  # backward (_allgather_bwd).
   with jax.named_scope("d_rhs"):
-    (dw,) = _bwd_rings.gather_weights_contracting(x, (g,), axis_name, **kw)
-  return _like(dx, x), _like(dw, w)
+    dws = _bwd_rings.gather_weights_contracting(x, (g,), axis_name, **kw)
+
+  def lhs_grad(g, w):
+    with jax.named_scope("d_lhs"):
+      return _bwd_rings.scatter_columns_t((g,), (w,), axis_name, **kw)
+
+  (dw,), dx = _dp_reduce.overlapped(dws, (w,), lhs_grad, g, w)
+  return _like(dx, x), dw
 
 
 fused_allgather.defjvp(_fused_allgather_jvp, symbolic_zeros=True)
@@ -471,11 +485,115 @@ def _fused_reducescatter_jvp(axis_name, n, primals, tangents):
 
 def _fused_reducescatter_bwd(axis_name, n, res, g):
   x, w = res
-  options = _options(False, x, n, True, "value", True)
+  options = _options(False, x, n, True, "value", False)  # one-way, as above
   return _reducescatter_bwd(False, axis_name, options, (x, w), g)
 
 
 fused_reducescatter.defjvp(_fused_reducescatter_jvp, symbolic_zeros=True)
+
+
+# XLA's collective ---------------------------------------------------------
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def xla_allgather(x, ws, axis_name, dim):
+  """``all_gather(x, dim) @ w`` for each ``w`` of ``ws`` with XLA's
+  collective (``method="xla"``), differentiable with JAX's own formulas
+  in an order of ours: the weight gradients first, so that their
+  data-parallel all-reduce (``_dp_reduce``) runs while the input
+  gradient's matmul and reduce-scatter do. (JAX's rules would ``psum``
+  each weight gradient where it is ready, with nothing to hide behind.)
+
+  Args:
+    x: the local operand, sharded along ``dim`` over ``axis_name``.
+    ws: a tuple of weights ``[k, f_i]`` (``k`` the gathered contracting
+      size when ``dim`` is the last dimension).
+    axis_name: the gathered mesh axis.
+    dim: the gathered dimension of ``x`` (non-negative).
+
+  Returns:
+    ``(outs, gathered)``: a tuple of products and ``x`` gathered.
+  """
+  return _xla_allgather(x, ws, axis_name, dim)
+
+
+def _xla_allgather(x, ws, axis_name, dim):
+  gathered = jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+  return tuple(_auto.dot(gathered, w) for w in ws), gathered
+
+
+def _xla_allgather_jvp(axis_name, dim, primals, tangents):
+  x, ws = primals
+  tx, tws = tangents
+  outs, gathered = _xla_allgather(x, ws, axis_name, dim)
+  lin = (
+    None if _zero(tx) else tx,
+    None
+    if all(_zero(t) for t in tws)
+    else tuple(_inst(t, w) for t, w in zip(tws, ws, strict=True)),
+  )
+  has = tuple(v is not None for v in lin)
+
+  x_aval = jax.typeof(x)  # for the cotangent's type, not kept
+
+  def fwd(res, lin):  # AG(tx) @ w + AG(x) @ tw, and AG(tx)
+    (gathered, ws), (tx, tws) = res, lin
+    touts = tgathered = None
+    if tx is not None:
+      touts, tgathered = _xla_allgather(tx, ws, axis_name, dim)
+    if tws is not None:
+      more = tuple(_auto.dot(gathered, t) for t in tws)
+      touts = (
+        more
+        if touts is None
+        else tuple(a + b for a, b in zip(touts, more, strict=True))
+      )
+    if tgathered is None:
+      tgathered = jnp.zeros(gathered.shape, gathered.dtype)
+      vary = tuple(sorted(jc.varying_axes(gathered)))
+      if vary:
+        tgathered = jax.lax.pcast(tgathered, vary, to="varying")
+    return touts, tgathered
+
+  def transpose(res, ct):
+    dx, dws = _xla_allgather_bwd(axis_name, dim, x_aval, res, ct)
+    return (dx if has[0] else None, tuple(dws) if has[1] else None)
+
+  return (outs, gathered), _linear.call(
+    fwd, transpose, (gathered, ws), lin, (outs, gathered)
+  )
+
+
+def _xla_allgather_bwd(axis_name, dim, x, res, ct):
+  gathered, ws = res
+  g_outs, g_gathered = ct
+  dt = gathered.dtype
+  gs = tuple(g.astype(dt) for g in g_outs)
+  batch = tuple(range(gathered.ndim - 1))
+  with jax.named_scope("d_rhs"):
+    dws = tuple(
+      jax.lax.dot_general(gathered, g, ((batch, batch), ((), ()))) for g in gs
+    )
+
+  def lhs_grad(gs, ws, g_gathered):
+    with jax.named_scope("d_lhs"):
+      dg = functools.reduce(
+        jnp.add,
+        [
+          jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))
+          for g, w in zip(gs, ws, strict=True)
+        ],
+      )
+      dg = dg + g_gathered.astype(dt)
+      return jax.lax.psum_scatter(
+        dg, axis_name, scatter_dimension=dim, tiled=True
+      )
+
+  dws, dx = _dp_reduce.overlapped(dws, ws, lhs_grad, gs, ws, g_gathered)
+  return _like(dx, x), dws
+
+
+xla_allgather.defjvp(_xla_allgather_jvp, symbolic_zeros=True)
 
 
 # The seams the public functions call --------------------------------------

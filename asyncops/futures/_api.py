@@ -270,6 +270,31 @@ def all_gather_done(fut: Future):
   return _wait_all(fut, "all_gather_done", "all_gather")
 
 
+def all_to_all_start(x, axis_name: str):
+  """Starts an all-to-all of ``x``'s slots along ``axis_name``: slot ``p``
+  (``x[p]``, ``x.shape[0]`` the axis size) goes to device ``p``, which
+  stores it in slot ``me``; the same result as ``jax.lax.all_to_all(x,
+  axis_name, 0, 0, tiled=True)``. With a local sum over the slots it is
+  the asynchronous half of a reduce-scatter (the all-gather's reverse).
+
+  Returns:
+    ``(x, future)`` for :func:`done`.
+
+  Raises:
+    ValueError: ``x.shape[0]`` is not the axis size.
+  """
+  fn = "all_to_all_start"
+  _validate.array(x, fn)
+  size = _validate.axis(axis_name, fn)
+  pairs = tuple((i, j) for i in range(size) for j in range(size) if i != j)
+  return _start(
+    x,
+    collective_spec(
+      "all_to_all", x, axis_name, fn, pairs, gather_axis=0, tiled=False
+    ),
+  )
+
+
 # local copy ------------------------------------------------------------------
 
 
