@@ -51,7 +51,7 @@ _W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
 # VMEM within its default scoped limit (16 MiB on v5e); a larger buffer
 # failed to compile (v5e, m 4096, tp 8: 29 MiB, "CompileTimeScopedVmemOom"),
 # so rows are split into more panels instead.
-_SENT_BYTES = 8 * 2**20
+_SENT_BYTES = 16 * 2**20
 
 
 def vmem_capacity(device_kind: str | None) -> int:
