@@ -17,7 +17,7 @@ halves; partial sums of first halves travel to ``i + 1`` (block ``i - s -
 1`` at step ``s``), of second halves to ``i - 1`` (block ``i + s + 1``).
 Each column of ``w`` is used at exactly one step, so ``w`` is read once.
 
-Kernels, in program order (all three appear in the compiled HLO):
+Kernels, in program order (all four appear in the compiled HLO):
 
 1. ``asyncops_ring_reducescatter_start``: a two-round barrier with the ring
    neighbours (the second on a kernel-local semaphore, jax-ml/jax PR
@@ -25,32 +25,47 @@ Kernels, in program order (all three appear in the compiled HLO):
    holds the partial sum added at step ``t + 1``; its first output, which
    ``benchmarks/`` routes) and DMA semaphore arrays ``[d, n - 1]``. It
    starts no transfer: the first partial sums exist only after step 0.
-2. ``ring_reducescatter_matmul``: grid ``(n, d, c / (d bn))``. After block
-   ``max(nb - 2, 0)`` of a half at step ``s >= 1`` it waits for the
-   neighbour's partial sum and starts copying it into VMEM; after the last
-   block it adds it, casts, and either sends the sum on from slot ``s`` of
-   a VMEM send buffer (``s < n - 1``) or writes it as its half of the
-   output (``s = n - 1``). The send buffer ``[n - 1, d, m, c/d]`` is an
-   output, so it outlives the kernel while the last sends are in flight.
-3. ``asyncops_ring_reducescatter_done``: waits for every send.
+2. ``ring_reducescatter_matmul``: grid ``(n, d, c / (d bn))``, every
+   product and every send. After block ``max(nb - 2, 0)`` of a half at
+   step ``1 <= s <= n - 2`` it waits for the neighbour's partial sum and
+   starts copying it into VMEM; after the last block it adds it, casts,
+   and sends the sum on from slot ``s`` of a VMEM send buffer. At step
+   ``n - 1`` it keeps its own product (float32) in a VMEM output ``[d, m,
+   c/d]``. The send buffer ``[n - 1, d, m, c/d]`` is an output too, so it
+   outlives the kernel while the last sends are in flight.
+3. ``ring_reducescatter_finish``: grid ``(d,)``. Waits for the last
+   partial sum of each half, adds it to the own product and writes the
+   ``[m, c]`` result. It starts **no remote DMA** and returns an SMEM token
+   besides the result.
+4. ``asyncops_ring_reducescatter_done``: waits for every send; it takes
+   the token (not the result), so it runs after the finish, and reads the
+   send buffer in VMEM (its scoped VMEM limit is raised to hold it).
+
+Why a finish kernel. XLA treats a kernel that starts a remote DMA as
+communicating and copies its result before it leaves the program (see
+``_allgather_matmul.py``; here the ``[m, c]`` result was placed in VMEM and
+copied to HBM at the end, v5e and v6e). The partial sums are computed
+before they are sent, so the sends cannot move to the start kernel as the
+all-gather's do; instead the one step that sends nothing is split off.
+Only the addition of the last partial sum moves: the steps kernel still
+computes every product (one pipeline over all of ``w``; XLA estimates the
+narrow per-step dots at several times their FLOPs, so a split of the last
+step's dot would be charged about 7 us more at the chapter's shape), and
+the finish reads its own product from VMEM. The last partial sum arrives
+while the steps kernel computes the own product, as before the split.
 
 The travelling partial sums have the transfer dtype (the input dtype, as
 XLA's reduce-scatter), so bfloat16 sums round once per hop; each device's
 own products accumulate in float32.
 
-Why one compute kernel: the benchmark model charges each computing kernel
-XLA's estimate of the same work as a standalone jnp program, and XLA
-estimates the narrow per-step matmuls (``[m, k] x [k, c/2]``) at several
-times their FLOPs; a first/steps/finish split modelled 49.8 us against one
-full-width matmul's 27.8 us of twin cost (v5e, chapter shape, bf16).
 Tools reading the schedule see the transfers begin at the start kernel,
 up to one step's compute earlier than they do; they end at the done, as
 they do.
 
 Limits. ``c / d`` a multiple of 128 and of ``bn``; ``x`` ``[m, k]``, the
-float32 partial ``[m, c/d]``, the received and the ``n - 1`` sent partial
-sums must fit in VMEM (the caller splits ``m`` into panels when they do
-not). One ring axis.
+float32 partial ``[m, c/d]``, the own products ``[m, c]`` (float32), the
+received and the ``n - 1`` sent partial sums must fit in VMEM (the caller
+splits ``m`` into panels when they do not). One ring axis.
 """
 
 import dataclasses
@@ -306,32 +321,22 @@ def _params(spec: RsSpec, collective_id=None, *, dims=3, vmem_limit=None):
   )
 
 
-def _w_spec(spec: RsSpec, step_of):
-  """The ``w`` block ``j`` of half ``d`` at step ``step_of(grid)``."""
+def _in_specs(spec: RsSpec):
+  """``x`` (fetched once) and the ``w`` block of step ``s``, half ``d``."""
   n, nb = spec.n, spec.nb
   cb = spec.c // spec.bn  # w blocks per output block
 
-  def index(s, d, j, me):
-    b = block_of(me, _shift_of(spec, d), s, n)
+  def w_index(s, d, j, me_ref):
+    b = block_of(me_ref[0], _shift_of(spec, d), s, n)
     return (0, b * cb + d * nb + j)
 
-  return pl.BlockSpec((spec.k, spec.bn), lambda *g: index(*step_of(*g)))
-
-
-def _x_spec(spec: RsSpec):
-  """``x``, fetched once."""
-  return pl.BlockSpec(
-    (spec.m, spec.k),
-    lambda *_: (0, 0),
-    pipeline_mode=pl.Buffered(1),
-  )
-
-
-def _in_specs(spec: RsSpec):
-  """Grid ``(s, d, j)``, scalar operand ``me``: ``x`` and ``w``."""
   return [
-    _x_spec(spec),
-    _w_spec(spec, lambda s, d, j, me: (s, d, j, me[0])),
+    pl.BlockSpec(
+      (spec.m, spec.k),
+      lambda s, d, j, me: (0, 0),
+      pipeline_mode=pl.Buffered(1),
+    ),
+    pl.BlockSpec((spec.k, spec.bn), w_index),
   ]
 
 
