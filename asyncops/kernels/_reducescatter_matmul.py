@@ -447,10 +447,12 @@ def sent_bytes(spec: RsSpec) -> int:
   return sent * jnp.dtype(spec.dtype).itemsize
 
 
-def done_vmem_limit(spec: RsSpec) -> int:
-  """The done reads the sent partial sums in VMEM: its scoped limit must
-  hold them (XLA's default, 16 MiB on v5e, does not for large panels)."""
-  return max(sent_bytes(spec) + 2**22, 16 * 2**20)
+def done_vmem_limit(spec: RsSpec) -> int | None:
+  """The done reads the sent partial sums in VMEM: above 8 MiB of them its
+  scoped limit is raised to hold them (XLA's default, 16 MiB on v5e, did
+  not hold 29 MiB); None (the default) below."""
+  sent = sent_bytes(spec)
+  return None if sent <= 8 * 2**20 else sent + 2**22
 
 
 def done(recv, sent, token, send_sems, *, spec: RsSpec):
