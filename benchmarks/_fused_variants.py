@@ -28,8 +28,10 @@ does, written with ``jnp`` ops of the same shapes:
   different program (and, simulated with its weight prefetch charged,
   serialises the weight read before the dot, which the kernel streams).
 - ``ring_reducescatter_matmul``: every step's product plus the partial
-  sums received, cast: ``x [m, k] @ w [k, n c] + r [m, n c]`` (the kernel
-  writes ``n - 1`` sent blocks and its own: ``n c`` columns).
+  sums received, cast: ``x [m, k] @ w [k, n c] + r [m, n c]`` (it writes
+  ``n - 1`` sent blocks and keeps its own product: ``n c`` columns);
+  ``ring_reducescatter_finish`` (no remote DMA): the last partial sums
+  added to the own product, ``p [m, c] + r [m, c]``.
 """
 
 import functools
@@ -143,14 +145,15 @@ def _ag_twin(operands, results, attrs=""):
 
 
 def _rs_twin(operands, results, attrs=""):
+  """Every step's product plus the partial sums received: one ``x [m, k]
+  @ w [k, n c] + r [m, n c]``, cast to the sent dtype."""
   del attrs
   _, x, w, recv = operands[:4]
-  out = results[0]
   m, cols = x.dims[0], w.dims[1]
 
   def fn(x, w, r):
     y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
-    return (y + r.astype(y.dtype)).astype(_dt(out))
+    return (y + r.astype(y.dtype)).astype(r.dtype)
 
   return fn, (
     _sds(x.dims, _dt(x)),
@@ -159,9 +162,24 @@ def _rs_twin(operands, results, attrs=""):
   )
 
 
+def _rs_finish_twin(operands, results, attrs=""):
+  """The last partial sums added to the own products: ``p [m, c] + r [m,
+  c]`` (float32 plus the sent dtype), cast to the result's dtype."""
+  del attrs
+  own, recv = operands[:2]
+  d, m, ch = own.dims
+  out = _dt(results[0])
+
+  def fn(p, r):
+    return (p + r.astype(p.dtype)).astype(out)
+
+  return fn, (_sds((m, d * ch), _dt(own)), _sds((m, d * ch), _dt(recv)))
+
+
 # Longer names first: the coster takes the first registered prefix.
 _kernel_costs.register("ring_allgather_matmul", _ag_twin)
 _kernel_costs.register("ring_reducescatter_matmul", _rs_twin)
+_kernel_costs.register("ring_reducescatter_finish", _rs_finish_twin)
 
 
 # Variants ------------------------------------------------------------------

@@ -4,6 +4,7 @@ wall time."""
 
 import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -341,6 +342,59 @@ class _FakeIns:
   name: str = "ring_allgather_matmul"
   opcode: str = "custom-call"
   target: str = "tpu_custom_call"
+
+
+def test_fused_reducescatter_is_charged_its_dots_and_not_copied():
+  """The fused matmul-reduce-scatter (chapter's shape, bf16, v5e:2x4, tp 4)
+  is charged its full-width dot plus the finish's add, each XLA's estimate
+  of that jnp program (never below the FLOPs at peak), and leaves no result
+  copy: the finish, which starts no remote DMA, writes the result."""
+  from benchmarks import _fused_variants, _measure  # noqa: PLC0415
+
+  spec = _measure.Spec(
+    "reducescatter:asyncops_fused",
+    "v5e:2x4",
+    None,
+    (1024, 2048, 8192),
+    jnp.bfloat16,
+  )
+  with _measure.cache_off():
+    res = _measure.measure(spec)
+  tl = res.timeline
+  assert not tl.flags, tl.flags
+  n, m, k, c = 4, 512, 2048, 512
+  device = _measure.mesh_for("v5e:2x4", "ring", None).devices.flat[0]
+  s = jax.sharding.SingleDeviceSharding(device)
+
+  def modelled(fn, *shapes):
+    args = [jax.ShapeDtypeStruct(sh, dt, sharding=s) for sh, dt in shapes]
+    text = jax.jit(fn).trace(*args).lower().compile().as_text()
+    return _timeline.simulate(_hlo.parse(text), CHIP, prefetch="charged")
+
+  bf, f32 = jnp.bfloat16, jnp.float32
+  x, w, r = (m, k), (k, n * c), (m, n * c)
+  steps_fn, _ = _fused_variants._rs_twin(
+    [
+      None,
+      _hlo_leaf(x, "bf16"),
+      _hlo_leaf(w, "bf16"),
+      _hlo_leaf((2, 3, m, c // 2), "bf16"),
+    ],
+    [],
+  )
+  steps = modelled(steps_fn, (x, bf), (w, bf), (r, bf))
+  finish = modelled(
+    lambda p, q: (p + q.astype(f32)).astype(bf), ((m, c), f32), ((m, c), bf)
+  )
+  assert tl.twin_s == pytest.approx(steps.step_s + finish.step_s)
+  assert tl.twin_s >= 2 * m * k * n * c / CHIP.bf16_flops
+  kinds = [e.name.split(".")[0] for e in tl.events if e.track == "compute"]
+  assert "ring_reducescatter_finish" in kinds
+  assert not [k for k in kinds if k.startswith("copy")], kinds
+
+
+def _hlo_leaf(dims, dtype):
+  return types.SimpleNamespace(dims=tuple(dims), dtype=dtype)
 
 
 def test_compile_cache_is_keyed_on_the_lowered_program(tmp_path, monkeypatch):

@@ -48,10 +48,11 @@ _VMEM_SHARE = 0.6
 _W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
 # The reduce-scatter's sent partial sums are a VMEM output that must stay
 # resident until the done (the remote DMAs read it). The done takes it in
-# VMEM within its default scoped limit (16 MiB on v5e); a larger buffer
-# failed to compile (v5e, m 4096, tp 8: 29 MiB, "CompileTimeScopedVmemOom"),
-# so rows are split into more panels instead.
-_SENT_BYTES = 8 * 2**20
+# VMEM with its scoped limit raised to hold it; above 16 MiB rows are split
+# into more panels (29 MiB failed to compile at XLA's default limit, v5e,
+# m 4096, tp 8, "CompileTimeScopedVmemOom"; 12 MiB, the prefill shape's
+# one panel, compiles on v5e and v6e).
+_SENT_BYTES = 16 * 2**20
 
 
 def vmem_capacity(device_kind: str | None) -> int:

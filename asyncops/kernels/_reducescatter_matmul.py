@@ -17,7 +17,7 @@ halves; partial sums of first halves travel to ``i + 1`` (block ``i - s -
 1`` at step ``s``), of second halves to ``i - 1`` (block ``i + s + 1``).
 Each column of ``w`` is used at exactly one step, so ``w`` is read once.
 
-Kernels, in program order (all three appear in the compiled HLO):
+Kernels, in program order (all four appear in the compiled HLO):
 
 1. ``asyncops_ring_reducescatter_start``: a two-round barrier with the ring
    neighbours (the second on a kernel-local semaphore, jax-ml/jax PR
@@ -25,32 +25,47 @@ Kernels, in program order (all three appear in the compiled HLO):
    holds the partial sum added at step ``t + 1``; its first output, which
    ``benchmarks/`` routes) and DMA semaphore arrays ``[d, n - 1]``. It
    starts no transfer: the first partial sums exist only after step 0.
-2. ``ring_reducescatter_matmul``: grid ``(n, d, c / (d bn))``. After block
-   ``max(nb - 2, 0)`` of a half at step ``s >= 1`` it waits for the
-   neighbour's partial sum and starts copying it into VMEM; after the last
-   block it adds it, casts, and either sends the sum on from slot ``s`` of
-   a VMEM send buffer (``s < n - 1``) or writes it as its half of the
-   output (``s = n - 1``). The send buffer ``[n - 1, d, m, c/d]`` is an
-   output, so it outlives the kernel while the last sends are in flight.
-3. ``asyncops_ring_reducescatter_done``: waits for every send.
+2. ``ring_reducescatter_matmul``: grid ``(n, d, c / (d bn))``, every
+   product and every send. After block ``max(nb - 2, 0)`` of a half at
+   step ``1 <= s <= n - 2`` it waits for the neighbour's partial sum and
+   starts copying it into VMEM; after the last block it adds it, casts,
+   and sends the sum on from slot ``s`` of a VMEM send buffer. At step
+   ``n - 1`` it keeps its own product (float32) in a VMEM output ``[d, m,
+   c/d]``. The send buffer ``[n - 1, d, m, c/d]`` is an output too, so it
+   outlives the kernel while the last sends are in flight.
+3. ``ring_reducescatter_finish``: grid ``(d,)``. Waits for the last
+   partial sum of each half, adds it to the own product and writes the
+   ``[m, c]`` result. It starts **no remote DMA** and returns an SMEM token
+   besides the result.
+4. ``asyncops_ring_reducescatter_done``: waits for every send; it takes
+   the token (not the result), so it runs after the finish, and reads the
+   send buffer in VMEM (its scoped VMEM limit is raised to hold it).
+
+Why a finish kernel. XLA treats a kernel that starts a remote DMA as
+communicating and copies its result before it leaves the program (see
+``_allgather_matmul.py``; here the ``[m, c]`` result was placed in VMEM and
+copied to HBM at the end, v5e and v6e). The partial sums are computed
+before they are sent, so the sends cannot move to the start kernel as the
+all-gather's do; instead the one step that sends nothing is split off.
+Only the addition of the last partial sum moves: the steps kernel still
+computes every product (one pipeline over all of ``w``; XLA estimates the
+narrow per-step dots at several times their FLOPs, so a split of the last
+step's dot would be charged about 7 us more at the chapter's shape), and
+the finish reads its own product from VMEM. The last partial sum arrives
+while the steps kernel computes the own product, as before the split.
 
 The travelling partial sums have the transfer dtype (the input dtype, as
 XLA's reduce-scatter), so bfloat16 sums round once per hop; each device's
 own products accumulate in float32.
 
-Why one compute kernel: the benchmark model charges each computing kernel
-XLA's estimate of the same work as a standalone jnp program, and XLA
-estimates the narrow per-step matmuls (``[m, k] x [k, c/2]``) at several
-times their FLOPs; a first/steps/finish split modelled 49.8 us against one
-full-width matmul's 27.8 us of twin cost (v5e, chapter shape, bf16).
 Tools reading the schedule see the transfers begin at the start kernel,
 up to one step's compute earlier than they do; they end at the done, as
 they do.
 
 Limits. ``c / d`` a multiple of 128 and of ``bn``; ``x`` ``[m, k]``, the
-float32 partial ``[m, c/d]``, the received and the ``n - 1`` sent partial
-sums must fit in VMEM (the caller splits ``m`` into panels when they do
-not). One ring axis.
+float32 partial ``[m, c/d]``, the own products ``[m, c]`` (float32), the
+received and the ``n - 1`` sent partial sums must fit in VMEM (the caller
+splits ``m`` into panels when they do not). One ring axis.
 """
 
 import dataclasses
@@ -134,7 +149,8 @@ def vmem_bytes(spec: RsSpec) -> int:
     + half * 4  # float32 partial of one half
     + half * t  # received partial
     + (spec.n - 1) * spec.directions * half * t  # sent partial sums
-    + 2 * half * o  # output blocks
+    + spec.directions * half * 4  # own products (the finish adds them)
+    + 2 * half * o  # the finish's output blocks
   )
 
 
@@ -159,25 +175,29 @@ def start_kernel(*, spec: RsSpec):
   c.ring_barrier(spec, me)
 
 
-def compute_kernel(
-  me_ref,
+def step_body(
+  me,
+  s,
+  d,
+  j,
   x_ref,
   w_ref,
   recv_ref,
   send_sems,
   recv_sems,
-  o_ref,
   sent_ref,
   part,
   rbuf,
   copy_sem,
   *,
   spec: RsSpec,
+  own_ref,
 ):
-  """Grid step ``(s, d, j)``: block ``j`` of half ``d`` at step ``s``."""
+  """Block ``j`` of half ``d`` at step ``s``: the product; after the last
+  block, at ``s < n - 1`` the neighbour's partial sum added and the sum
+  sent on, at ``s = n - 1`` the product kept in ``own_ref`` (the finish
+  kernel adds the last partial sum)."""
   n, nb, bn = spec.n, spec.nb, spec.bn
-  s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  me = me_ref[0]
 
   part[:, pl.ds(pl.multiple_of(j * bn, bn), bn)] = jnp.dot(
     x_ref[...],
@@ -185,9 +205,10 @@ def compute_kernel(
     preferred_element_type=spec.acc_dtype,
     precision=jax.lax.Precision[spec.precision],
   )
+  receives = (s >= 1) & (s < n - 1)
 
   # Slot s - 1 holds the neighbour's partial sum of this step's block.
-  @pl.when((s >= 1) & (j == max(nb - 2, 0)))
+  @pl.when(receives & (j == max(nb - 2, 0)))
   def _():
     here = recv_ref.at[d, s - 1]
     c.wait_dma(here, recv_sems.at[d, s - 1])
@@ -196,7 +217,7 @@ def compute_kernel(
   def total():
     return part[...] + rbuf[...].astype(part.dtype)
 
-  @pl.when((s >= 1) & (j == nb - 1))
+  @pl.when(receives & (j == nb - 1))
   def _():
     pltpu.make_async_copy(recv_ref.at[d, s - 1], rbuf, copy_sem).wait()
 
@@ -219,7 +240,57 @@ def compute_kernel(
 
   @pl.when((s == n - 1) & (j == nb - 1))
   def _():
-    o_ref[...] = total().astype(o_ref.dtype)
+    own_ref[d] = part[...]
+
+
+def steps_kernel(
+  me_ref,
+  x_ref,
+  w_ref,
+  recv_ref,
+  send_sems,
+  recv_sems,
+  sent_ref,
+  own_ref,
+  part,
+  rbuf,
+  copy_sem,
+  *,
+  spec: RsSpec,
+):
+  """Grid step ``(s, d, j)``: every product and every send."""
+  s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  step_body(
+    me_ref[0],
+    s,
+    d,
+    j,
+    x_ref,
+    w_ref,
+    recv_ref,
+    send_sems,
+    recv_sems,
+    sent_ref,
+    part,
+    rbuf,
+    copy_sem,
+    spec=spec,
+    own_ref=own_ref,
+  )
+
+
+def finish_body(
+  d, own_ref, recv_ref, recv_sems, o_ref, rbuf, copy_sem, *, spec
+):
+  """Half ``d``: the last partial sum received, added to this device's own
+  product and written to ``o_ref``. No remote DMA."""
+  last = recv_ref.at[d, spec.n - 2]
+  c.wait_dma(last, recv_sems.at[d, spec.n - 2])
+  copy = pltpu.make_async_copy(last, rbuf, copy_sem)
+  copy.start()
+  copy.wait()
+  total = own_ref[d] + rbuf[...].astype(own_ref.dtype)
+  o_ref[...] = total.astype(o_ref.dtype)
 
 
 def done_kernel(sent_ref, send_sems, *, spec: RsSpec):
@@ -241,11 +312,11 @@ def _recv_shape(x, spec: RsSpec):
   return c.shape_like(x, (spec.directions, spec.n - 1, spec.m, spec.ch), t)
 
 
-def _params(spec: RsSpec, collective_id=None):
+def _params(spec: RsSpec, collective_id=None, *, dims=3, vmem_limit=None):
   return pltpu.CompilerParams(
-    dimension_semantics=("arbitrary",) * 3,
+    dimension_semantics=("arbitrary",) * dims,
     has_side_effects=True,
-    vmem_limit_bytes=spec.vmem_limit,
+    vmem_limit_bytes=vmem_limit or spec.vmem_limit,
     collective_id=collective_id,
   )
 
@@ -269,15 +340,6 @@ def _in_specs(spec: RsSpec):
   ]
 
 
-def _out_block(spec: RsSpec):
-  # Written only at the last step, one half per direction; before it every
-  # step maps to block (0, 0), first written at (n - 1, 0, nb - 1).
-  n = spec.n
-  return pl.BlockSpec(
-    (spec.m, spec.ch), lambda s, d, j, me: (0, jnp.where(s == n - 1, d, 0))
-  )
-
-
 def _scratch(spec: RsSpec):
   t = jnp.dtype(spec.dtype)
   return [
@@ -290,6 +352,10 @@ def _scratch(spec: RsSpec):
 def _sent_shape(spec: RsSpec):
   shape = (spec.n - 1, spec.directions, spec.m, spec.ch)
   return pltpu.VMEM(shape, jnp.dtype(spec.dtype))
+
+
+_SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
+_VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
 
 
 def start(x, *, spec: RsSpec):
@@ -313,16 +379,21 @@ def start(x, *, spec: RsSpec):
   )(x)
 
 
-def compute(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec, out_shape):
-  """All ``n`` steps; returns ``(out [m, c], sent partial sums)``."""
+def _own_shape(spec: RsSpec):
+  return pltpu.VMEM((spec.directions, spec.m, spec.ch), spec.acc_dtype)
+
+
+def steps(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec):
+  """Every product and every send; returns ``(sent partial sums, own
+  products [d, m, c/d])``, both in VMEM."""
   return pl.pallas_call(
-    functools.partial(compute_kernel, spec=spec),
-    out_shape=(out_shape, _sent_shape(spec)),
+    functools.partial(steps_kernel, spec=spec),
+    out_shape=(_sent_shape(spec), _own_shape(spec)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(spec.n, spec.directions, spec.nb),
       in_specs=_in_specs(spec) + [c.HBM, c.SEM, c.SEM],
-      out_specs=(_out_block(spec), pl.BlockSpec(memory_space=pltpu.VMEM)),
+      out_specs=(_VMEM, _VMEM),
       scratch_shapes=_scratch(spec),
     ),
     compiler_params=_params(spec),
@@ -330,47 +401,106 @@ def compute(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec, out_shape):
   )(me, x, w, recv, send_sems, recv_sems)
 
 
-def done(recv, sent, send_sems, *, spec: RsSpec):
-  """Waits for every send; returns a token nothing needs to read.
+def finish(own, recv, recv_sems, *, spec: RsSpec, out_shape):
+  """The last partial sums plus this device's own products: returns
+  ``(out [m, c], token)``. It starts no remote DMA, so XLA writes its
+  output in place as the program's result."""
+  t = jnp.dtype(spec.dtype)
 
-  Reads ``recv`` and ``sent`` so XLA keeps both alive until the sends end
-  (``sent`` is what they read; peers write into ``recv``).
-  """
-
-  def kernel(recv_ref, sent_ref, send_sems, token_ref):
-    del recv_ref
-    done_kernel(sent_ref, send_sems, spec=spec)
+  def kernel(own_ref, recv_ref, recv_sems, o_ref, token_ref, rbuf, sem):
+    d = pl.program_id(0)
+    finish_body(d, own_ref, recv_ref, recv_sems, o_ref, rbuf, sem, spec=spec)
     token_ref[0] = jnp.int32(0)
 
   return pl.pallas_call(
     kernel,
+    out_shape=(out_shape, c.shape_like(recv, (1,), jnp.int32)),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=0,
+      grid=(spec.directions,),
+      in_specs=[_VMEM, c.HBM, c.SEM],
+      out_specs=(pl.BlockSpec((spec.m, spec.ch), lambda d: (0, d)), _SMEM),
+      scratch_shapes=[
+        pltpu.VMEM((spec.m, spec.ch), t),
+        pltpu.SemaphoreType.DMA(()),
+      ],
+    ),
+    compiler_params=_params(spec, dims=1, vmem_limit=finish_vmem_limit(spec)),
+    name="ring_reducescatter_finish",
+  )(own, recv, recv_sems)
+
+
+def finish_vmem_limit(spec: RsSpec) -> int:
+  """Its own products, one received half, two output blocks (and room)."""
+  half = spec.m * spec.ch
+  o = jnp.dtype(spec.out_dtype).itemsize
+  need = (
+    spec.directions * half * 4 + half * jnp.dtype(spec.dtype).itemsize
+  ) + 2 * half * o
+  return need + need // 4 + 2**22
+
+
+def sent_bytes(spec: RsSpec) -> int:
+  """Bytes of the sent partial sums (a VMEM buffer from the steps kernel
+  to the done)."""
+  sent = (spec.n - 1) * spec.directions * spec.m * spec.ch
+  return sent * jnp.dtype(spec.dtype).itemsize
+
+
+def done_vmem_limit(spec: RsSpec) -> int | None:
+  """The done reads the sent partial sums in VMEM: above 8 MiB of them its
+  scoped limit is raised to hold them (XLA's default, 16 MiB on v5e, did
+  not hold 29 MiB); None (the default) below."""
+  sent = sent_bytes(spec)
+  return None if sent <= 8 * 2**20 else sent + 2**22
+
+
+def done(recv, sent, token, send_sems, *, spec: RsSpec):
+  """Waits for every send; returns a token nothing needs to read.
+
+  Reads ``recv`` and ``sent`` so XLA keeps both alive until the sends end
+  (``sent`` is what they read; peers write into ``recv``), and the finish
+  kernel's ``token``, so it runs after it without reading the result (a
+  later reader of the result makes XLA stage it in VMEM and copy it out).
+  """
+
+  def kernel(recv_ref, sent_ref, token_ref, send_sems, out_ref):
+    del recv_ref, token_ref
+    done_kernel(sent_ref, send_sems, spec=spec)
+    out_ref[0] = jnp.int32(0)
+
+  return pl.pallas_call(
+    kernel,
     out_shape=c.shape_like(recv, (1,), jnp.int32),
-    in_specs=[c.HBM, pl.BlockSpec(memory_space=pltpu.VMEM), c.SEM],
-    out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
-    compiler_params=c.params(),
+    in_specs=[c.HBM, pl.BlockSpec(memory_space=pltpu.VMEM), _SMEM, c.SEM],
+    out_specs=_SMEM,
+    compiler_params=pltpu.CompilerParams(
+      has_side_effects=True, vmem_limit_bytes=done_vmem_limit(spec)
+    ),
     name="asyncops_ring_reducescatter_done",
-  )(recv, sent, send_sems)
+  )(recv, sent, token, send_sems)
 
 
 def run(me, x, w, *, spec: RsSpec, out_shape):
-  """The three kernels in order; returns ``[m, c]``."""
+  """The four kernels in order; returns ``[m, c]``."""
   x = x.astype(spec.dtype)
   recv, send_sems, recv_sems = start(x, spec=spec)
-  out, sent = compute(
-    me, x, w, recv, send_sems, recv_sems, spec=spec, out_shape=out_shape
-  )
-  done(recv, sent, send_sems, spec=spec)
+  sent, own = steps(me, x, w, recv, send_sems, recv_sems, spec=spec)
+  out, token = finish(own, recv, recv_sems, spec=spec, out_shape=out_shape)
+  done(recv, sent, token, send_sems, spec=spec)
   return out
 
 
 def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
-  """The three bodies in one kernel, semaphores as scratch (for Pallas's
+  """The four bodies in one kernel, semaphores as scratch (for Pallas's
   TPU interpreter, which cannot return semaphores): the start body before
-  the first grid step, the done body after the last."""
+  the first grid step, every step's body on grid ``(n, d, j)``, then the
+  finish body of each half and the done body after the last."""
   x = x.astype(spec.dtype)
+  ch = spec.ch
 
   def kernel(me_ref, x_ref, w_ref, o_ref, sent_ref, recv_ref, *scratch):
-    ss, rs, *rest = scratch
+    ss, rs, own, part, rbuf, sem = scratch
     s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first = (s == 0) & (d == 0) & (j == 0)
     last = (s == spec.n - 1) & (d == spec.directions - 1) & (j == spec.nb - 1)
@@ -379,21 +509,29 @@ def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
     def _():
       start_kernel(spec=spec)
 
-    compute_kernel(
-      me_ref,
+    step_body(
+      me_ref[0],
+      s,
+      d,
+      j,
       x_ref,
       w_ref,
       recv_ref,
       ss,
       rs,
-      o_ref,
       sent_ref,
-      *rest,
+      part,
+      rbuf,
+      sem,
       spec=spec,
+      own_ref=own,
     )
 
     @pl.when(last)
     def _():
+      for dd in range(spec.directions):
+        half = o_ref.at[:, pl.ds(dd * ch, ch)]
+        finish_body(dd, own, recv_ref, rs, half, rbuf, sem, spec=spec)
       done_kernel(sent_ref, ss, spec=spec)
 
   out, _, _ = pl.pallas_call(
@@ -403,12 +541,9 @@ def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
       num_scalar_prefetch=1,
       grid=(spec.n, spec.directions, spec.nb),
       in_specs=_in_specs(spec),
-      out_specs=(
-        _out_block(spec),
-        pl.BlockSpec(memory_space=pltpu.VMEM),
-        c.ANY,
-      ),
-      scratch_shapes=[_sem_array(spec), _sem_array(spec)] + _scratch(spec),
+      out_specs=(_VMEM, _VMEM, c.ANY),
+      scratch_shapes=[_sem_array(spec), _sem_array(spec), _own_shape(spec)]
+      + _scratch(spec),
     ),
     compiler_params=_params(spec, spec.collective_id),
     interpret=interpret,
