@@ -298,8 +298,9 @@ _KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5p"}
     ("allgather", "v6e", 1024, "ring_bidi"),
     ("reducescatter", "v5e", 16, "fused"),  # the partial sums leave early
     ("reducescatter", "v5e", 256, "fused"),
-    ("reducescatter", "v5e", 4096, "ring_bidi"),  # fused: 8 row panels
+    ("reducescatter", "v5e", 4096, "ring_bidi"),  # fused: 4 row panels
     ("reducescatter", "v5e", 16384, "ring_bidi"),
+    ("reducescatter", "v6e", 4096, "ring_bidi"),  # fused: 4 row panels
     ("reducescatter", "v6e", 16384, "ring_bidi"),
   ],
 )

@@ -157,7 +157,8 @@ class Cal:
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
     rs_panel_s: a fused reduce-scatter's cost per extra row panel (the
-      model, tp 8: 28 to 33 us on v5e at 8 and 32 panels, 2 us on v6e).
+      model, tp 8, up to 16 MiB of sent partial sums per panel: 74 us on
+      v5e at 4 and 16 panels, 12 to 17 us on v6e).
     xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
       reading the weights bounds it (the reduce-scatter's matmul, which
       its collective waits for).
@@ -178,10 +179,10 @@ class Cal:
 # their dots at decode, and its two-way ring's second dot 5 us); v4 takes
 # v5e's.
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 30e-6),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 30e-6),
+  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 74e-6),
+  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 74e-6),
   "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 0.85, 1.4, 0.76, 2e-6),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 4.8, 0.76, 2e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 4.8, 0.76, 15e-6),
 }
 
 
