@@ -229,10 +229,12 @@ def _kernels(text):
   return {n for n in _entry_order(text)}
 
 
-def test_auto_picks_xla_at_decode_and_the_two_way_ring_at_prefill():
+def test_auto_picks_xla_at_decode_and_the_fused_kernel_at_prefill():
   """The public function's default, ``method="auto"``, on a v5e mesh: the
   program compiled is the one the estimate names (decode: XLA's
-  all-gather and dot; prefill, ring of 4: the two-way value ring)."""
+  all-gather and dot; prefill, ring of 4: the fused kernel, which the
+  benchmark model puts under the two-way ring there, 648.3 against 731.7
+  us in bf16)."""
 
   def ag(a, w):
     return cm.allgather_matmul(a, w, "y")
@@ -243,11 +245,12 @@ def test_auto_picks_xla_at_decode_and_the_two_way_ring_at_prefill():
   assert not _kernels(decode)
   assert "method_xla" in decode
   c = _auto.explain_allgather(1024, 2048, 7168, 4, jnp.bfloat16, **u.V5E_PLAN)
-  assert c.method == "ring_bidi"
+  assert c.method == "fused", str(c)
+  assert c.fused_us < c.ring_bidi_us < c.xla_us
   prefill = _compile(*_allgather("v5e:2x4", ag, shape=(2048, 8192, 28672)))
-  assert "asyncops_bidirectional_start" in prefill
-  assert "asyncops_ppermute_start" not in prefill  # not the one-way ring
-  assert not _kernels(prefill)  # nor the fused kernel
+  assert "ring_allgather_matmul" in _kernels(prefill)
+  assert "asyncops_bidirectional_start" not in prefill  # not the rings
+  assert "asyncops_ppermute_start" not in prefill
   assert "method_xla" not in prefill
   assert not analyze(prefill).defensive_copies
 
@@ -287,7 +290,7 @@ _KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5p"}
     # each the fastest of auto's candidates in the benchmark model.
     ("allgather", "v5e", 16, "xla"),  # the weight read: XLA's program
     ("allgather", "v5e", 256, "fused"),
-    ("allgather", "v5e", 1024, "fused"),
+    ("allgather", "v5e", 1024, "ring_bidi"),  # fused: the sends wait
     ("allgather", "v5e", 4096, "ring_bidi"),  # fused: 2 row panels
     # Nothing reaches xla_best (a compiler flag); the one-way ring is the
     # nearest (the two-way ring's large accumulators, the fused 8 panels).

@@ -41,11 +41,15 @@ per-chip constants fit to the benchmark model's figures (:data:`CAL`):
   benchmark model finds in XLA's all-gather and reduce-scatter); the
   reduce-scatter's matmul, which it waits for, is charged the weight read
   at ``CAL.xla_hbm`` of HBM bandwidth.
-- ``fused``: per row panel, ``1.5 us + W`` (the kernel's charge, XLA's
-  estimate of the same chunk dots, reads the weight before them) plus the
-  larger of its dots (at least ``CAL.fused_floor W`` and, for the
-  all-gather, its float32 accumulator's traffic per step) and its ring
-  ``T(2)``; the all-gather's extra panels cost ``CAL.fused_panel W`` each.
+- ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
+  dots (each the longer of its FLOPs and its rows of ``W`` with a pass
+  over the float32 accumulator), or the direct sends to every peer and
+  the last step, whichever is longer; extra panels cost
+  ``CAL.fused_panel W`` each.
+- ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
+  kernel's charge, XLA's estimate of the same dots, reads the weight
+  before them) plus the larger of its dots and its ring ``T(2)``; extra
+  panels cost ``CAL.rs_panel_s`` each.
 - ``ring(d)``: ``n`` steps, each ``max(C / n + rho bytes / HBM + fixed,
   T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
   ``ring_step_s``, ``ring_dot_s`` for the second direction's dot).
@@ -146,9 +150,6 @@ class Cal:
       hide under the step's matmul (XLA's chunk dots and adds).
     ring_step_s: a value-ring step's fixed cost (start, done, the dot's
       launch).
-    fused_floor: a fused all-gather step costs at least this share of the
-      HBM time of its rows of ``w`` (the kernel's charge, XLA's estimate
-      of one ``[m, k] x [k, f]`` dot per step, after the weight read).
     fused_panel: a fused all-gather's cost per extra row panel beyond its
       weight read, in weight reads (its ring restarts and accumulator
       flushes; the model, tp 8: v5e 100 us over the one-panel estimate
@@ -168,7 +169,6 @@ class Cal:
   ring_step_s: float
   ring_dot_s: float
   ring_acc: float
-  fused_floor: float
   fused_panel: float
   xla_hbm: float
   rs_panel_s: float
@@ -179,10 +179,10 @@ class Cal:
 # their dots at decode, and its two-way ring's second dot 5 us); v4 takes
 # v5e's.
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 74e-6),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 0.7, 4.2, 0.85, 74e-6),
-  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 0.85, 1.4, 0.76, 2e-6),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.85, 4.8, 0.76, 15e-6),
+  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
+  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
+  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 1.4, 0.76, 2e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6),
 }
 
 
@@ -304,16 +304,35 @@ def _decide(
 
 
 def _fused_s(panels, compute, w_s, rest_s, n, chunk, link, floor_s=0.0):
-  """The fused estimate over ``panels`` row panels, one after the other:
-  each reads ``w`` before its matmul (the kernel's charge: XLA's estimate
-  of the same dots, which serialises the weight read), and runs its own
-  ring of ``1 / panels`` of the rows (``rest_s``: the other HBM traffic,
-  ``chunk``: one step's bytes, ``floor_s``: the least a panel's dots cost,
-  ``n`` steps of them)."""
+  """The fused reduce-scatter's estimate over ``panels`` row panels, one
+  after the other: each reads ``w`` before its matmul (the kernel's charge:
+  XLA's estimate of the same dots, which serialises the weight read), and
+  runs its own ring of ``1 / panels`` of the rows (``rest_s``: the other
+  HBM traffic, ``chunk``: one step's bytes, ``floor_s``: the least a
+  panel's dots cost, ``n`` steps of them). The partial sums travel on, one
+  hop per step, once the dots have made them."""
   p = panels
   ring = (n - 1) * (chunk / p / (2 * link) + _HOP_S)
   c = max(compute / p, floor_s, rest_s / p)
   return p * (_FUSED_OVERHEAD_S + w_s + max(c, ring + c / n))
+
+
+def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link):
+  """The fused all-gather's estimate over ``panels`` row panels, one after
+  the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
+  one dot (XLA's estimate: its FLOPs, or its rows of ``w`` and a pass over
+  the float32 accumulator, ``acc_s``, whichever is longer). The start sends
+  every chunk to every peer over both directions (``sum(min(d, n - d)) /
+  2`` chunks per directed link, 8 at ``n = 8`` where forwarding takes 3.5)
+  before the dots begin; the last step waits for the farthest chunk. (The
+  benchmark model: within 1% at the chapter's and prefill shapes on v5e
+  and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.)"""
+  p = panels
+  load = sum(min(d, n - d) for d in range(1, n)) / 2
+  ring = load * chunk / p / link + (n - 1) * _HOP_S
+  steps = [max(g * compute / (n * p), g * w_s / n + acc_s / p) for g in plan]
+  c = sum(steps)
+  return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
 
 
 def _ring_s(n, d, compute, hidden, extra, chip, chunk, cal) -> float:
@@ -373,10 +392,18 @@ def explain_allgather(
   acc = 2 * m * f * 4 if jnp.issubdtype(dtype, jnp.floating) else 2 * m * f * b
   # The kernel's charge, XLA's estimate of its n chunk dots, reads and
   # writes their float32 accumulator at every step (in its panel's rows).
-  floor = max(cal.fused_floor * w_s, n * acc / panels / chip.hbm)
+  plan_steps = _fused.choose_steps(
+    n,
+    -(-m // panels),
+    k,
+    f,
+    dtype,
+    device_kind,
+    _fused.transfer_dtype(dtype, precision),
+  )
   fused = (
-    _fused_s(
-      panels, compute, w_s, hbm - w_s, n, chunk, chip.link, floor_s=floor
+    _fused_ag_s(
+      panels, plan_steps, compute, w_s, acc / chip.hbm, n, chunk, chip.link
     )
     + (panels - 1) * cal.fused_panel * w_s
   )
