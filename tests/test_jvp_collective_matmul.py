@@ -24,17 +24,15 @@ from jax.sharding import PartitionSpec as P
 import asyncops
 from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
+from tests import util as u
 
 # These tests are about the rings (value and Ref APIs): method="ring". The
 # default, method="auto", is checked by test_default_method_forward_mode.
 allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
 matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
-matmul_reducescatter = functools.partial(
-  _cm.matmul_reducescatter, method="ring"
-)
 mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
-RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
+RINGS = u.RINGS
 ALL = P(("x", "y"))
 
 
@@ -124,49 +122,12 @@ def _check(ours, ref, shapes, specs, dtype, fan_in, zero=()):
   _close((y, ty, ly), (y_ref, ty_ref, ty_ref), dtype, fan_in)
 
 
-def _spec(rank, dim):
-  return P(*[("y" if i == dim else None) for i in range(rank)])
-
-
 # All-gather matmul ------------------------------------------------------------
-
-# (per-device lhs, gather_dim, weight widths, return_gathered)
-AG_FORMS = [
-  ((8, 16), -1, (24,), False),  # contracting
-  ((2, 4, 16), -1, (8, 16), True),  # batch dims, two weights, gathered
-  ((8, 32), 0, (16,), False),  # rows (sequence parallel)
-  ((2, 4, 32), 1, (8, 16), True),  # batch + rows, two weights, gathered
-]
 
 
 def _allgather_case(form, api, bidi, dtype, zero=()):
-  local, dim, fs, gathered = AG_FORMS[form]
-  n = _mesh().shape["y"]
-  rank = len(local)
-  d = dim % rank
-  k = local[-1] * (n if d == rank - 1 else 1)
-  glob = tuple(s * n if i == d else s for i, s in enumerate(local))
-  shapes = [glob] + [(k, f) for f in fs]
-  specs = (_spec(rank, d),) + (P(),) * len(fs)
-
-  def ours(x, *ws):
-    return allgather_matmul(
-      x,
-      ws if len(ws) > 1 else ws[0],
-      "y",
-      gather_dim=dim,
-      return_gathered=gathered,
-      api=api,
-      bidirectional=bidi,
-    )
-
-  def ref(x, *ws):
-    g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
-    outs = tuple(g @ w for w in ws)
-    result = outs if len(ws) > 1 else outs[0]
-    return (result, g) if gathered else result
-
-  _check(ours, ref, shapes, specs, dtype, k, zero)
+  c = u.allgather_ring_case(*u.AG_FORMS[form], api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in, zero)
 
 
 # Every form meets two of the four rings, every ring two forms per op.
@@ -180,33 +141,10 @@ def test_allgather_matmul(form, api, bidi):
 
 # Matmul-reduce-scatter ------------------------------------------------------
 
-# (per-device lhs, scatter_dim, f)
-RS_FORMS = [
-  ((8, 16), -1, 32),  # columns
-  ((2, 4, 16), -1, 16),  # batch dims
-  ((16, 8), 0, 8),  # rows (sequence parallel)
-  ((2, 8, 16), 1, 8),  # batch + rows
-]
-
 
 def _reducescatter_case(form, api, bidi, dtype, zero=()):
-  local, dim, f = RS_FORMS[form]
-  rank = len(local)
-  d = dim % rank
-  k = local[-1]
-  n = _mesh().shape["y"]
-  shapes = [local[:-1] + (k * n,), (k * n, f)]
-  specs = (_spec(rank, rank - 1), P("y", None))
-
-  def ours(x, w):
-    return matmul_reducescatter(
-      x, w, "y", scatter_dim=dim, api=api, bidirectional=bidi
-    )
-
-  def ref(x, w):
-    return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=d, tiled=True)
-
-  _check(ours, ref, shapes, specs, dtype, k, zero)
+  c = u.reducescatter_ring_case(*u.RS_FORMS[form], api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in, zero)
 
 
 @pytest.mark.parametrize("form,api,bidi", CASES)
@@ -231,40 +169,8 @@ def test_matmul_allreduce(api, bidi):
 
 
 def _mlp_case(sp, gated, api, bidi, dtype, zero=()):
-  n, d, f = 4, 64, 64
-  if sp:  # x [b, s/n, d], sharded along the tokens
-    glob, xspec, dim = (2, 8 * n, d), P(None, "y", None), 1
-  else:  # x [m, d/n], data over x too
-    glob, xspec, dim = (8, d), P("x", "y"), -1
-  shapes = [glob, (d, f), (f, d)] + ([(d, f)] if gated else [])
-  specs = (xspec, P(None, "y"), P("y", None)) + (
-    (P(None, "y"),) if gated else ()
-  )
-  act = jax.nn.silu if gated else jax.nn.gelu
-
-  def ours(x, w_in, w_out, *g):
-    return mlp_block(
-      x,
-      w_in,
-      w_out,
-      "y",
-      w_gate=g[0] if g else None,
-      activation=act,
-      sequence_parallel=sp,
-      sequence_dim=dim,
-      api=api,
-      bidirectional=bidi,
-    )
-
-  def ref(x, w_in, w_out, *g):
-    dd = dim % x.ndim
-    gx = jax.lax.all_gather(x, "y", axis=dd, tiled=True)
-    h = act(gx @ w_in) if not g else act(gx @ g[0]) * (gx @ w_in)
-    return jax.lax.psum_scatter(
-      h @ w_out, "y", scatter_dimension=dd, tiled=True
-    )
-
-  _check(ours, ref, shapes, specs, dtype, d, zero)
+  c = u.mlp_ring_case(sp, gated, api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in, zero)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ also usable from the command line::
 """
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -273,3 +275,138 @@ def aot_sharded(topology, fn, shapes, in_specs, out_specs, dtype, mesh=(2, 4)):
     for s, p in zip(shapes, in_specs, strict=True)
   )
   return jitted, args
+
+
+# Collective matmul cases (tests/test_grad_* and test_jvp_collective_matmul) ---
+
+# The rings: (api, bidirectional).
+RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
+
+# (per-device lhs, gather_dim, weight widths, return_gathered)
+AG_FORMS = [
+  ((8, 16), -1, (24,), False),  # contracting
+  ((2, 4, 16), -1, (8, 16), True),  # batch dims, two weights, gathered
+  ((8, 32), 0, (16,), False),  # rows (sequence parallel)
+  ((2, 4, 32), 1, (8, 16), True),  # batch + rows, two weights, gathered
+]
+
+# (per-device lhs, scatter_dim, f)
+RS_FORMS = [
+  ((8, 16), -1, 32),  # columns
+  ((2, 4, 16), -1, 16),  # batch dims
+  ((16, 8), 0, 8),  # rows (sequence parallel)
+  ((2, 8, 16), 1, 8),  # batch + rows
+]
+
+
+class RingCase(NamedTuple):
+  """A ring program over mesh axis ``"y"`` and its ``jax.lax`` reference:
+  per-device functions of the global arguments ``shapes`` placed by
+  ``specs``; ``fan_in`` is the contraction length (for tolerances)."""
+
+  ours: Callable
+  ref: Callable
+  shapes: list
+  specs: tuple
+  fan_in: int
+
+
+def axis_spec(rank, dim, axis="y"):
+  """A ``PartitionSpec`` of ``rank`` sharding dimension ``dim`` on ``axis``."""
+  return P(*[(axis if i == dim else None) for i in range(rank)])
+
+
+def allgather_ring_case(local, dim, fs, gathered, api, bidi, n=4):
+  """``allgather_matmul(method="ring")`` of form ``AG_FORMS``' ``(local,
+  dim, fs, gathered)`` over ``n`` devices along ``"y"``."""
+  rank = len(local)
+  d = dim % rank
+  k = local[-1] * (n if d == rank - 1 else 1)
+  glob = tuple(s * n if i == d else s for i, s in enumerate(local))
+  shapes = [glob] + [(k, f) for f in fs]
+  specs = (axis_spec(rank, d),) + (P(),) * len(fs)
+
+  def ours(x, *ws):
+    return asyncops.collective_matmul.allgather_matmul(
+      x,
+      ws if len(ws) > 1 else ws[0],
+      "y",
+      gather_dim=dim,
+      return_gathered=gathered,
+      api=api,
+      bidirectional=bidi,
+      method="ring",
+    )
+
+  def ref(x, *ws):
+    g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
+    outs = tuple(g @ w for w in ws)
+    result = outs if len(ws) > 1 else outs[0]
+    return (result, g) if gathered else result
+
+  return RingCase(ours, ref, shapes, specs, k)
+
+
+def reducescatter_ring_case(local, dim, f, api, bidi, n=4):
+  """``matmul_reducescatter(method="ring")`` of form ``RS_FORMS``' ``(local,
+  dim, f)``; the lhs is sharded over ``"y"`` along its contracting
+  dimension (``local[-1]`` per device)."""
+  rank = len(local)
+  d = dim % rank
+  k = local[-1]
+  shapes = [local[:-1] + (k * n,), (k * n, f)]
+  specs = (axis_spec(rank, rank - 1), P("y", None))
+
+  def ours(x, w):
+    return asyncops.collective_matmul.matmul_reducescatter(
+      x, w, "y", scatter_dim=dim, api=api, bidirectional=bidi, method="ring"
+    )
+
+  def ref(x, w):
+    return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=d, tiled=True)
+
+  return RingCase(ours, ref, shapes, specs, k)
+
+
+def mlp_ref(x, w_in, w_out, w_gate=None, *, dim=-1, act=jax.nn.gelu):
+  """``mlp_block``'s ``jax.lax`` program over mesh axis ``"y"``."""
+  d = dim % x.ndim
+  g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
+  h = act(g @ w_in) if w_gate is None else act(g @ w_gate) * (g @ w_in)
+  return jax.lax.psum_scatter(h @ w_out, "y", scatter_dimension=d, tiled=True)
+
+
+def mlp_ring_case(sp, gated, api, bidi, n=4):
+  """``mlp_block(method="ring")``: sequence parallel (``sp``, x ``[b, s/n,
+  d]``) or not (x ``[m, d/n]``, data over ``"x"`` too), gated (silu) or
+  not (gelu)."""
+  d, f = 64, 64
+  if sp:
+    glob, xspec, dim = (2, 8 * n, d), P(None, "y", None), 1
+  else:
+    glob, xspec, dim = (8, d), P("x", "y"), -1
+  shapes = [glob, (d, f), (f, d)] + ([(d, f)] if gated else [])
+  specs = (xspec, P(None, "y"), P("y", None)) + (
+    (P(None, "y"),) if gated else ()
+  )
+  act = jax.nn.silu if gated else jax.nn.gelu
+
+  def ours(x, w_in, w_out, *g):
+    return asyncops.collective_matmul.mlp_block(
+      x,
+      w_in,
+      w_out,
+      "y",
+      w_gate=g[0] if g else None,
+      activation=act,
+      sequence_parallel=sp,
+      sequence_dim=dim,
+      api=api,
+      bidirectional=bidi,
+      method="ring",
+    )
+
+  def ref(x, w_in, w_out, *g):
+    return mlp_ref(x, w_in, w_out, *g, dim=dim, act=act)
+
+  return RingCase(ours, ref, shapes, specs, d)
