@@ -376,11 +376,12 @@ def _fused_case(which):
   return ours, ref, P("y"), P("x"), (1024, 1024), _fused.allgather_matmul_p
 
 
-@pytest.mark.parametrize("which", ["allgather", "reducescatter", "allreduce"])
-def test_fused_kernels_grad_and_jvp(which):
-  """The fused primitives' rules: gradients and JVPs equal the ``jax.lax``
-  program's, and each backward uses the other fused ring for ``d lhs``."""
-  ours, ref, wspec, ospec, wshape, other = _fused_case(which)
+def _fused_matches(which, ours, ref):
+  """On ``_fused_case(which)``'s arguments, ``jax.grad`` of
+  ``sum(sin(shard_map(ours)))`` and ``jax.jvp`` of the ``shard_map`` equal
+  ``ref``'s (at highest precision); returns the jaxprs of ``ours``' gradient
+  and JVP."""
+  _, _, wspec, ospec, wshape, _ = _fused_case(which)
   mesh = _mesh()
   specs = (P("x", "y"), wspec)
   x, w = _put(
@@ -394,19 +395,26 @@ def test_fused_kernels_grad_and_jvp(which):
     def loss(x, w):
       return jnp.sum(jnp.sin(sm(x, w)))
 
-    grad = jax.jit(jax.grad(loss, (0, 1)))
-    jvp = jax.jit(lambda p, t: jax.jvp(sm, p, t))
-    return grad, jvp, loss
+    return jax.grad(loss, (0, 1)), lambda p, t: jax.jvp(sm, p, t)
 
   with jax.default_matmul_precision("highest"):
-    g, j, loss = programs(ours)
-    gr, jr, _ = programs(ref)
-    got = (*g(x, w), *j((x, w), (jnp.cos(x), w)))
-    want = (*gr(x, w), *jr((x, w), (jnp.cos(x), w)))
+    g, j = programs(ours)
+    gr, jr = programs(ref)
+    t = (jnp.cos(x), w)
+    got = (*jax.jit(g)(x, w), *jax.jit(j)((x, w), t))
+    want = (*jax.jit(gr)(x, w), *jax.jit(jr)((x, w), t))
     for a, b in zip(got, want, strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    text = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
-  assert other.name in text
+    return str(jax.make_jaxpr(g)(x, w)), str(jax.make_jaxpr(j)((x, w), t))
+
+
+@pytest.mark.parametrize("which", ["allgather", "reducescatter", "allreduce"])
+def test_fused_kernels_grad_and_jvp(which):
+  """The fused primitives' rules: gradients and JVPs equal the ``jax.lax``
+  program's, and each backward uses the other fused ring for ``d lhs``."""
+  ours, ref, _, _, _, other = _fused_case(which)
+  grad_text, _ = _fused_matches(which, ours, ref)
+  assert other.name in grad_text
 
 
 def test_fused_int8_transfer_is_not_differentiable():
@@ -429,36 +437,14 @@ def test_default_method_forward_mode(which):
   """The public functions with the fused kernel (what ``method="auto"``
   picks at large shapes): ``jax.jvp`` runs the fused kernel on the
   tangents, ``jax.grad`` the ring backward; both equal ``jax.lax``'s."""
-  _, ref, wspec, ospec, wshape, _ = _fused_case(which)
+  _, ref, _, _, _, _ = _fused_case(which)
   public = {
     "allgather": _cm.allgather_matmul,
     "reducescatter": _cm.matmul_reducescatter,
   }[which]
-  mesh = _mesh()
-  specs = (P("x", "y"), wspec)
-  x, w = _put(
-    [_data((16, 1024), "float32", 0), _data(wshape, "float32", 1, 1 / 32)],
-    specs,
+  grad_text, jvp_text = _fused_matches(
+    which, lambda x, w: public(x, w, "y", method="fused"), ref
   )
-
-  def programs(fn):
-    sm = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=ospec)
-
-    def loss(x, w):
-      return jnp.sum(jnp.sin(sm(x, w)))
-
-    return jax.grad(loss, (0, 1)), lambda p, t: jax.jvp(sm, p, t)
-
-  with jax.default_matmul_precision("highest"):
-    g, j = programs(lambda x, w: public(x, w, "y", method="fused"))
-    gr, jr = programs(ref)
-    t = (jnp.cos(x), w)
-    got = (*jax.jit(g)(x, w), *jax.jit(j)((x, w), t))
-    want = (*jax.jit(gr)(x, w), *jax.jit(jr)((x, w), t))
-    for a, b in zip(got, want, strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    grad_text = str(jax.make_jaxpr(g)(x, w))
-    jvp_text = str(jax.make_jaxpr(j)((x, w), t))
   assert "asyncops_start[" in grad_text  # the ring backward
   fused = f"asyncops_fused_{which}_matmul["
   # The primal product, and the tangent map (the fused kernel on the
