@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops import _jax_compat as jc
-from asyncops.inspect import tpu_mesh, tpu_topology
+from asyncops.inspect import analyze, tpu_mesh, tpu_topology
 
 MESH_AXES = ("x", "y")
 SHAPE = (1024, 1024)  # per device
@@ -226,6 +226,15 @@ PATTERNS = {
 }
 for _name, _f in PATTERNS.items():
   globals()[f"pattern_{_name}"] = _pattern(_f)
+
+
+@functools.cache
+def pattern_report(name, topology="v5e:2x4", **kw):
+  """``analyze`` of pattern ``name`` compiled for ``topology`` (keywords of
+  :func:`build`), once per process: the test files share the compiled
+  program. Read the report, never change it."""
+  jitted, args = build(PATTERNS[name], topology, **kw)
+  return analyze(jitted, *args)
 
 
 # Sharded programs on CPU and on AOT TPU meshes --------------------------------
