@@ -27,12 +27,12 @@ from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
 from tests import util as u
 
-# These tests are about the rings (value and Ref APIs): method="ring".
+# These tests are about the rings (value and Ref APIs): method="ring" (also
+# in the cases of tests/util.py).
 # The default, method="auto", may run the fused kernel or XLA's
 # collective instead (tests/test_fused_matmul*.py, test_auto_default).
 allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
 matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
-mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
 RINGS = u.RINGS
 
@@ -46,9 +46,7 @@ def _put(mesh, spec, x):
   return jax.device_put(x, NamedSharding(mesh, spec))
 
 
-def _data(shape, dtype, seed, scale=1.0):
-  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
-  return x.astype(dtype)
+_data = u.normal
 
 
 def _grads(f, args, specs, mesh, wrap=None):
@@ -71,29 +69,12 @@ def _grads(f, args, specs, mesh, wrap=None):
   return jax.jit(jax.grad(loss, tuple(range(len(args)))))(*args)
 
 
-def _close(got, want, dtype, fan_in):
-  for g, w in zip(got, want, strict=True):
-    assert g.shape == w.shape and g.dtype == w.dtype
-    g = np.asarray(g, np.float64)
-    w = np.asarray(w, np.float64)
-    scale = float(np.max(np.abs(w))) or 1.0
-    if dtype == "float32":
-      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
-    else:  # bf16 products, rounded in other orders
-      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
-      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
-
-
 def _check(ours, ref, shapes, specs, dtype, fan_in, mesh=None, wrap=None):
   mesh = mesh or _mesh()
-  # Weights scaled by 1/sqrt(fan-in): outputs of order one.
-  args = [
-    _data(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
-    for k, s in enumerate(shapes)
-  ]
+  args = u.ring_args(shapes, dtype)
   got = _grads(ours, args, specs, mesh, wrap)
   want = _grads(ref, args, specs, mesh, wrap)
-  _close(got, want, dtype, fan_in)
+  u.assert_close_ring(got, want, dtype, fan_in)
 
 
 # All-gather matmul -----------------------------------------------------------
@@ -126,23 +107,8 @@ def test_matmul_reducescatter_grad(local, dim, f, api, bidi):
 
 @pytest.mark.parametrize("api,bidi", [("value", False), ("ref", True)])
 def test_matmul_allreduce_grad(api, bidi):
-  def ours(x, w):
-    return matmul_allreduce(x, w, "y", api=api, bidirectional=bidi)
-
-  def ref(x, w):
-    return jax.lax.psum(x @ w, "y")
-
-  # f = 30 does not divide by 4: padded columns get no gradient.
-  _check(
-    ours,
-    ref,
-    [(2, 4, 64), (64, 30)],
-    (P(None, None, "y"), P("y")),
-    *(
-      "float32",
-      16,
-    ),
-  )
+  c = u.allreduce_ring_case(api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, "float32", c.fan_in)
 
 
 def test_allreduce_backward_has_no_communication():
@@ -320,18 +286,7 @@ def test_vmap_of_grad_and_second_order():
 def test_backward_is_our_rings():
   """The backward jaxpr of ``mlp_block`` runs our start/done kernels (at
   least as many transfers as the forward) and gathers nothing in full."""
-  mesh = _mesh()
-  specs = (P("x", "y"), P(None, "y"), P("y", None))
-
-  def loss(x, w_in, w_out):
-    y = mlp_block(x, w_in, w_out, "y")
-    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
-
-  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
-  args = tuple(
-    _put(mesh, p, jnp.ones(s))
-    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
-  )
+  f, args = u.mlp_loss(_mesh())
   fwd = str(jax.make_jaxpr(f)(*args))
   both = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(*args))
   n_fwd = fwd.count("asyncops_start[")
@@ -352,18 +307,7 @@ def test_unused_gradient_ring_is_removed():
   ``futures._primitives._start_dce``; the window it shares with w_in's
   exchange lets it go, ``_jax_compat.window_tie_p``), leaving two backward
   rings."""
-  mesh = _mesh()
-  specs = (P("x", "y"), P(None, "y"), P("y", None))
-
-  def loss(x, w_in, w_out):
-    y = mlp_block(x, w_in, w_out, "y")
-    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
-
-  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
-  args = tuple(
-    _put(mesh, p, jnp.ones(s))
-    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
-  )
+  f, args = u.mlp_loss(_mesh())
   traced = jax.jit(jax.grad(f, (1, 2))).trace(*args).jaxpr
   live = str(jc.without_dead_code(traced.jaxpr))
   # Plus the two weight gradients' exchanges over x (data parallel).

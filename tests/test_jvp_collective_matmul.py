@@ -26,11 +26,10 @@ from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
 from tests import util as u
 
-# These tests are about the rings (value and Ref APIs): method="ring". The
-# default, method="auto", is checked by test_default_method_forward_mode.
+# These tests are about the rings (value and Ref APIs): method="ring", also
+# in the cases of tests/util.py. The default, method="auto", is checked by
+# test_default_method_forward_mode.
 allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
-matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
-mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
 RINGS = u.RINGS
 ALL = P(("x", "y"))
@@ -41,9 +40,7 @@ def _mesh():
   return jax.make_mesh((2, 4), ("x", "y"))
 
 
-def _data(shape, dtype, seed, scale=1.0):
-  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
-  return x.astype(dtype)
+_data = u.normal
 
 
 def _stack(tree):
@@ -90,27 +87,11 @@ def _put(args, specs):
   )
 
 
-def _close(got, want, dtype, fan_in):
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    assert g.shape == w.shape and g.dtype == w.dtype
-    g = np.asarray(g, np.float64)
-    w = np.asarray(w, np.float64)
-    scale = float(np.max(np.abs(w))) or 1.0
-    if dtype == "float32":
-      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
-    else:  # bf16 products, rounded in other orders
-      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
-      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
-
-
 def _check(ours, ref, shapes, specs, dtype, fan_in, zero=()):
   """Compares ``jax.jvp`` and ``jax.linearize`` of ``ours`` with
   ``jax.jvp`` of ``ref``; arguments in ``zero`` get symbolic-zero
   tangents (forward mode of a function of the others)."""
-  args = [
-    _data(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
-    for k, s in enumerate(shapes)
-  ]
+  args = u.ring_args(shapes, dtype)
   tans = [_data(s, dtype, 10 + k, 0.5) for k, s in enumerate(shapes)]
   args, tans = _put(args, specs), _put(tans, specs)
   live = [i for i in range(len(args)) if i not in zero]
@@ -119,7 +100,7 @@ def _check(ours, ref, shapes, specs, dtype, fan_in, zero=()):
   t = tuple(tans[i] for i in live)
   y, ty, ly = _modes(ours, specs, fixed)(p, t)
   y_ref, ty_ref, _ = _modes(ref, specs, fixed)(p, t)
-  _close((y, ty, ly), (y_ref, ty_ref, ty_ref), dtype, fan_in)
+  u.assert_close_ring((y, ty, ly), (y_ref, ty_ref, ty_ref), dtype, fan_in)
 
 
 # All-gather matmul ------------------------------------------------------------
@@ -157,15 +138,8 @@ def test_matmul_reducescatter(form, api, bidi):
 
 @pytest.mark.parametrize("api,bidi", [("value", False), ("ref", True)])
 def test_matmul_allreduce(api, bidi):
-  def ours(x, w):
-    return matmul_allreduce(x, w, "y", api=api, bidirectional=bidi)
-
-  def ref(x, w):
-    return jax.lax.psum(x @ w, "y")
-
-  # f = 30 does not divide by 4: padded columns.
-  shapes = [(2, 4, 64), (64, 30)]
-  _check(ours, ref, shapes, (P(None, None, "y"), P("y")), "float32", 16)
+  c = u.allreduce_ring_case(api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, "float32", c.fan_in)
 
 
 def _mlp_case(sp, gated, api, bidi, dtype, zero=()):
@@ -278,15 +252,7 @@ def test_grad_is_still_the_backward_rings():
   three backward rings of ``n - 1``, and the two weight gradients'
   exchanges over the data axis ``x``, ``_dp_reduce``), no ``all_gather``
   or ``psum_scatter``, and nothing of the tangent rings."""
-  mesh = _mesh()
-  specs = (P("x", "y"), P(None, "y"), P("y", None))
-
-  def loss(x, w_in, w_out):
-    y = mlp_block(x, w_in, w_out, "y")
-    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
-
-  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
-  args = _put([jnp.ones(s) for s in [(8, 64), (64, 64), (64, 64)]], specs)
+  f, args = u.mlp_loss(_mesh())
   text = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(*args))
   assert text.count("asyncops_start[") == 6 + 9 + 2
   assert "asyncops_linear" not in text

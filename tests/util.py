@@ -377,6 +377,54 @@ def reducescatter_ring_case(local, dim, f, api, bidi, n=4):
   return RingCase(ours, ref, shapes, specs, k)
 
 
+def normal(shape, dtype, seed, scale=1.0):
+  """Standard normal data (drawn in float32) times ``scale``, in ``dtype``."""
+  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+  return x.astype(dtype)
+
+
+def ring_args(shapes, dtype):
+  """A case's arguments: the lhs of order one, weights scaled by
+  ``1/sqrt(fan-in)`` (outputs of order one)."""
+  return [
+    normal(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
+    for k, s in enumerate(shapes)
+  ]
+
+
+def assert_close_ring(got, want, dtype, fan_in):
+  """Leaf by leaf, ``got`` equals ``want`` (same shapes and dtypes): to
+  float32 rounding, or for bfloat16 within products of ``fan_in`` terms
+  rounded in other orders."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    g = np.asarray(g, np.float64)
+    w = np.asarray(w, np.float64)
+    scale = float(np.max(np.abs(w))) or 1.0
+    if dtype == "float32":
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
+    else:  # bf16 products, rounded in other orders
+      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
+      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
+
+
+def allreduce_ring_case(api, bidi):
+  """``matmul_allreduce(method="ring")`` of ``x [2, 4, 64]`` sharded along
+  its contracting dimension; f = 30 does not divide by 4: padded columns
+  (which get no gradient)."""
+
+  def ours(x, w):
+    return asyncops.collective_matmul.matmul_allreduce(
+      x, w, "y", api=api, bidirectional=bidi, method="ring"
+    )
+
+  def ref(x, w):
+    return jax.lax.psum(x @ w, "y")
+
+  shapes = [(2, 4, 64), (64, 30)]
+  return RingCase(ours, ref, shapes, (P(None, None, "y"), P("y")), 16)
+
+
 def mlp_ref(x, w_in, w_out, w_gate=None, *, dim=-1, act=jax.nn.gelu):
   """``mlp_block``'s ``jax.lax`` program over mesh axis ``"y"``."""
   d = dim % x.ndim
@@ -419,3 +467,22 @@ def mlp_ring_case(sp, gated, api, bidi, n=4):
     return mlp_ref(x, w_in, w_out, *g, dim=dim, act=act)
 
   return RingCase(ours, ref, shapes, specs, d)
+
+
+def mlp_loss(mesh):
+  """``sum(sin(mlp_block(x, w_in, w_out, "y", method="ring")))`` over the
+  whole ``mesh`` (``("x", "y")``) as a ``shard_map``, and its arguments
+  (ones: ``x [8, 64]`` over both axes, the weights ``[64, 64]`` over
+  ``"y"``)."""
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+
+  def loss(x, w_in, w_out):
+    y = asyncops.collective_matmul.mlp_block(x, w_in, w_out, "y", method="ring")
+    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
+
+  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+  args = tuple(
+    jax.device_put(jnp.ones(s), NamedSharding(mesh, p))
+    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
+  )
+  return f, args
