@@ -25,18 +25,16 @@ from jax.sharding import PartitionSpec as P
 
 from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
+from tests import util as u
 
-# These tests are about the rings (value and Ref APIs): method="ring".
+# These tests are about the rings (value and Ref APIs): method="ring" (also
+# in the cases of tests/util.py).
 # The default, method="auto", may run the fused kernel or XLA's
 # collective instead (tests/test_fused_matmul*.py, test_auto_default).
 allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
 matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
-matmul_reducescatter = functools.partial(
-  _cm.matmul_reducescatter, method="ring"
-)
-mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
-RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
+RINGS = u.RINGS
 
 
 @functools.cache
@@ -44,17 +42,11 @@ def _mesh(shape=(2, 4)):
   return jax.make_mesh(shape, ("x", "y"))
 
 
-def _spec(rank, dim):
-  return P(*[("y" if i == dim else None) for i in range(rank)])
-
-
 def _put(mesh, spec, x):
   return jax.device_put(x, NamedSharding(mesh, spec))
 
 
-def _data(shape, dtype, seed, scale=1.0):
-  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
-  return x.astype(dtype)
+_data = u.normal
 
 
 def _grads(f, args, specs, mesh, wrap=None):
@@ -77,141 +69,46 @@ def _grads(f, args, specs, mesh, wrap=None):
   return jax.jit(jax.grad(loss, tuple(range(len(args)))))(*args)
 
 
-def _close(got, want, dtype, fan_in):
-  for g, w in zip(got, want, strict=True):
-    assert g.shape == w.shape and g.dtype == w.dtype
-    g = np.asarray(g, np.float64)
-    w = np.asarray(w, np.float64)
-    scale = float(np.max(np.abs(w))) or 1.0
-    if dtype == "float32":
-      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
-    else:  # bf16 products, rounded in other orders
-      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
-      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
-
-
 def _check(ours, ref, shapes, specs, dtype, fan_in, mesh=None, wrap=None):
   mesh = mesh or _mesh()
-  # Weights scaled by 1/sqrt(fan-in): outputs of order one.
-  args = [
-    _data(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
-    for k, s in enumerate(shapes)
-  ]
+  args = u.ring_args(shapes, dtype)
   got = _grads(ours, args, specs, mesh, wrap)
   want = _grads(ref, args, specs, mesh, wrap)
-  _close(got, want, dtype, fan_in)
-
-
-def _ag_ref(x, *ws, dim=-1):
-  g = jax.lax.all_gather(x, "y", axis=dim % x.ndim, tiled=True)
-  return tuple(g @ w for w in ws)
+  u.assert_close_ring(got, want, dtype, fan_in)
 
 
 # All-gather matmul -----------------------------------------------------------
 
 
-# (per-device lhs, gather_dim, weight widths, return_gathered)
-AG_FORMS = [
-  ((8, 16), -1, (24,), False),  # contracting
-  ((2, 4, 16), -1, (8, 16), True),  # batch dims, two weights, gathered
-  ((8, 32), 0, (16,), False),  # rows (sequence parallel)
-  ((2, 4, 32), 1, (8, 16), True),  # batch + rows, two weights, gathered
-]
-
-
 def _allgather_case(local, dim, fs, gathered, api, bidi, dtype="float32"):
-  n = _mesh().shape["y"]
-  rank = len(local)
-  d = dim % rank
-  k = local[-1] * (n if d == rank - 1 else 1)
-  glob = tuple(s * n if i == d else s for i, s in enumerate(local))
-  shapes = [glob] + [(k, f) for f in fs]
-  specs = (_spec(rank, d),) + (P(),) * len(fs)
-
-  def ours(x, *ws):
-    return allgather_matmul(
-      x,
-      ws if len(ws) > 1 else ws[0],
-      "y",
-      gather_dim=dim,
-      return_gathered=gathered,
-      api=api,
-      bidirectional=bidi,
-    )
-
-  def ref(x, *ws):
-    outs = _ag_ref(x, *ws, dim=dim)
-    result = outs if len(ws) > 1 else outs[0]
-    if gathered:
-      return result, jax.lax.all_gather(x, "y", axis=d, tiled=True)
-    return result
-
-  _check(ours, ref, shapes, specs, dtype, k)
+  c = u.allgather_ring_case(local, dim, fs, gathered, api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in)
 
 
 @pytest.mark.parametrize("api,bidi", RINGS)
-@pytest.mark.parametrize("local,dim,fs,gathered", AG_FORMS)
+@pytest.mark.parametrize("local,dim,fs,gathered", u.AG_FORMS)
 def test_allgather_matmul_grad(local, dim, fs, gathered, api, bidi):
   _allgather_case(local, dim, fs, gathered, api, bidi)
 
 
 # Matmul-reduce-scatter ------------------------------------------------------
 
-# (per-device lhs, scatter_dim, f)
-RS_FORMS = [
-  ((8, 16), -1, 32),  # columns
-  ((2, 4, 16), -1, 16),  # batch dims
-  ((16, 8), 0, 8),  # rows (sequence parallel)
-  ((2, 8, 16), 1, 8),  # batch + rows
-]
-
 
 def _reducescatter_case(local, dim, f, api, bidi, dtype="float32"):
-  rank = len(local)
-  d = dim % rank
-  k = local[-1]
-  n = _mesh().shape["y"]
-  # lhs sharded over y along its contracting dimension (k per device).
-  glob = local[:-1] + (k * n,)
-  shapes = [glob, (k * n, f)]
-  specs = (_spec(rank, rank - 1), P("y", None))
-
-  def ours(x, w):
-    return matmul_reducescatter(
-      x, w, "y", scatter_dim=dim, api=api, bidirectional=bidi
-    )
-
-  def ref(x, w):
-    return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=d, tiled=True)
-
-  _check(ours, ref, shapes, specs, dtype, k)
+  c = u.reducescatter_ring_case(local, dim, f, api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in)
 
 
 @pytest.mark.parametrize("api,bidi", RINGS)
-@pytest.mark.parametrize("local,dim,f", RS_FORMS)
+@pytest.mark.parametrize("local,dim,f", u.RS_FORMS)
 def test_matmul_reducescatter_grad(local, dim, f, api, bidi):
   _reducescatter_case(local, dim, f, api, bidi)
 
 
 @pytest.mark.parametrize("api,bidi", [("value", False), ("ref", True)])
 def test_matmul_allreduce_grad(api, bidi):
-  def ours(x, w):
-    return matmul_allreduce(x, w, "y", api=api, bidirectional=bidi)
-
-  def ref(x, w):
-    return jax.lax.psum(x @ w, "y")
-
-  # f = 30 does not divide by 4: padded columns get no gradient.
-  _check(
-    ours,
-    ref,
-    [(2, 4, 64), (64, 30)],
-    (P(None, None, "y"), P("y")),
-    *(
-      "float32",
-      16,
-    ),
-  )
+  c = u.allreduce_ring_case(api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, "float32", c.fan_in)
 
 
 def test_allreduce_backward_has_no_communication():
@@ -302,43 +199,9 @@ def test_auto_picks_fused_and_differentiates(name):
 # mlp_block -------------------------------------------------------------------
 
 
-def _mlp_ref(x, w_in, w_out, w_gate=None, *, dim=-1, act=jax.nn.gelu):
-  d = dim % x.ndim
-  g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
-  h = act(g @ w_in) if w_gate is None else act(g @ w_gate) * (g @ w_in)
-  return jax.lax.psum_scatter(h @ w_out, "y", scatter_dimension=d, tiled=True)
-
-
 def _mlp_case(sp, gated, api, bidi, dtype="float32", wrap=None):
-  n, d, f = 4, 64, 64
-  if sp:  # x [b, s/n, d], sharded along the tokens
-    glob, xspec, dim = (2, 8 * n, d), P(None, "y", None), 1
-  else:  # x [m, d/n], data over x too
-    glob, xspec, dim = (8, d), P("x", "y"), -1
-  shapes = [glob, (d, f), (f, d)] + ([(d, f)] if gated else [])
-  specs = (xspec, P(None, "y"), P("y", None)) + (
-    (P(None, "y"),) if gated else ()
-  )
-  act = jax.nn.silu if gated else jax.nn.gelu
-
-  def ours(x, w_in, w_out, *g):
-    return mlp_block(
-      x,
-      w_in,
-      w_out,
-      "y",
-      w_gate=g[0] if g else None,
-      activation=act,
-      sequence_parallel=sp,
-      sequence_dim=dim,
-      api=api,
-      bidirectional=bidi,
-    )
-
-  def ref(x, w_in, w_out, *g):
-    return _mlp_ref(x, w_in, w_out, *g, dim=dim, act=act)
-
-  _check(ours, ref, shapes, specs, dtype, d, wrap=wrap)
+  c = u.mlp_ring_case(sp, gated, api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in, wrap=wrap)
 
 
 @pytest.mark.parametrize("api,bidi", RINGS)
@@ -379,10 +242,10 @@ def test_checkpoint(policy):
 def test_hypothesis(which, form, ring, dtype):
   api, bidi = ring
   if which == "allgather":
-    local, dim, fs, gathered = AG_FORMS[form]
+    local, dim, fs, gathered = u.AG_FORMS[form]
     _allgather_case(local, dim, fs, gathered, api, bidi, dtype)
   else:
-    local, dim, f = RS_FORMS[form]
+    local, dim, f = u.RS_FORMS[form]
     _reducescatter_case(local, dim, f, api, bidi, dtype)
 
 
@@ -403,7 +266,9 @@ def test_vmap_of_grad_and_second_order():
     return jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
 
   ours = make(lambda x, w: allgather_matmul(x, w, "y"))
-  ref = make(lambda x, w: _ag_ref(x, w)[0])
+  ref = make(
+    lambda x, w: jax.lax.all_gather(x, "y", axis=x.ndim - 1, tiled=True) @ w
+  )
   xs = _put(mesh, P(None, "x", "y"), _data((3, 8, 16), "float32", 0))
   w = _put(mesh, P(None, "y"), _data((16, 8), "float32", 1, 0.25))
   got = jax.jit(jax.vmap(jax.grad(ours), (0, None)))(xs, w)
@@ -421,18 +286,7 @@ def test_vmap_of_grad_and_second_order():
 def test_backward_is_our_rings():
   """The backward jaxpr of ``mlp_block`` runs our start/done kernels (at
   least as many transfers as the forward) and gathers nothing in full."""
-  mesh = _mesh()
-  specs = (P("x", "y"), P(None, "y"), P("y", None))
-
-  def loss(x, w_in, w_out):
-    y = mlp_block(x, w_in, w_out, "y")
-    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
-
-  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
-  args = tuple(
-    _put(mesh, p, jnp.ones(s))
-    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
-  )
+  f, args = u.mlp_loss(_mesh())
   fwd = str(jax.make_jaxpr(f)(*args))
   both = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(*args))
   n_fwd = fwd.count("asyncops_start[")
@@ -453,18 +307,7 @@ def test_unused_gradient_ring_is_removed():
   ``futures._primitives._start_dce``; the window it shares with w_in's
   exchange lets it go, ``_jax_compat.window_tie_p``), leaving two backward
   rings."""
-  mesh = _mesh()
-  specs = (P("x", "y"), P(None, "y"), P("y", None))
-
-  def loss(x, w_in, w_out):
-    y = mlp_block(x, w_in, w_out, "y")
-    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
-
-  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
-  args = tuple(
-    _put(mesh, p, jnp.ones(s))
-    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
-  )
+  f, args = u.mlp_loss(_mesh())
   traced = jax.jit(jax.grad(f, (1, 2))).trace(*args).jaxpr
   live = str(jc.without_dead_code(traced.jaxpr))
   # Plus the two weight gradients' exchanges over x (data parallel).
@@ -503,7 +346,7 @@ def test_mlp_block_data_parallel_exchange(method, mesh_shape):
   def ours(x, w_in, w_out):
     return _cm.mlp_block(x, w_in, w_out, "y", method=method)
 
-  _check(ours, _mlp_ref, shapes, specs, "float32", d, mesh=mesh)
+  _check(ours, u.mlp_ref, shapes, specs, "float32", d, mesh=mesh)
 
   def loss(x, w_in, w_out):
     return jax.lax.psum(jnp.sum(jnp.sin(ours(x, w_in, w_out))), ("x", "y"))
@@ -545,7 +388,9 @@ def test_xla_allgather_forward_mode_and_vmap_of_grad():
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("x", "y"))
 
   ours = make(lambda x, w: _cm.allgather_matmul(x, w, "y", method="xla"))
-  ref = make(lambda x, w: _ag_ref(x, w)[0])
+  ref = make(
+    lambda x, w: jax.lax.all_gather(x, "y", axis=x.ndim - 1, tiled=True) @ w
+  )
   t = (jnp.cos(x), jnp.sin(w))
   got = jax.jit(lambda p, t: jax.jvp(ours, p, t))((x, w), t)
   want = jax.jit(lambda p, t: jax.jvp(ref, p, t))((x, w), t)

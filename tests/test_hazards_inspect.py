@@ -82,10 +82,7 @@ def test_read_only_copy_of_a_live_source_is_a_cost(generation):
 
 @pytest.mark.parametrize("generation", ["v5e", "v4"])
 def test_copies_of_inflight_buffers_that_break_values_are_hazards(generation):
-  jitted, args = util.build(
-    util.PATTERNS["staggered_unroll1"], GENERATIONS[generation]
-  )
-  r = analyze(jitted, *args)
+  r = util.pattern_report("staggered_unroll1", GENERATIONS[generation])
   grades = {c.inflight.split(" ")[0]: c.grade for c in r.inflight_copies}
   # The destination copy reads a buffer being written; the source copy's
   # original buffer is not kept live until the done.

@@ -15,17 +15,7 @@ TOPO = "v5e:2x4"
 
 @pytest.fixture(scope="module")
 def reports():
-  cache = {}
-
-  def get(name, topology=TOPO, **kw):
-    key = (name, topology, tuple(sorted(kw.items())))
-    if key not in cache:
-      cache[key] = analyze(
-        *_flat(util.build(util.PATTERNS[name], topology, **kw))
-      )
-    return cache[key]
-
-  return get
+  return util.pattern_report
 
 
 def _flat(built):

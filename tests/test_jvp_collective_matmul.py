@@ -24,17 +24,14 @@ from jax.sharding import PartitionSpec as P
 import asyncops
 from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
+from tests import util as u
 
-# These tests are about the rings (value and Ref APIs): method="ring". The
-# default, method="auto", is checked by test_default_method_forward_mode.
+# These tests are about the rings (value and Ref APIs): method="ring", also
+# in the cases of tests/util.py. The default, method="auto", is checked by
+# test_default_method_forward_mode.
 allgather_matmul = functools.partial(_cm.allgather_matmul, method="ring")
-matmul_allreduce = functools.partial(_cm.matmul_allreduce, method="ring")
-matmul_reducescatter = functools.partial(
-  _cm.matmul_reducescatter, method="ring"
-)
-mlp_block = functools.partial(_cm.mlp_block, method="ring")
 
-RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
+RINGS = u.RINGS
 ALL = P(("x", "y"))
 
 
@@ -43,9 +40,7 @@ def _mesh():
   return jax.make_mesh((2, 4), ("x", "y"))
 
 
-def _data(shape, dtype, seed, scale=1.0):
-  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
-  return x.astype(dtype)
+_data = u.normal
 
 
 def _stack(tree):
@@ -92,27 +87,11 @@ def _put(args, specs):
   )
 
 
-def _close(got, want, dtype, fan_in):
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    assert g.shape == w.shape and g.dtype == w.dtype
-    g = np.asarray(g, np.float64)
-    w = np.asarray(w, np.float64)
-    scale = float(np.max(np.abs(w))) or 1.0
-    if dtype == "float32":
-      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
-    else:  # bf16 products, rounded in other orders
-      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
-      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
-
-
 def _check(ours, ref, shapes, specs, dtype, fan_in, zero=()):
   """Compares ``jax.jvp`` and ``jax.linearize`` of ``ours`` with
   ``jax.jvp`` of ``ref``; arguments in ``zero`` get symbolic-zero
   tangents (forward mode of a function of the others)."""
-  args = [
-    _data(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
-    for k, s in enumerate(shapes)
-  ]
+  args = u.ring_args(shapes, dtype)
   tans = [_data(s, dtype, 10 + k, 0.5) for k, s in enumerate(shapes)]
   args, tans = _put(args, specs), _put(tans, specs)
   live = [i for i in range(len(args)) if i not in zero]
@@ -121,52 +100,15 @@ def _check(ours, ref, shapes, specs, dtype, fan_in, zero=()):
   t = tuple(tans[i] for i in live)
   y, ty, ly = _modes(ours, specs, fixed)(p, t)
   y_ref, ty_ref, _ = _modes(ref, specs, fixed)(p, t)
-  _close((y, ty, ly), (y_ref, ty_ref, ty_ref), dtype, fan_in)
-
-
-def _spec(rank, dim):
-  return P(*[("y" if i == dim else None) for i in range(rank)])
+  u.assert_close_ring((y, ty, ly), (y_ref, ty_ref, ty_ref), dtype, fan_in)
 
 
 # All-gather matmul ------------------------------------------------------------
 
-# (per-device lhs, gather_dim, weight widths, return_gathered)
-AG_FORMS = [
-  ((8, 16), -1, (24,), False),  # contracting
-  ((2, 4, 16), -1, (8, 16), True),  # batch dims, two weights, gathered
-  ((8, 32), 0, (16,), False),  # rows (sequence parallel)
-  ((2, 4, 32), 1, (8, 16), True),  # batch + rows, two weights, gathered
-]
-
 
 def _allgather_case(form, api, bidi, dtype, zero=()):
-  local, dim, fs, gathered = AG_FORMS[form]
-  n = _mesh().shape["y"]
-  rank = len(local)
-  d = dim % rank
-  k = local[-1] * (n if d == rank - 1 else 1)
-  glob = tuple(s * n if i == d else s for i, s in enumerate(local))
-  shapes = [glob] + [(k, f) for f in fs]
-  specs = (_spec(rank, d),) + (P(),) * len(fs)
-
-  def ours(x, *ws):
-    return allgather_matmul(
-      x,
-      ws if len(ws) > 1 else ws[0],
-      "y",
-      gather_dim=dim,
-      return_gathered=gathered,
-      api=api,
-      bidirectional=bidi,
-    )
-
-  def ref(x, *ws):
-    g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
-    outs = tuple(g @ w for w in ws)
-    result = outs if len(ws) > 1 else outs[0]
-    return (result, g) if gathered else result
-
-  _check(ours, ref, shapes, specs, dtype, k, zero)
+  c = u.allgather_ring_case(*u.AG_FORMS[form], api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in, zero)
 
 
 # Every form meets two of the four rings, every ring two forms per op.
@@ -180,33 +122,10 @@ def test_allgather_matmul(form, api, bidi):
 
 # Matmul-reduce-scatter ------------------------------------------------------
 
-# (per-device lhs, scatter_dim, f)
-RS_FORMS = [
-  ((8, 16), -1, 32),  # columns
-  ((2, 4, 16), -1, 16),  # batch dims
-  ((16, 8), 0, 8),  # rows (sequence parallel)
-  ((2, 8, 16), 1, 8),  # batch + rows
-]
-
 
 def _reducescatter_case(form, api, bidi, dtype, zero=()):
-  local, dim, f = RS_FORMS[form]
-  rank = len(local)
-  d = dim % rank
-  k = local[-1]
-  n = _mesh().shape["y"]
-  shapes = [local[:-1] + (k * n,), (k * n, f)]
-  specs = (_spec(rank, rank - 1), P("y", None))
-
-  def ours(x, w):
-    return matmul_reducescatter(
-      x, w, "y", scatter_dim=dim, api=api, bidirectional=bidi
-    )
-
-  def ref(x, w):
-    return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=d, tiled=True)
-
-  _check(ours, ref, shapes, specs, dtype, k, zero)
+  c = u.reducescatter_ring_case(*u.RS_FORMS[form], api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in, zero)
 
 
 @pytest.mark.parametrize("form,api,bidi", CASES)
@@ -219,52 +138,13 @@ def test_matmul_reducescatter(form, api, bidi):
 
 @pytest.mark.parametrize("api,bidi", [("value", False), ("ref", True)])
 def test_matmul_allreduce(api, bidi):
-  def ours(x, w):
-    return matmul_allreduce(x, w, "y", api=api, bidirectional=bidi)
-
-  def ref(x, w):
-    return jax.lax.psum(x @ w, "y")
-
-  # f = 30 does not divide by 4: padded columns.
-  shapes = [(2, 4, 64), (64, 30)]
-  _check(ours, ref, shapes, (P(None, None, "y"), P("y")), "float32", 16)
+  c = u.allreduce_ring_case(api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, "float32", c.fan_in)
 
 
 def _mlp_case(sp, gated, api, bidi, dtype, zero=()):
-  n, d, f = 4, 64, 64
-  if sp:  # x [b, s/n, d], sharded along the tokens
-    glob, xspec, dim = (2, 8 * n, d), P(None, "y", None), 1
-  else:  # x [m, d/n], data over x too
-    glob, xspec, dim = (8, d), P("x", "y"), -1
-  shapes = [glob, (d, f), (f, d)] + ([(d, f)] if gated else [])
-  specs = (xspec, P(None, "y"), P("y", None)) + (
-    (P(None, "y"),) if gated else ()
-  )
-  act = jax.nn.silu if gated else jax.nn.gelu
-
-  def ours(x, w_in, w_out, *g):
-    return mlp_block(
-      x,
-      w_in,
-      w_out,
-      "y",
-      w_gate=g[0] if g else None,
-      activation=act,
-      sequence_parallel=sp,
-      sequence_dim=dim,
-      api=api,
-      bidirectional=bidi,
-    )
-
-  def ref(x, w_in, w_out, *g):
-    dd = dim % x.ndim
-    gx = jax.lax.all_gather(x, "y", axis=dd, tiled=True)
-    h = act(gx @ w_in) if not g else act(gx @ g[0]) * (gx @ w_in)
-    return jax.lax.psum_scatter(
-      h @ w_out, "y", scatter_dimension=dd, tiled=True
-    )
-
-  _check(ours, ref, shapes, specs, dtype, d, zero)
+  c = u.mlp_ring_case(sp, gated, api, bidi)
+  _check(c.ours, c.ref, c.shapes, c.specs, dtype, c.fan_in, zero)
 
 
 @pytest.mark.parametrize(
@@ -372,15 +252,7 @@ def test_grad_is_still_the_backward_rings():
   three backward rings of ``n - 1``, and the two weight gradients'
   exchanges over the data axis ``x``, ``_dp_reduce``), no ``all_gather``
   or ``psum_scatter``, and nothing of the tangent rings."""
-  mesh = _mesh()
-  specs = (P("x", "y"), P(None, "y"), P("y", None))
-
-  def loss(x, w_in, w_out):
-    y = mlp_block(x, w_in, w_out, "y")
-    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
-
-  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
-  args = _put([jnp.ones(s) for s in [(8, 64), (64, 64), (64, 64)]], specs)
+  f, args = u.mlp_loss(_mesh())
   text = str(jax.make_jaxpr(jax.grad(f, (0, 1, 2)))(*args))
   assert text.count("asyncops_start[") == 6 + 9 + 2
   assert "asyncops_linear" not in text
@@ -470,11 +342,12 @@ def _fused_case(which):
   return ours, ref, P("y"), P("x"), (1024, 1024), _fused.allgather_matmul_p
 
 
-@pytest.mark.parametrize("which", ["allgather", "reducescatter", "allreduce"])
-def test_fused_kernels_grad_and_jvp(which):
-  """The fused primitives' rules: gradients and JVPs equal the ``jax.lax``
-  program's, and each backward uses the other fused ring for ``d lhs``."""
-  ours, ref, wspec, ospec, wshape, other = _fused_case(which)
+def _fused_matches(which, ours, ref):
+  """On ``_fused_case(which)``'s arguments, ``jax.grad`` of
+  ``sum(sin(shard_map(ours)))`` and ``jax.jvp`` of the ``shard_map`` equal
+  ``ref``'s (at highest precision); returns the jaxprs of ``ours``' gradient
+  and JVP."""
+  _, _, wspec, ospec, wshape, _ = _fused_case(which)
   mesh = _mesh()
   specs = (P("x", "y"), wspec)
   x, w = _put(
@@ -488,19 +361,26 @@ def test_fused_kernels_grad_and_jvp(which):
     def loss(x, w):
       return jnp.sum(jnp.sin(sm(x, w)))
 
-    grad = jax.jit(jax.grad(loss, (0, 1)))
-    jvp = jax.jit(lambda p, t: jax.jvp(sm, p, t))
-    return grad, jvp, loss
+    return jax.grad(loss, (0, 1)), lambda p, t: jax.jvp(sm, p, t)
 
   with jax.default_matmul_precision("highest"):
-    g, j, loss = programs(ours)
-    gr, jr, _ = programs(ref)
-    got = (*g(x, w), *j((x, w), (jnp.cos(x), w)))
-    want = (*gr(x, w), *jr((x, w), (jnp.cos(x), w)))
+    g, j = programs(ours)
+    gr, jr = programs(ref)
+    t = (jnp.cos(x), w)
+    got = (*jax.jit(g)(x, w), *jax.jit(j)((x, w), t))
+    want = (*jax.jit(gr)(x, w), *jax.jit(jr)((x, w), t))
     for a, b in zip(got, want, strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    text = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w))
-  assert other.name in text
+    return str(jax.make_jaxpr(g)(x, w)), str(jax.make_jaxpr(j)((x, w), t))
+
+
+@pytest.mark.parametrize("which", ["allgather", "reducescatter", "allreduce"])
+def test_fused_kernels_grad_and_jvp(which):
+  """The fused primitives' rules: gradients and JVPs equal the ``jax.lax``
+  program's, and each backward uses the other fused ring for ``d lhs``."""
+  ours, ref, _, _, _, other = _fused_case(which)
+  grad_text, _ = _fused_matches(which, ours, ref)
+  assert other.name in grad_text
 
 
 def test_fused_int8_transfer_is_not_differentiable():
@@ -523,36 +403,14 @@ def test_default_method_forward_mode(which):
   """The public functions with the fused kernel (what ``method="auto"``
   picks at large shapes): ``jax.jvp`` runs the fused kernel on the
   tangents, ``jax.grad`` the ring backward; both equal ``jax.lax``'s."""
-  _, ref, wspec, ospec, wshape, _ = _fused_case(which)
+  _, ref, _, _, _, _ = _fused_case(which)
   public = {
     "allgather": _cm.allgather_matmul,
     "reducescatter": _cm.matmul_reducescatter,
   }[which]
-  mesh = _mesh()
-  specs = (P("x", "y"), wspec)
-  x, w = _put(
-    [_data((16, 1024), "float32", 0), _data(wshape, "float32", 1, 1 / 32)],
-    specs,
+  grad_text, jvp_text = _fused_matches(
+    which, lambda x, w: public(x, w, "y", method="fused"), ref
   )
-
-  def programs(fn):
-    sm = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=ospec)
-
-    def loss(x, w):
-      return jnp.sum(jnp.sin(sm(x, w)))
-
-    return jax.grad(loss, (0, 1)), lambda p, t: jax.jvp(sm, p, t)
-
-  with jax.default_matmul_precision("highest"):
-    g, j = programs(lambda x, w: public(x, w, "y", method="fused"))
-    gr, jr = programs(ref)
-    t = (jnp.cos(x), w)
-    got = (*jax.jit(g)(x, w), *jax.jit(j)((x, w), t))
-    want = (*jax.jit(gr)(x, w), *jax.jit(jr)((x, w), t))
-    for a, b in zip(got, want, strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    grad_text = str(jax.make_jaxpr(g)(x, w))
-    jvp_text = str(jax.make_jaxpr(j)((x, w), t))
   assert "asyncops_start[" in grad_text  # the ring backward
   fused = f"asyncops_fused_{which}_matmul["
   # The primal product, and the tangent map (the fused kernel on the

@@ -8,6 +8,8 @@ also usable from the command line::
 """
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops import _jax_compat as jc
-from asyncops.inspect import tpu_mesh, tpu_topology
+from asyncops.inspect import analyze, tpu_mesh, tpu_topology
 
 MESH_AXES = ("x", "y")
 SHAPE = (1024, 1024)  # per device
@@ -226,6 +228,15 @@ for _name, _f in PATTERNS.items():
   globals()[f"pattern_{_name}"] = _pattern(_f)
 
 
+@functools.cache
+def pattern_report(name, topology="v5e:2x4", **kw):
+  """``analyze`` of pattern ``name`` compiled for ``topology`` (keywords of
+  :func:`build`), once per process: the test files share the compiled
+  program. Read the report, never change it."""
+  jitted, args = build(PATTERNS[name], topology, **kw)
+  return analyze(jitted, *args)
+
+
 # Sharded programs on CPU and on AOT TPU meshes --------------------------------
 
 # plan_*/explain_* keywords for a v5e at default precision.
@@ -273,3 +284,205 @@ def aot_sharded(topology, fn, shapes, in_specs, out_specs, dtype, mesh=(2, 4)):
     for s, p in zip(shapes, in_specs, strict=True)
   )
   return jitted, args
+
+
+# Collective matmul cases (tests/test_grad_* and test_jvp_collective_matmul) ---
+
+# The rings: (api, bidirectional).
+RINGS = [("value", False), ("value", True), ("ref", False), ("ref", True)]
+
+# (per-device lhs, gather_dim, weight widths, return_gathered)
+AG_FORMS = [
+  ((8, 16), -1, (24,), False),  # contracting
+  ((2, 4, 16), -1, (8, 16), True),  # batch dims, two weights, gathered
+  ((8, 32), 0, (16,), False),  # rows (sequence parallel)
+  ((2, 4, 32), 1, (8, 16), True),  # batch + rows, two weights, gathered
+]
+
+# (per-device lhs, scatter_dim, f)
+RS_FORMS = [
+  ((8, 16), -1, 32),  # columns
+  ((2, 4, 16), -1, 16),  # batch dims
+  ((16, 8), 0, 8),  # rows (sequence parallel)
+  ((2, 8, 16), 1, 8),  # batch + rows
+]
+
+
+class RingCase(NamedTuple):
+  """A ring program over mesh axis ``"y"`` and its ``jax.lax`` reference:
+  per-device functions of the global arguments ``shapes`` placed by
+  ``specs``; ``fan_in`` is the contraction length (for tolerances)."""
+
+  ours: Callable
+  ref: Callable
+  shapes: list
+  specs: tuple
+  fan_in: int
+
+
+def axis_spec(rank, dim, axis="y"):
+  """A ``PartitionSpec`` of ``rank`` sharding dimension ``dim`` on ``axis``."""
+  return P(*[(axis if i == dim else None) for i in range(rank)])
+
+
+def allgather_ring_case(local, dim, fs, gathered, api, bidi, n=4):
+  """``allgather_matmul(method="ring")`` of form ``AG_FORMS``' ``(local,
+  dim, fs, gathered)`` over ``n`` devices along ``"y"``."""
+  rank = len(local)
+  d = dim % rank
+  k = local[-1] * (n if d == rank - 1 else 1)
+  glob = tuple(s * n if i == d else s for i, s in enumerate(local))
+  shapes = [glob] + [(k, f) for f in fs]
+  specs = (axis_spec(rank, d),) + (P(),) * len(fs)
+
+  def ours(x, *ws):
+    return asyncops.collective_matmul.allgather_matmul(
+      x,
+      ws if len(ws) > 1 else ws[0],
+      "y",
+      gather_dim=dim,
+      return_gathered=gathered,
+      api=api,
+      bidirectional=bidi,
+      method="ring",
+    )
+
+  def ref(x, *ws):
+    g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
+    outs = tuple(g @ w for w in ws)
+    result = outs if len(ws) > 1 else outs[0]
+    return (result, g) if gathered else result
+
+  return RingCase(ours, ref, shapes, specs, k)
+
+
+def reducescatter_ring_case(local, dim, f, api, bidi, n=4):
+  """``matmul_reducescatter(method="ring")`` of form ``RS_FORMS``' ``(local,
+  dim, f)``; the lhs is sharded over ``"y"`` along its contracting
+  dimension (``local[-1]`` per device)."""
+  rank = len(local)
+  d = dim % rank
+  k = local[-1]
+  shapes = [local[:-1] + (k * n,), (k * n, f)]
+  specs = (axis_spec(rank, rank - 1), P("y", None))
+
+  def ours(x, w):
+    return asyncops.collective_matmul.matmul_reducescatter(
+      x, w, "y", scatter_dim=dim, api=api, bidirectional=bidi, method="ring"
+    )
+
+  def ref(x, w):
+    return jax.lax.psum_scatter(x @ w, "y", scatter_dimension=d, tiled=True)
+
+  return RingCase(ours, ref, shapes, specs, k)
+
+
+def normal(shape, dtype, seed, scale=1.0):
+  """Standard normal data (drawn in float32) times ``scale``, in ``dtype``."""
+  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+  return x.astype(dtype)
+
+
+def ring_args(shapes, dtype):
+  """A case's arguments: the lhs of order one, weights scaled by
+  ``1/sqrt(fan-in)`` (outputs of order one)."""
+  return [
+    normal(s, dtype, k, 1.0 if k == 0 else 1.0 / np.sqrt(s[0]))
+    for k, s in enumerate(shapes)
+  ]
+
+
+def assert_close_ring(got, want, dtype, fan_in):
+  """Leaf by leaf, ``got`` equals ``want`` (same shapes and dtypes): to
+  float32 rounding, or for bfloat16 within products of ``fan_in`` terms
+  rounded in other orders."""
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    g = np.asarray(g, np.float64)
+    w = np.asarray(w, np.float64)
+    scale = float(np.max(np.abs(w))) or 1.0
+    if dtype == "float32":
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale)
+    else:  # bf16 products, rounded in other orders
+      tol = 2e-2 * np.sqrt(fan_in) * scale / 4
+      np.testing.assert_allclose(g, w, rtol=3e-2, atol=tol)
+
+
+def allreduce_ring_case(api, bidi):
+  """``matmul_allreduce(method="ring")`` of ``x [2, 4, 64]`` sharded along
+  its contracting dimension; f = 30 does not divide by 4: padded columns
+  (which get no gradient)."""
+
+  def ours(x, w):
+    return asyncops.collective_matmul.matmul_allreduce(
+      x, w, "y", api=api, bidirectional=bidi, method="ring"
+    )
+
+  def ref(x, w):
+    return jax.lax.psum(x @ w, "y")
+
+  shapes = [(2, 4, 64), (64, 30)]
+  return RingCase(ours, ref, shapes, (P(None, None, "y"), P("y")), 16)
+
+
+def mlp_ref(x, w_in, w_out, w_gate=None, *, dim=-1, act=jax.nn.gelu):
+  """``mlp_block``'s ``jax.lax`` program over mesh axis ``"y"``."""
+  d = dim % x.ndim
+  g = jax.lax.all_gather(x, "y", axis=d, tiled=True)
+  h = act(g @ w_in) if w_gate is None else act(g @ w_gate) * (g @ w_in)
+  return jax.lax.psum_scatter(h @ w_out, "y", scatter_dimension=d, tiled=True)
+
+
+def mlp_ring_case(sp, gated, api, bidi, n=4):
+  """``mlp_block(method="ring")``: sequence parallel (``sp``, x ``[b, s/n,
+  d]``) or not (x ``[m, d/n]``, data over ``"x"`` too), gated (silu) or
+  not (gelu)."""
+  d, f = 64, 64
+  if sp:
+    glob, xspec, dim = (2, 8 * n, d), P(None, "y", None), 1
+  else:
+    glob, xspec, dim = (8, d), P("x", "y"), -1
+  shapes = [glob, (d, f), (f, d)] + ([(d, f)] if gated else [])
+  specs = (xspec, P(None, "y"), P("y", None)) + (
+    (P(None, "y"),) if gated else ()
+  )
+  act = jax.nn.silu if gated else jax.nn.gelu
+
+  def ours(x, w_in, w_out, *g):
+    return asyncops.collective_matmul.mlp_block(
+      x,
+      w_in,
+      w_out,
+      "y",
+      w_gate=g[0] if g else None,
+      activation=act,
+      sequence_parallel=sp,
+      sequence_dim=dim,
+      api=api,
+      bidirectional=bidi,
+      method="ring",
+    )
+
+  def ref(x, w_in, w_out, *g):
+    return mlp_ref(x, w_in, w_out, *g, dim=dim, act=act)
+
+  return RingCase(ours, ref, shapes, specs, d)
+
+
+def mlp_loss(mesh):
+  """``sum(sin(mlp_block(x, w_in, w_out, "y", method="ring")))`` over the
+  whole ``mesh`` (``("x", "y")``) as a ``shard_map``, and its arguments
+  (ones: ``x [8, 64]`` over both axes, the weights ``[64, 64]`` over
+  ``"y"``)."""
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+
+  def loss(x, w_in, w_out):
+    y = asyncops.collective_matmul.mlp_block(x, w_in, w_out, "y", method="ring")
+    return jax.lax.psum(jnp.sum(jnp.sin(y)), ("x", "y"))
+
+  f = jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P())
+  args = tuple(
+    jax.device_put(jnp.ones(s), NamedSharding(mesh, p))
+    for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
+  )
+  return f, args

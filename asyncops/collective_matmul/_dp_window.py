@@ -39,18 +39,16 @@ reduces with ``psum`` (correct, not overlapped).
 """
 
 import itertools
-from typing import Any
 
 import jax
 from jax.interpreters import ad, batching
 
 from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import _dp_reduce
+from asyncops.futures import _ad
 
-_MISSING = object()
 
-
-class Window:
+class Window(_ad.TracePending):
   """The data-parallel axis of one block and its in-flight exchanges.
 
   Hashed by identity (a primitive parameter); ``pending`` holds, per
@@ -60,22 +58,12 @@ class Window:
   _ids = itertools.count()
 
   def __init__(self, axis: str):
+    super().__init__()
     self.id = next(self._ids)
     self.axis = axis
-    self.pending: list[tuple[Any, Any]] = []
 
   def __repr__(self):
     return f"dp_window{self.id}[{self.axis}]"
-
-  def push(self, entry: Any) -> None:
-    self.pending.append((jc.current_trace(), entry))
-
-  def pop(self) -> Any:
-    trace = jc.current_trace()
-    for k in range(len(self.pending) - 1, -1, -1):
-      if self.pending[k][0] is trace:
-        return self.pending.pop(k)[1]
-    return _MISSING
 
 
 open_p = jc.Primitive("asyncops_dp_open")
@@ -195,7 +183,7 @@ def _open_transpose(cts, *xs, window, reduce):
   reduced = [i for i, r in enumerate(reduce) if r]
   entry = window.pop() if reduced else None
   started = {}
-  if entry not in (None, _MISSING):
+  if entry not in (None, _ad.MISSING):
     if len(entry) != len(reduced):
       raise AssertionError(f"{window}: {len(entry)} marked, {len(reduced)}")
     started = {

@@ -121,6 +121,18 @@ def _empty(shape, dtype):
   return jax.lax.empty(shape, dtype)
 
 
+def accumulate(acc, y, s: int, j: int, bidirectional: bool):
+  """``acc`` plus step ``s``'s product ``y`` (of half ``j`` if
+  ``bidirectional``). Step 0's product initialises it, no zero fill: a
+  one-way accumulator is that product; two-way halves are written into an
+  uninitialized ``[2, M/2, f]`` buffer."""
+  if not bidirectional:
+    return y if s == 0 else acc + y
+  if s == 0:
+    return acc.at[j].set(y)
+  return acc.at[j].add(y)
+
+
 def _rows_of(w, c, k: int):
   return jax.lax.dynamic_slice_in_dim(w, c * k, k, axis=0)
 
@@ -178,12 +190,7 @@ def contracting(
     ):
       for i, w in enumerate(ws):
         y = jnp.dot(xj, _rows_of(w, c, k), preferred_element_type=acc_dt)
-        if not bidirectional:
-          accs[i] = y if s == 0 else accs[i] + y
-        elif s == 0:
-          accs[i] = accs[i].at[j].set(y)
-        else:
-          accs[i] = accs[i].at[j].add(y)
+        accs[i] = accumulate(accs[i], y, s, j, bidirectional)
       if g is not None:
         if bidirectional:
           g = jax.lax.dynamic_update_slice(

@@ -163,12 +163,7 @@ def contracting(
       for i, w in enumerate(ws):
         rows = jax.lax.dynamic_slice_in_dim(w, c * k, k, axis=0)
         y = _chunk_product(codes, scales, rows)
-        if not bidirectional:
-          accs[i] = y if s == 0 else accs[i] + y
-        elif s == 0:
-          accs[i] = accs[i].at[j].set(y)
-        else:
-          accs[i] = accs[i].at[j].add(y)
+        accs[i] = _gather_rings.accumulate(accs[i], y, s, j, bidirectional)
     return tuple(accs)
 
   accs = _gather_rings.run(bufs, bidirectional, axis_name, n, api, consume)(

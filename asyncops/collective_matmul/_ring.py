@@ -97,12 +97,32 @@ def step(
     started = [
       start(x, axis_name, k) for x, k in zip(sends, shifts, strict=True)
     ]
-    sent = tuple(x for x, _ in started)
-    futs = tuple(f for _, f in started)
-    futs, sent, operands = jax.lax.optimization_barrier((futs, sent, operands))
-    out = compute(sent, *operands)
-    out, futs = jax.lax.optimization_barrier((out, futs))
-    received = tuple(futures.done(f) for f in futs)
+    return window(started, compute, *operands)
+
+
+def window(started, compute: Callable[..., Any], *operands):
+  """Runs ``compute(sent, *operands)`` between started transfers and their
+  dones: the futures, aliased buffers and ``operands`` pass through one
+  optimization barrier before ``compute``, its result and the futures
+  through another after it, then every future is awaited.
+
+  Args:
+    started: ``(aliased buffer, future)`` pairs, as the start functions
+      return them.
+    compute: reads ``sent``, the aliased buffers (**never the pre-start
+      ones**, or XLA inserts a defensive copy).
+    *operands: the other inputs of ``compute``.
+
+  Returns:
+    ``(received, out)``: the buffers that arrived (same order as
+    ``started``) and ``compute``'s result.
+  """
+  sent = tuple(x for x, _ in started)
+  futs = tuple(f for _, f in started)
+  futs, sent, operands = jax.lax.optimization_barrier((futs, sent, operands))
+  out = compute(sent, *operands)
+  out, futs = jax.lax.optimization_barrier((out, futs))
+  received = tuple(futures.done(f) for f in futs)
   return received, out
 
 

@@ -35,14 +35,14 @@ four links). The weights' rows of one phase-two block are strided in
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _gather_rings, _validate
+from asyncops.collective_matmul import _gather_rings, _ring, _validate
 from asyncops.futures import _api as futures
 
 
 def _step(sends, compute, *operands):
   """Starts every ``(buffer, axis)`` bidirectional transfer, runs
   ``compute(sent, *operands)`` between the starts and the dones (two
-  barriers, as ``_ring.step``), waits; returns ``(received, out)``."""
+  barriers, ``_ring.window``), waits; returns ``(received, out)``."""
   with jax.named_scope("torus_step"):
     started = []
     for b, ax in sends:
@@ -50,13 +50,7 @@ def _step(sends, compute, *operands):
       # (benchmarks/_timeline) route the transfer by it.
       with jax.named_scope(f"ring_axis_{ax}"):
         started.append(futures.bidirectional_start(b, ax))
-    sent = tuple(x for x, _ in started)
-    futs = tuple(f for _, f in started)
-    futs, sent, operands = jax.lax.optimization_barrier((futs, sent, operands))
-    out = compute(sent, *operands)
-    out, futs = jax.lax.optimization_barrier((out, futs))
-    received = tuple(futures.done(f) for f in futs)
-  return received, out
+    return _ring.window(started, compute, *operands)
 
 
 def _rows(w, c, k):

@@ -424,22 +424,30 @@ def _bilinear_jvp(f, bwd, primals, tangents):
   return out, _linear.call(fwd, transpose, (x, w), lin, out)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def fused_allgather(x, w, axis_name, n):
-  """``_fused.allgather_matmul(x [M, k], w [n k, f])``, differentiable:
-  forward mode runs the fused kernel on the tangents; the backward is the
-  contracting gather's ring backward (``_bwd_rings``)."""
-  del n
-  return _fused.allgather_matmul(x, w, axis_name)
+def _fused_custom_jvp(name, kernel, bwd, doc):
+  """``kernel(x, w, axis_name)`` (a fused kernel of ``_fused``) as a
+  ``custom_jvp`` ``name(x, w, axis_name, n)``: forward mode runs the kernel
+  on the tangents (``_bilinear_jvp``); the transpose is
+  ``bwd(axis_name, n, (x, w), g)``."""
 
+  def fused(x, w, axis_name, n):
+    del n
+    return kernel(x, w, axis_name)
 
-def _fused_allgather_jvp(axis_name, n, primals, tangents):
-  return _bilinear_jvp(
-    lambda x, w: _fused.allgather_matmul(x, w, axis_name),
-    functools.partial(_fused_allgather_bwd, axis_name, n),
-    primals,
-    tangents,
-  )
+  fused.__name__ = fused.__qualname__ = name
+  fused.__doc__ = doc
+  fused = jax.custom_jvp(fused, nondiff_argnums=(2, 3))
+
+  def jvp(axis_name, n, primals, tangents):
+    return _bilinear_jvp(
+      lambda x, w: kernel(x, w, axis_name),
+      functools.partial(bwd, axis_name, n),
+      primals,
+      tangents,
+    )
+
+  fused.defjvp(jvp, symbolic_zeros=True)
+  return fused
 
 
 def _fused_allgather_bwd(axis_name, n, res, g):
@@ -462,34 +470,28 @@ def _fused_allgather_bwd(axis_name, n, res, g):
   return _like(dx, x), dw
 
 
-fused_allgather.defjvp(_fused_allgather_jvp, symbolic_zeros=True)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def fused_reducescatter(x, w, axis_name, n):
-  """``_fused.matmul_reducescatter(x [M, k], w [k, n c])``, differentiable:
-  forward mode runs the fused kernel on the tangents; the backward is the
-  scatter-columns ring backward (``_bwd_rings``)."""
-  del n
-  return _fused.matmul_reducescatter(x, w, axis_name)
-
-
-def _fused_reducescatter_jvp(axis_name, n, primals, tangents):
-  return _bilinear_jvp(
-    lambda x, w: _fused.matmul_reducescatter(x, w, axis_name),
-    functools.partial(_fused_reducescatter_bwd, axis_name, n),
-    primals,
-    tangents,
-  )
-
-
 def _fused_reducescatter_bwd(axis_name, n, res, g):
   x, w = res
   options = _options(False, x, n, True, "value", False)  # one-way, as above
   return _reducescatter_bwd(False, axis_name, options, (x, w), g)
 
 
-fused_reducescatter.defjvp(_fused_reducescatter_jvp, symbolic_zeros=True)
+fused_allgather = _fused_custom_jvp(
+  "fused_allgather",
+  lambda x, w, axis_name: _fused.allgather_matmul(x, w, axis_name),
+  _fused_allgather_bwd,
+  """``_fused.allgather_matmul(x [M, k], w [n k, f])``, differentiable:
+  forward mode runs the fused kernel on the tangents; the backward is the
+  contracting gather's ring backward (``_bwd_rings``).""",
+)
+fused_reducescatter = _fused_custom_jvp(
+  "fused_reducescatter",
+  lambda x, w, axis_name: _fused.matmul_reducescatter(x, w, axis_name),
+  _fused_reducescatter_bwd,
+  """``_fused.matmul_reducescatter(x [M, k], w [k, n c])``, differentiable:
+  forward mode runs the fused kernel on the tangents; the backward is the
+  scatter-columns ring backward (``_bwd_rings``).""",
+)
 
 
 # XLA's collective ---------------------------------------------------------

@@ -50,10 +50,35 @@ from asyncops.futures import _primitives as prims
 from asyncops.kernels import _registry
 from asyncops.kernels._spec import OpSpec
 
-_MISSING = object()
+MISSING = object()  # what ``TracePending.pop`` finds when nothing waits
 
 
-class Pair:
+class TracePending:
+  """What one transpose leaves for a later one, per trace.
+
+  JAX transposes a backward one equation at a time, in reverse; a
+  transpose that starts a transfer ``push``es its future here, and a
+  later transpose in the same trace ``pop``s it (the latest first), or
+  finds :data:`MISSING` when none ran there (another trace, a
+  differentiated backward). Used as a static primitive parameter, so it is
+  hashed by identity.
+  """
+
+  def __init__(self):
+    self.pending: list[tuple[Any, Any]] = []
+
+  def push(self, entry: Any) -> None:
+    self.pending.append((jc.current_trace(), entry))
+
+  def pop(self) -> Any:
+    trace = jc.current_trace()
+    for k in range(len(self.pending) - 1, -1, -1):
+      if self.pending[k][0] is trace:
+        return self.pending.pop(k)[1]
+    return MISSING
+
+
+class Pair(TracePending):
   """Links one start's tangent transfer to its done, through the transpose.
 
   Hashed by identity (a primitive parameter). ``claimed`` is set when a done
@@ -65,26 +90,16 @@ class Pair:
   _ids = itertools.count()
 
   def __init__(self, spec: OpSpec):
+    super().__init__()
     self.id = next(self._ids)
     self.spec = spec
     self.claimed = False
-    self.pending: list[tuple[Any, Any]] = []
     # Tie the backward compute into the reverse window (the Ref API, whose
     # forward has no barriers of its own to transpose).
     self.tie = False
 
   def __repr__(self):
     return f"pair{self.id}"
-
-  def push(self, entry: Any) -> None:
-    self.pending.append((jc.current_trace(), entry))
-
-  def pop(self) -> Any:
-    trace = jc.current_trace()
-    for k in range(len(self.pending) - 1, -1, -1):
-      if self.pending[k][0] is trace:
-        return self.pending.pop(k)[1]
-    return _MISSING
 
 
 # The reverse transfer --------------------------------------------------------
@@ -181,8 +196,8 @@ def _transfers_since(eqn, sem) -> bool:
 
 def _lin_start_transpose(ct, t, *, spec, pair):
   rev = reverse(spec)
-  entry = pair.pop() if pair is not None else _MISSING
-  if entry is _MISSING:  # unpaired: T^T now, where the start was
+  entry = pair.pop() if pair is not None else MISSING
+  if entry is MISSING:  # unpaired: T^T now, where the start was
     if type(ct) is ad.Zero:
       return [ad.Zero(t.aval)]
     return [_after_reverse(transfer_now(_as(ct, spec), rev), spec, rev)]
