@@ -91,10 +91,11 @@ def test_backward_bf16(topology):
   assert bwd and all(p.overlapped for p in bwd)
 
 
-def test_staggered_backward_compiles_copy_free():
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_staggered_backward_compiles_copy_free(topology):
   """Futures carried across iterations are not paired (their reverse
   transfers are synchronous), but the program stays copy-free."""
-  mesh = tpu_mesh("v5e:2x4", (2, 4), ("x", "y"))
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
   f = grad_windows.PROGRAMS["staggered"]
   report = analyze(jax.jit(jax.grad(_loss(f, mesh), (0, 1))), *_args())
   report.assert_no_defensive_copies()

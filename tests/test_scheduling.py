@@ -541,9 +541,10 @@ def test_lax_ring_copies_every_trip():
   assert r.defensive_copies and not r.inflight_copies
 
 
+@pytest.mark.parametrize("topology", [V5E, V6E])
 @pytest.mark.parametrize("n", [0, 1, 2])  # 5 and 6 above; 0-9 on CPU
-def test_static_trip_counts_compile_clean(n):
-  r = _baseline(seed_accumulate(n), 2)
+def test_static_trip_counts_compile_clean(n, topology):
+  r = _baseline(seed_accumulate(n), 2, topology)
   r.assert_no_defensive_copies()
   assert hazards(r) == []
   # The prologue's pair, one per peeled iteration, two in the loop body.
