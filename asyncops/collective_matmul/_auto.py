@@ -660,9 +660,18 @@ def recording():
   made while tracing inside the block (the benchmark tables print them).
 
   Example:
-    >>> with recording() as choices:  # doctest: +SKIP
-    ...   jax.jit(f).trace(x, w)
-    >>> [str(c) for _, c in choices]  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from asyncops.collective_matmul import allgather_matmul
+    >>> mesh = jax.make_mesh((8,), ("y",), axis_types=(AxisType.Auto,))
+    >>> f = jax.shard_map(lambda x, w: allgather_matmul(x, w, "y"),
+    ...                   mesh=mesh, in_specs=(P(None, "y"), P(None, "y")),
+    ...                   out_specs=P(None, "y"))
+    >>> x, w = jnp.ones((8, 64)), jnp.ones((64, 16))
+    >>> with recording() as choices:
+    ...   _ = jax.jit(f).trace(x, w)
+    >>> [(fn, c.method) for fn, c in choices]
+    [('allgather_matmul', 'xla')]
   """
   choices: list = []
   token = _RECORDER.set(choices)

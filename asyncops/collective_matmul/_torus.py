@@ -175,10 +175,20 @@ def torus_allgather_matmul(lhs, rhs, axis_names: tuple[str, str]):
     NameError: an axis is not bound.
 
   Example:
-    >>> @jax.shard_map(mesh=mesh, in_specs=(P(None, ("x", "y")),
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from asyncops.collective_matmul import torus_allgather_matmul
+    >>> auto = (AxisType.Auto,) * 2
+    >>> mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=auto)
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(P(None, ("x", "y")),
     ...                P(None, ("x", "y"))), out_specs=P(None, ("x", "y")))
     ... def f(a, w):
-    ...   return torus_allgather_matmul(a, w, ("x", "y"))  # doctest: +SKIP
+    ...   return torus_allgather_matmul(a, w, ("x", "y"))
+    >>> a = jnp.arange(8.0 * 16).reshape(8, 16) % 7
+    >>> w = jnp.arange(16.0 * 8).reshape(16, 8) / 16
+    >>> bool(jnp.allclose(f(a, w), a @ w))
+    True
   """
   fn = "torus_allgather_matmul"
   if (
