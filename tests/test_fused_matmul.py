@@ -402,32 +402,12 @@ def test_quantize_round_trip():
   assert bool(jnp.all(back[2] == 0))
 
 
-@pytest.mark.parametrize("steps", [(2, 2), (1, 2), (1, 0, 3)])
-def test_step_plan_is_checked(steps):
-  with pytest.raises(ValueError, match="steps must be positive ints summing"):
-    _fused._steps_arg(steps, 4)
-  with pytest.raises(ValueError, match=r"AgSpec.steps must be positive"):
-    agk.AgSpec(
-      "y",
-      ("y",),
-      4,
-      8,
-      256,
-      128,
-      "bfloat16",
-      "bfloat16",
-      "bfloat16",
-      bn=128,
-      steps=steps,
-    )
-  assert _fused._steps_arg([1, 3], 4) == (1, 3)
-
-
-def test_sends_go_nearest_first_on_both_sides():
-  spec = agk.AgSpec(
+def _bf16_spec(n, steps):
+  """A bf16 all-gather kernel spec on a ring of ``n`` with plan ``steps``."""
+  return agk.AgSpec(
     "y",
     ("y",),
-    8,
+    n,
     8,
     256,
     128,
@@ -435,8 +415,21 @@ def test_sends_go_nearest_first_on_both_sides():
     "bfloat16",
     "bfloat16",
     bn=128,
-    steps=(1, 2, 2, 3),
+    steps=steps,
   )
+
+
+@pytest.mark.parametrize("steps", [(2, 2), (1, 2), (1, 0, 3)])
+def test_step_plan_is_checked(steps):
+  with pytest.raises(ValueError, match="steps must be positive ints summing"):
+    _fused._steps_arg(steps, 4)
+  with pytest.raises(ValueError, match=r"AgSpec.steps must be positive"):
+    _bf16_spec(4, steps)
+  assert _fused._steps_arg([1, 3], 4) == (1, 3)
+
+
+def test_sends_go_nearest_first_on_both_sides():
+  spec = _bf16_spec(8, (1, 2, 2, 3))
   assert spec.hops == (1, 7, 2, 6, 3, 5, 4)
   assert spec.scope == "ring_steps_1-2-2-3_nf1"
   assert spec.offsets == (0, 1, 3, 5) and spec.g == 3

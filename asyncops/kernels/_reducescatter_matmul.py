@@ -177,26 +177,24 @@ def start_kernel(*, spec: RsSpec):
 
 def step_body(
   me,
-  s,
-  d,
-  j,
   x_ref,
   w_ref,
   recv_ref,
   send_sems,
   recv_sems,
   sent_ref,
+  own_ref,
   part,
   rbuf,
   copy_sem,
   *,
   spec: RsSpec,
-  own_ref,
 ):
-  """Block ``j`` of half ``d`` at step ``s``: the product; after the last
-  block, at ``s < n - 1`` the neighbour's partial sum added and the sum
-  sent on, at ``s = n - 1`` the product kept in ``own_ref`` (the finish
-  kernel adds the last partial sum)."""
+  """Grid step ``(s, d, j)``, block ``j`` of half ``d`` at step ``s``: the
+  product; after the last block, at ``s < n - 1`` the neighbour's partial
+  sum added and the sum sent on, at ``s = n - 1`` the product kept in
+  ``own_ref`` (the finish kernel adds the last partial sum)."""
+  s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n, nb, bn = spec.n, spec.nb, spec.bn
 
   part[:, pl.ds(pl.multiple_of(j * bn, bn), bn)] = jnp.dot(
@@ -259,23 +257,19 @@ def steps_kernel(
   spec: RsSpec,
 ):
   """Grid step ``(s, d, j)``: every product and every send."""
-  s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   step_body(
     me_ref[0],
-    s,
-    d,
-    j,
     x_ref,
     w_ref,
     recv_ref,
     send_sems,
     recv_sems,
     sent_ref,
+    own_ref,
     part,
     rbuf,
     copy_sem,
     spec=spec,
-    own_ref=own_ref,
   )
 
 
@@ -511,20 +505,17 @@ def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
 
     step_body(
       me_ref[0],
-      s,
-      d,
-      j,
       x_ref,
       w_ref,
       recv_ref,
       ss,
       rs,
       sent_ref,
+      own,
       part,
       rbuf,
       sem,
       spec=spec,
-      own_ref=own,
     )
 
     @pl.when(last)
