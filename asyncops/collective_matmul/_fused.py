@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
+from asyncops.collective_matmul import _chips
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _common
 from asyncops.kernels import _reducescatter_matmul as rsk
@@ -137,9 +138,7 @@ def choose_steps(
     >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v6 lite")
     (1, 1, 1, 1)
   """
-  from asyncops.collective_matmul import _auto  # noqa: PLC0415 (cycle)
-
-  chip = _auto.chip_for(device_kind)
+  chip = _chips.chip_for(device_kind)
   link_s = m * k * jnp.dtype(t_dtype).itemsize / chip.link
   mxu_s = 2 * m * k * f / chip.bf16_flops
   big = k >= 2048 and jnp.dtype(w_dtype).itemsize == 2
