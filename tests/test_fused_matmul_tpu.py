@@ -297,7 +297,9 @@ _KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5p"}
     ("allgather", "v5e", 16384, "ring"),
     ("allgather", "v5p", 16, "xla"),
     ("reducescatter", "v5p", 16, "fused"),
-    ("allgather", "v6e", 256, "xla"),
+    # Bound by the weight read, but XLA's blocking all-gather (47 us) takes
+    # longer than that read (36 us): the fused kernel, 68.2 against 68.6.
+    ("allgather", "v6e", 256, "fused"),
     ("allgather", "v6e", 1024, "ring_bidi"),
     ("reducescatter", "v5e", 16, "fused"),  # the partial sums leave early
     ("reducescatter", "v5e", 256, "fused"),
@@ -328,9 +330,12 @@ def test_auto_decisions_on_the_llama_sweep(family, chip, m, method):
       method == "fused" and 0.97 * c.fused_us < least
     )
     assert est[method] < 0.97 * c.xla_us
+  fused_why = "partial sums" if m == 16 else "the ring transfers"
+  if (family, chip, m) == ("allgather", "v6e", 256):
+    fused_why = "all-gather takes longer than that read"
   reasons = {
     "xla": "HBM",
-    "fused": "partial sums" if m == 16 else "the ring transfers",
+    "fused": fused_why,
     "ring": "one-way value ring",
     "ring_bidi": "two-way value ring",
   }

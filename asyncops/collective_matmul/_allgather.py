@@ -192,6 +192,7 @@ def allgather_matmul(
       lhs.dtype,
       precision=_fused.precision_name(),
       device_kind=_auto.device_kind(),
+      wiring=_auto.wiring(axis_name),
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * n * lhs.size * sum(w.shape[1] for w in ws),

@@ -83,7 +83,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _fused
+from asyncops.collective_matmul import _fused, _wiring
 from asyncops.collective_matmul._chips import CAL as CAL
 from asyncops.collective_matmul._chips import CHIPS as CHIPS
 from asyncops.collective_matmul._chips import Cal as Cal
@@ -166,9 +166,14 @@ def _decide(
   hbm_rule=True,
   ring_s=None,
   ring_bidi_s=None,
+  xla_comm_s=0.0,
+  w_s=float("inf"),
 ) -> Choice:
   """The fastest candidate by estimate; a ring or fused kernel must beat
-  XLA's program by 3% (it adds kernels and barriers)."""
+  XLA's program by 3% (it adds kernels and barriers). With ``hbm_rule``,
+  a matmul bound by reading the weights (``compute_s < hbm_s / 2``) whose
+  XLA collective takes less than that read (``xla_comm_s < w_s``) keeps
+  XLA's program."""
 
   def us(v):
     return None if v is None else v * 1e6
@@ -184,7 +189,7 @@ def _decide(
   rings = {k: v for k, v in rings.items() if v is not None}
   if fused_reason is not None and not rings:
     return Choice("xla", f"fused kernels unavailable: {fused_reason}", **est)
-  if hbm_rule and compute_s < hbm_s / 2:
+  if hbm_rule and compute_s < hbm_s / 2 and xla_comm_s < w_s:
     return Choice(
       "xla",
       "bound by reading the weights from HBM (decode-size rows): no "
@@ -204,7 +209,12 @@ def _decide(
     return Choice("xla", why, **est)
   if best == "fused":
     why = "the ring transfers hide under the matmul"
-    if compute_s < hbm_s / 2:
+    if compute_s < hbm_s / 2 and hbm_rule:
+      why = (
+        "bound by reading the weights from HBM, but XLA's blocking "
+        "all-gather takes longer than that read: the fused kernel hides it"
+      )
+    elif compute_s < hbm_s / 2:
       why = (
         "bound by reading the weights from HBM, but the partial sums leave "
         "as they are made (XLA's reduce-scatter waits for the whole matmul)"
@@ -220,55 +230,88 @@ def _decide(
   return Choice(best, why, **est)
 
 
-def _fused_s(panels, compute, w_s, rest_s, n, chunk, link, floor_s=0.0):
+def _fused_s(panels, compute, w_s, rest_s, n, chunk, link, wiring):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
   XLA's estimate of the same dots, which serialises the weight read), and
   runs its own ring of ``1 / panels`` of the rows (``rest_s``: the other
-  HBM traffic, ``chunk``: one step's bytes, ``floor_s``: the least a
-  panel's dots cost, ``n`` steps of them). The partial sums travel on, one
-  hop per step, once the dots have made them."""
+  HBM traffic, ``chunk``: one step's bytes, ``n`` steps). The partial
+  sums travel on, one ring hop per step both ways (``wiring.bidi_load``
+  chunks per link), once the dots have made them."""
   p = panels
-  ring = (n - 1) * (chunk / p / (2 * link) + _HOP_S)
-  c = max(compute / p, floor_s, rest_s / p)
+  w = wiring
+  ring = (n - 1) * (chunk / p * w.bidi_load / link + w.bidi_hops * _HOP_S)
+  c = max(compute / p, rest_s / p)
   return p * (_FUSED_OVERHEAD_S + w_s + max(c, ring + c / n))
 
 
-def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link):
+def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
   one dot (XLA's estimate: its FLOPs, or its rows of ``w`` and a pass over
   the float32 accumulator, ``acc_s``, whichever is longer). The start sends
-  every chunk to every peer over both directions (``sum(min(d, n - d)) /
-  2`` chunks per directed link, 8 at ``n = 8`` where forwarding takes 3.5)
-  before the dots begin; the last step waits for the farthest chunk. (The
+  every chunk to every peer (``wiring.direct_load`` chunks on the busiest
+  directed link: ``sum(min(d, n - d)) / 2`` on a ring, 8 at ``n = 8``
+  where forwarding takes 3.5; 4 on a line of 4) before the dots begin;
+  the last step waits for the farthest chunk. (The
   benchmark model: within 1% at the chapter's and prefill shapes on v5e
   and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.)"""
   p = panels
-  load = sum(min(d, n - d) for d in range(1, n)) / 2
-  ring = load * chunk / p / link + (n - 1) * _HOP_S
+  extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
+  ring = wiring.direct_load * chunk / p / link + (n - 1 + extra_hops) * _HOP_S
   steps = [max(g * compute / (n * p), g * w_s / n + acc_s / p) for g in plan]
   c = sum(steps)
   return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
 
 
-def _ring_s(n, d, compute, hidden, extra, chip, chunk, cal) -> float:
+def _on(choice: Choice, wiring: _wiring.Wiring) -> Choice:
+  """``choice`` with the wiring in its reason when it is not a ring's."""
+  if wiring.is_ideal:
+    return choice
+  return dataclasses.replace(
+    choice, reason=f"{choice.reason}; on {wiring.describe()}"
+  )
+
+
+def _links(wiring: _wiring.Wiring | None, n: int) -> _wiring.Wiring:
+  """The wiring to charge: the mesh's, or an ideal ring of ``n``."""
+  if wiring is None or wiring.n != n:
+    return _wiring.ideal(n)
+  return wiring
+
+
+def _ring_s(n, d, compute, hidden, extra, chip, chunk, cal, wiring) -> float:
   """The value ring over ``d`` directions: ``n`` steps, each its dots
   (``compute / n``, or the HBM time of the ``hidden`` bytes a step reads
   under them when longer), plus ``cal.ring_rho`` of the ``extra`` bytes
   that stream beside them and a fixed cost (one more dot launch per extra
-  direction), or the step's transfer (``chunk / d`` bytes per link) when
-  that is longer (plus :data:`_RING_CONTENTION` of the shorter)."""
+  direction), or the step's transfer (``chunk / d`` bytes per link on a
+  ring; ``wiring`` says how many chunks the busiest link carries, and how
+  many links the longest hop crosses) when that is longer (plus
+  :data:`_RING_CONTENTION` of the shorter)."""
   dots = max(compute / n, cal.ring_rho * hidden / chip.hbm)
   dots += cal.ring_rho * extra / chip.hbm
-  transfer = chunk / (d * chip.link) + _HOP_S
+  load, hops = (
+    (wiring.shift_load, wiring.shift_hops)
+    if d == 1
+    else (wiring.bidi_load, wiring.bidi_hops)
+  )
+  transfer = chunk * load / chip.link + hops * _HOP_S
   fixed = cal.ring_step_s + (d - 1) * cal.ring_dot_s
   step = max(dots + fixed, transfer) + _RING_CONTENTION * min(dots, transfer)
   return _XLA_OVERHEAD_S + n * step
 
 
 def explain_allgather(
-  m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
+  m: int,
+  k: int,
+  f: int,
+  n: int,
+  dtype,
+  *,
+  precision: str,
+  device_kind,
+  wiring: _wiring.Wiring | None = None,
 ) -> Choice:
   """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices.
 
@@ -289,7 +332,10 @@ def explain_allgather(
   compute = 2 * m * n * k * f / _flops_rate(chip, dtype, precision)
   hbm = (w_bytes + n * m * k * t + out_bytes) / chip.hbm
   chunk = m * k * t
-  xla_ring = (n - 1) * (chunk / chip.link + _HOP_S)
+  wr = _links(wiring, n)
+  xla_ring = (n - 1) * (
+    chunk * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
+  )
   xla = _XLA_OVERHEAD_S + xla_ring + max(compute, hbm)
   plan = _fused.plan_allgather(
     m,
@@ -320,7 +366,15 @@ def explain_allgather(
   )
   fused = (
     _fused_ag_s(
-      panels, plan_steps, compute, w_s, acc / chip.hbm, n, chunk, chip.link
+      panels,
+      plan_steps,
+      compute,
+      w_s,
+      cal.fused_acc * acc / chip.hbm,
+      n,
+      chunk,
+      chip.link,
+      wr,
     )
     + (panels - 1) * cal.fused_panel * w_s
   )
@@ -329,13 +383,13 @@ def explain_allgather(
     if d == 2 and m % 2:
       continue
     # The value ring moves x as it is (``chunk`` is the fused kernel's).
-    hidden = k * f * b + m * k * b + cal.ring_acc * acc
+    hidden = d * k * f * b + m * k * b + cal.ring_acc * acc
     # The two-way ring's two half accumulators ([2, m/2, f]) are charged
     # their traffic beside the dots once they are large (the model, tp 8:
     # within 4% of this estimate without it at M <= 4096, 1.35x and 2.0x
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
     extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
-    rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal)
+    rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
   choice = _decide(
     reason,
     fused,
@@ -345,6 +399,8 @@ def explain_allgather(
     chip,
     ring_s=rings.get(1),
     ring_bidi_s=rings.get(2),
+    xla_comm_s=xla_ring,
+    w_s=w_s,
   )
   if panels > 1 and choice.method == "fused":
     choice = dataclasses.replace(
@@ -356,11 +412,19 @@ def explain_allgather(
       reason=f"{choice.reason}; the fused kernel would run {panels} row "
       "panels, each re-reading w",
     )
-  return choice
+  return _on(choice, wr)
 
 
 def explain_reducescatter(
-  m: int, k: int, c: int, n: int, dtype, *, precision: str, device_kind
+  m: int,
+  k: int,
+  c: int,
+  n: int,
+  dtype,
+  *,
+  precision: str,
+  device_kind,
+  wiring: _wiring.Wiring | None = None,
 ) -> Choice:
   """The choice for ``psum_scatter(x [m, k] @ w [k, n c])`` (the fused
   estimate counts its row panels, as :func:`explain_allgather`; the value
@@ -377,7 +441,8 @@ def explain_reducescatter(
   # XLA's reduce-scatter inside shard_map runs over one ring direction
   # after the whole matmul (the model: 11.9 us exposed at M = 16, 85 at
   # M = 256, v5e, tp 8), as its all-gather does.
-  ring = (n - 1) * (part / chip.link + _HOP_S)
+  wr = _links(wiring, n)
+  ring = (n - 1) * (part * wr.shift_load / chip.link + wr.shift_hops * _HOP_S)
   xla = _XLA_OVERHEAD_S + ring + max(compute, hbm / cal.xla_hbm)
   plan = _fused.plan_reducescatter(
     m,
@@ -401,6 +466,7 @@ def explain_reducescatter(
     n,
     part,
     chip.link,
+    wr,
   )
   fused += (panels - 1) * cal.rs_panel_s
   rings = {}
@@ -408,7 +474,9 @@ def explain_reducescatter(
     if d == 2 and m % 2:
       continue
     extra = m * k * b + 2 * m * c * b
-    rings[d] = _ring_s(n, d, compute, k * c * b, extra, chip, m * c * b, cal)
+    rings[d] = _ring_s(
+      n, d, compute, k * c * b, extra, chip, m * c * b, cal, wr
+    )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it
   # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
@@ -430,11 +498,19 @@ def explain_reducescatter(
       reason=f"{choice.reason}; the fused kernel would run {panels} row "
       "panels, each re-reading w",
     )
-  return choice
+  return _on(choice, wr)
 
 
 def explain_allreduce(
-  m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
+  m: int,
+  k: int,
+  f: int,
+  n: int,
+  dtype,
+  *,
+  precision: str,
+  device_kind,
+  wiring: _wiring.Wiring | None = None,
 ) -> Choice:
   """The choice for ``psum(x [m, k] @ w [k, f])``: the fused reduce-scatter
   plus XLA's all-gather, against XLA's all-reduce.
@@ -447,15 +523,24 @@ def explain_allreduce(
   """
   c = -(-f // n)
   rs = explain_reducescatter(
-    m, k, c, n, dtype, precision=precision, device_kind=device_kind
+    m,
+    k,
+    c,
+    n,
+    dtype,
+    precision=precision,
+    device_kind=device_kind,
+    wiring=wiring,
   )
+  wr = _links(wiring, n)
   chip = chip_for(device_kind)
   t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
   half = m * c * t / chip.link
   # XLA's all-reduce: both halves over both ring directions (``rs``'s
   # XLA estimate has its reduce-scatter over one).
-  xla = rs.xla_us * 1e-6 - (n - 1) * (half + _HOP_S)
-  xla += 2 * (n - 1) * (half / 2 + _HOP_S)
+  one_way = (n - 1) * (half * wr.shift_load + wr.shift_hops * _HOP_S)
+  xla = rs.xla_us * 1e-6 - one_way
+  xla += 2 * (n - 1) * (half * wr.bidi_load + wr.bidi_hops * _HOP_S)
   if rs.fused_us is None:
     # The rings' all-reduce is not estimated here: XLA's all-reduce.
     return Choice(
@@ -465,10 +550,10 @@ def explain_allreduce(
       xla * 1e6,
       rs.chip,
     )
-  fused = rs.fused_us * 1e-6 + _XLA_OVERHEAD_S + (n - 1) * (half + _HOP_S)
+  fused = rs.fused_us * 1e-6 + _XLA_OVERHEAD_S + one_way
   compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
   hbm = k * n * c * jnp.dtype(dtype).itemsize / chip.hbm
-  return _decide(None, fused, xla, compute, hbm, chip)
+  return _on(_decide(None, fused, xla, compute, hbm, chip), wr)
 
 
 def explain_ring(
@@ -601,6 +686,13 @@ def recording():
 def device_kind() -> str | None:
   """The chip of the mesh being traced over (None: unknown)."""
   return jc.trace_device_kind()
+
+
+def wiring(axis_name) -> _wiring.Wiring | None:
+  """How the rings along ``axis_name`` of the mesh being traced over load
+  the links (None: unknown; the estimates then assume a ring whose every
+  hop is one link)."""
+  return _wiring.for_axis(axis_name)
 
 
 # Running the choice --------------------------------------------------------

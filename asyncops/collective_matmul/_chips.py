@@ -73,6 +73,12 @@ class Cal:
     rs_panel_s: a fused reduce-scatter's cost per extra row panel (the
       model, tp 8, up to 16 MiB of sent partial sums per panel: 74 us on
       v5e at 4 and 16 panels, 12 to 17 us on v6e).
+    fused_acc: the share of the fused all-gather's float32 accumulator
+      pass (read and write per step) its steps are charged beside their
+      rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
+      M = 1024 needs it; three quarters on v6e, within 10% at the tp 4
+      chapter and prefill shapes, which one full pass puts 1.15x to 1.3x
+      over).
     xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
       reading the weights bounds it (the reduce-scatter's matmul, which
       its collective waits for).
@@ -85,6 +91,7 @@ class Cal:
   fused_panel: float
   xla_hbm: float
   rs_panel_s: float
+  fused_acc: float = 1.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -95,5 +102,5 @@ CAL = {
   "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
   "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
   "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 1.4, 0.76, 2e-6),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75),
 }

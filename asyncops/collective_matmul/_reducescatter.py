@@ -153,6 +153,7 @@ def matmul_reducescatter(
       lhs.dtype,
       precision=_fused.precision_name(),
       device_kind=_auto.device_kind(),
+      wiring=_auto.wiring(axis_name),
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * lhs.size * rhs.shape[1],
