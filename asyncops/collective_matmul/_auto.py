@@ -475,7 +475,7 @@ def explain_reducescatter(
       continue
     extra = m * k * b + 2 * m * c * b
     rings[d] = _ring_s(
-      n, d, compute, k * c * b, extra, chip, m * c * b, cal, wr
+      n, d, compute, d * k * c * b, extra, chip, m * c * b, cal, wr
     )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it
