@@ -80,10 +80,17 @@ class Wiring:
     """One phrase for auto's reasons."""
     if self.is_ideal:
       return f"a ring of {self.n}"
-    return (
-      f"a ring of {self.n} whose longest hop crosses {self.shift_hops} "
-      f"links (two-way step {self.bidi_load:g} chunks per link)"
-    )
+    out = [f"a ring of {self.n}"]
+    if self.shift_hops > 1:
+      out.append(f"whose longest hop crosses {self.shift_hops} links")
+    if self.bidi_load > ideal(self.n).bidi_load:
+      out.append("with both directions of a two-way step on one link")
+    if self.direct_load > ideal(self.n).direct_load:
+      out.append(
+        f"its direct sends {self.direct_load:g} chunks on the busiest "
+        f"link (a ring's {ideal(self.n).direct_load:g})"
+      )
+    return ", ".join([" ".join(out[:2])] + out[2:])
 
 
 def ideal(n: int) -> Wiring:
