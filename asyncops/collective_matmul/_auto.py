@@ -23,18 +23,25 @@ Candidates (per device, inside ``shard_map``):
   is bound by reading the weights (:func:`explain_ring`).
 
 The choice is made at trace time from the per-device shapes, the dtype,
-the ring size and the chip the mesh is made of (``AbstractMesh.
+the ring size, the chip the mesh is made of (``AbstractMesh.
 abstract_device``; a v5e if the mesh names none, e.g. on CPU, where every
-method computes the same result with ``jax.lax``). Each candidate gets an
-analytic estimate from public chip figures (:data:`CHIPS`) and a few
-per-chip constants fit to the benchmark model's figures (:data:`CAL`):
+method computes the same result with ``jax.lax``) and the slice's wiring
+(:func:`wiring`: the ring's devices' coordinates, ``_wiring``; an ideal
+ring when they are unknown). Each candidate gets an analytic estimate
+from public chip figures (:data:`CHIPS`) and a few per-chip constants fit
+to the benchmark model's figures (:data:`CAL`):
 
 - MXU time ``C`` = FLOPs / peak (float32 at ``HIGHEST`` takes six bf16
   passes); HBM time ``M`` = bytes every method must read or write once
   (``w``, the chunks, the result) / HBM bandwidth; ``W`` = the weight
   read alone;
-- ring time ``T(d)`` = bytes received per link direction / link bandwidth
-  plus a hop of latency per step, with ``d`` directions in use.
+- ring time ``T(d)`` = bytes on the busiest directed link / link
+  bandwidth plus a microsecond per link the longest message crosses, per
+  step, with ``d`` directions in use. On a ring whose every hop is one
+  link, ``T(2)`` moves half of ``T(1)``'s bytes per link; on a line (a
+  sub-pod v5e/v6e ``y`` axis laid along one row of chips, no wraparound)
+  the wrapping message crosses ``n - 1`` links and both directions share
+  each link, so ``T(2)`` moves as many bytes as ``T(1)``.
 
 - ``xla ~ 1 us + T(1) + max(C, M)``: XLA's collective inside
   ``shard_map`` blocks and runs over one ring direction (what the
@@ -42,9 +49,10 @@ per-chip constants fit to the benchmark model's figures (:data:`CAL`):
   reduce-scatter's matmul, which it waits for, is charged the weight read
   at ``CAL.xla_hbm`` of HBM bandwidth.
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
-  dots (each the longer of its FLOPs and its rows of ``W`` with a pass
-  over the float32 accumulator), or the direct sends to every peer and
-  the last step, whichever is longer; extra panels cost
+  dots (each the longer of its FLOPs and its rows of ``W`` with
+  ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
+  direct sends to every peer (the busiest link's load from the wiring)
+  and the last step, whichever is longer; extra panels cost
   ``CAL.fused_panel W`` each.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
@@ -52,13 +60,18 @@ per-chip constants fit to the benchmark model's figures (:data:`CAL`):
   panels cost ``CAL.rs_panel_s`` each.
 - ``ring(d)``: ``n`` steps, each ``max(C / n + rho bytes / HBM + fixed,
   T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
-  ``ring_step_s``, ``ring_dot_s`` for the second direction's dot).
+  ``ring_step_s``, ``ring_dot_s`` for the second direction's dot). The
+  two-way ring's two dots per step meet different rows (columns, for the
+  reduce-scatter) of ``w``: its bytes count them twice.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
 program. For the all-gather, a matmul bound by reading ``w`` (``C < M /
-2``, decode sizes) keeps XLA's program (no extra kernels, no barrier): the
-step is the weight read either way. The reduce-scatter has no such rule:
+2``, decode sizes) keeps XLA's program (no extra kernels, no barrier) when
+XLA's all-gather takes less than the weight read ``W``: the step is about
+the weight read either way. When the all-gather is longer (small
+float32 shapes on v6e: 20 us of transfer beside a 10 us weight read at
+the chapter's shape) the estimates decide. The reduce-scatter has no such rule:
 XLA's reduce-scatter waits for the whole matmul, the fused kernel sends
 partial sums as they are made, which the benchmark model finds faster at
 decode sizes too.
