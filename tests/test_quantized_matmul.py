@@ -445,3 +445,83 @@ def test_tpu_ring_moves_codes_and_scales(topology, transfer, bidirectional):
   report.assert_no_defensive_copies()
   report.assert_no_inflight_copies()
   report.assert_overlapped(min_pairs=3, op=kind)
+
+
+@functools.cache
+def _tpu_rs_report(topology, transfer, bidirectional):
+  # Tmp[B_X, F_Y] * W2[F_Y, D] -> Out[B_X, D_Y], bf16, global (512, 2048,
+  # 2048): per device [256, 512] @ [512, 2048], blocks of 512 columns.
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+  specs = RS_FORMS["columns"]["specs"]
+  a = jax.ShapeDtypeStruct(
+    (512, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("x", "y"))
+  )
+  w = jax.ShapeDtypeStruct(
+    (2048, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("y", None))
+  )
+  fn = _rs(mesh, specs, transfer=transfer, bidirectional=bidirectional)
+  return analyze(fn, a, w)
+
+
+@functools.cache
+def _tpu_rows_report(topology):
+  # Sequence parallel X[S_Y, D] * W[D, F_Y], bf16, global (2048, 512,
+  # 2048), int8 two-way: per device [512, 512] rows.
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+  a = jax.ShapeDtypeStruct(
+    (2048, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("y", None))
+  )
+  w = jax.ShapeDtypeStruct(
+    (512, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "y"))
+  )
+  fn = jax.jit(
+    jax.shard_map(
+      lambda a, w: allgather_matmul(
+        a, w, "y", gather_dim=0, transfer="int8", bidirectional=True
+      ),
+      mesh=mesh,
+      in_specs=(P("y", None), P(None, "y")),
+      out_specs=P(None, "y"),
+    )
+  )
+  return analyze(fn, a, w)
+
+
+def _moved(report, kind):
+  return set(
+    re.findall(
+      rf"%asyncops_{kind}_start[.\d]* = \((\w+\[[\d,]+\])", report.hlo_text
+    )
+  )
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+@pytest.mark.parametrize(
+  "transfer,bidirectional", [("int8", False), ("float8_e4m3fn", True)]
+)
+def test_tpu_reducescatter_moves_quantized_partial_sums(
+  topology, transfer, bidirectional
+):
+  report = _tpu_rs_report(topology, transfer, bidirectional)
+  kind = "bidirectional" if bidirectional else "ppermute"
+  # [M, c + 4] per device: 256 rows, 512 codes + 4 scale bytes (two-way:
+  # both halves' [128, 516] in one kernel).
+  assert _moved(report, kind) == {"u8[256,516]"}, _moved(report, kind)
+  assert len(report.pairs_for(kind)) == 3  # n - 1 hops
+  report.assert_all_awaited()
+  report.assert_no_defensive_copies()
+  report.assert_no_inflight_copies()
+  report.assert_overlapped(min_pairs=3, op=kind)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_tpu_rows_form_moves_codes_and_scales(topology):
+  report = _tpu_rows_report(topology)
+  moved = _moved(report, "bidirectional")
+  # Two halves of [1, 256, 512 + 4] in one kernel.
+  assert moved == {"u8[2,1,256,516]"}, moved
+  assert len(report.pairs_for("bidirectional")) == 3
+  report.assert_all_awaited()
+  report.assert_no_defensive_copies()
+  report.assert_no_inflight_copies()
+  report.assert_overlapped(min_pairs=3, op="bidirectional")
