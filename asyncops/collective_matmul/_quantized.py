@@ -1,32 +1,37 @@
 """Quantized transfers for the all-gather matmul: fewer bytes on the ring.
 
-Algorithm. Before the ring, every row of this device's chunk ``x [M, k]``
-is quantized with its own float32 scale ``s = max|row| / Q`` (``Q`` = 127
-for ``int8``, 448 for ``float8_e4m3fn``; 1 for an all-zero row): codes
-``q = round(row / s)`` (int8, clipped to +-127) or ``float8(row / s)``.
-Codes and scales travel as one ``uint8 [M, k + 4]`` buffer (the 4 bytes of
-each row's scale after its codes), around the same ring as the native
-all-gather matmul (``_gather_rings.run``, one- or two-way, value or Ref
-API). Each arriving chunk ``c`` is multiplied as ``(q_c @ w_c) * s_c``: the
-codes are exact in ``w``'s dtype (int8 and e4m3 values fit bfloat16's 8-bit
-significand), the product accumulates in float32, and a per-row scale
-commutes with the matmul, so the result equals the **dequantize-then-
-matmul reference** ``all_gather(q * s) @ w`` up to float32 summation order
-(:func:`reference`).
+Algorithm. Before the ring, every row of this device's chunk (``x [M, k]``
+in the contracting form, ``x [P, R, k]`` in the row form: a row is a
+token) is quantized with its own float32 scale ``s = max|row| / Q`` (``Q``
+= 127 for ``int8``, 448 for ``float8_e4m3fn``; 1 for an all-zero row):
+codes ``q = round(row / s)`` (int8, clipped to +-127) or
+``float8(row / s)``. Codes and scales travel as one ``uint8 [..., k + 4]``
+buffer (the 4 bytes of each row's scale after its codes), around the same
+rings as the native all-gather matmul (``_gather_rings.run``, one- or
+two-way, value or Ref API). Each arriving chunk ``c`` is multiplied as
+``(q_c @ w_c) * s_c``: the codes are exact in ``w``'s dtype (int8 and e4m3
+values fit bfloat16's 8-bit significand), the product accumulates in
+float32 (contracting form) or is written as its own output rows (row
+form), and a per-row scale commutes with the matmul, so the result equals
+the **dequantize-then-matmul reference** ``all_gather(q * s) @ w`` up to
+float32 summation order (:func:`reference`).
 
 Bytes. A row moves ``k + 4`` bytes instead of ``2 k`` (bfloat16) or ``4 k``
 (float32). On TPU the ``uint8`` buffer is tiled ``(32, 128)``, so the four
 scale bytes occupy a 128-byte lane tile: ``k + 128`` bytes per row moved,
 e.g. 1.6x fewer than bfloat16 at ``k = 512``, 1.88x at ``k = 2048``.
 
-Limits. The contracting form only (``gather_dim=-1``: the chunk is the
-contracting slice; a row form would quantize tokens, which is the same
-code, left for later), floating ``lhs``, no ``return_gathered`` (the
-gathered ``lhs`` would be the dequantized one, not ``lhs``). The matmul-
-reduce-scatter has no quantized form: its ring moves partial sums that
-every hop adds to, so each hop would requantize and the error would grow
-with the ring, and the reference would no longer be a simple
-dequantize-then-reduce.
+Derivatives (:func:`gather`) are **straight-through**: the quantizer is
+taken as the identity for ``x``'s tangent and its output is held fixed for
+the weights', so ``jax.grad`` gives ``dx = RS(g @ w^T)`` (the native
+input gradient) and ``dw = AG(x')^T @ g`` with ``x' = dequantize(
+quantize(x))`` (the exact weight gradient of the quantized forward), on
+the native backward rings. Only the forward's transfers are quantized.
+
+Limits. Floating ``lhs``; no ``return_gathered`` (the gathered ``lhs``
+would be the dequantized one, not ``lhs``). The matmul-reduce-scatter's
+quantized ring, which requantizes at every hop, is
+``_quantized_scatter``; the codec here is shared.
 """
 
 import functools
