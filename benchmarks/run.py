@@ -635,6 +635,7 @@ def main(argv=None) -> int:
   known |= set(_variants.library_quantized()) | set(_variants.TORUS)
   for fam in _variants.FAMILIES:
     known |= set(_variants.family_variants(fam, ref=True))
+    known |= set(_variants.family_quantized(fam))
   for v in (v for v in a.variants.split(",") if v):
     if v not in known:
       p.error(
