@@ -294,8 +294,18 @@ def _links(wiring: _wiring.Wiring | None, n: int) -> _wiring.Wiring:
 
 
 def _ring_s(
-  n, d, compute, hidden, extra, chip, chunk, cal, wiring, *, w_share=0.0,
-  dot_bytes=0.0
+  n,
+  d,
+  compute,
+  hidden,
+  extra,
+  chip,
+  chunk,
+  cal,
+  wiring,
+  *,
+  w_share=0.0,
+  dot_bytes=0.0,
 ) -> float:
   """The value ring over ``d`` directions: ``n`` steps, each its dots
   (``compute / n``, or the HBM time of the ``hidden`` bytes a step reads

@@ -85,10 +85,12 @@ class Cal:
     rs_ring_w: the share of a one-way value reduce-scatter ring step's
       read of its column block of ``w`` charged beside its dot (the
       dot's first and last tiles of ``w`` are read with no MXU work
-      beside them; the two-way ring's second dot covers them). v5e: 0.25, fit to the tp 4 prefill shape's one-way ring (the
-      model 780.1 us in bf16, 933.0 in f32; 753.6 and 863.3 without it)
-      and 1% of the tp 8 sweep's ring at M = 4096 (its column block is a
-      quarter as large); 0 elsewhere (v6e's picks are right without it).
+      beside them; the two-way ring's second dot covers them). v5e: 0.25,
+      fit to the tp 4 prefill shape's one-way ring (the model 780.1 us in
+      bf16, 933.0 in f32; estimates 789.4 and 935.0, were 753.6 and
+      863.3); the tp 8 sweep's ring at M = 4096, a quarter the column
+      block, goes from 1724 to 1744 us (the model 1712). 0 elsewhere
+      (v6e's picks are right without it).
   """
 
   ring_rho: float
