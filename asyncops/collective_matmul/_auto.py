@@ -47,7 +47,9 @@ to the benchmark model's figures (:data:`CAL`):
   ``shard_map`` blocks and runs over one ring direction (what the
   benchmark model finds in XLA's all-gather and reduce-scatter); the
   reduce-scatter's matmul, which it waits for, is charged the weight read
-  at ``CAL.xla_hbm`` of HBM bandwidth.
+  at ``CAL.xla_hbm`` of HBM bandwidth. XLA's reduce-scatter and
+  all-reduce move the result's dtype (float32 partial sums in float32;
+  the fused kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
   ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
@@ -62,7 +64,11 @@ to the benchmark model's figures (:data:`CAL`):
   T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
   ``ring_step_s``, ``ring_dot_s`` for the second direction's dot). The
   two-way ring's two dots per step meet different rows (columns, for the
-  reduce-scatter) of ``w``: its bytes count them twice.
+  reduce-scatter) of ``w``: its bytes count them twice. A reduce-scatter
+  ring's dot is never shorter than its own bytes (its column block of
+  ``w``, its rows, its partial sums) at HBM bandwidth (float32 at the
+  prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
+  its column block's read beside its FLOPs.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
