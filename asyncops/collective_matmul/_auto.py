@@ -47,7 +47,9 @@ to the benchmark model's figures (:data:`CAL`):
   ``shard_map`` blocks and runs over one ring direction (what the
   benchmark model finds in XLA's all-gather and reduce-scatter); the
   reduce-scatter's matmul, which it waits for, is charged the weight read
-  at ``CAL.xla_hbm`` of HBM bandwidth.
+  at ``CAL.xla_hbm`` of HBM bandwidth. XLA's reduce-scatter and
+  all-reduce move the result's dtype (float32 partial sums in float32;
+  the fused kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
   ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
@@ -62,7 +64,11 @@ to the benchmark model's figures (:data:`CAL`):
   T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
   ``ring_step_s``, ``ring_dot_s`` for the second direction's dot). The
   two-way ring's two dots per step meet different rows (columns, for the
-  reduce-scatter) of ``w``: its bytes count them twice.
+  reduce-scatter) of ``w``: its bytes count them twice. A reduce-scatter
+  ring's dot is never shorter than its own bytes (its column block of
+  ``w``, its rows, its partial sums) at HBM bandwidth (float32 at the
+  prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
+  its column block's read beside its FLOPs.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
@@ -293,7 +299,20 @@ def _links(wiring: _wiring.Wiring | None, n: int) -> _wiring.Wiring:
   return wiring
 
 
-def _ring_s(n, d, compute, hidden, extra, chip, chunk, cal, wiring) -> float:
+def _ring_s(
+  n,
+  d,
+  compute,
+  hidden,
+  extra,
+  chip,
+  chunk,
+  cal,
+  wiring,
+  *,
+  w_share=0.0,
+  dot_bytes=0.0,
+) -> float:
   """The value ring over ``d`` directions: ``n`` steps, each its dots
   (``compute / n``, or the HBM time of the ``hidden`` bytes a step reads
   under them when longer), plus ``cal.ring_rho`` of the ``extra`` bytes
@@ -301,8 +320,16 @@ def _ring_s(n, d, compute, hidden, extra, chip, chunk, cal, wiring) -> float:
   direction), or the step's transfer (``chunk / d`` bytes per link on a
   ring; ``wiring`` says how many chunks the busiest link carries, and how
   many links the longest hop crosses) when that is longer (plus
-  :data:`_RING_CONTENTION` of the shorter)."""
-  dots = max(compute / n, cal.ring_rho * hidden / chip.hbm)
+  :data:`_RING_CONTENTION` of the shorter). ``w_share`` of the ``hidden``
+  bytes' HBM time is charged beside the dots (the part of a lone dot's
+  weight read its MXU work does not cover); no step's ``d`` dots are shorter
+  than ``d`` times ``dot_bytes`` (one dot's own operands and result) at
+  HBM bandwidth."""
+  dots = max(
+    compute / n + w_share * hidden / chip.hbm,
+    cal.ring_rho * hidden / chip.hbm,
+    d * dot_bytes / chip.hbm,
+  )
   dots += cal.ring_rho * extra / chip.hbm
   load, hops = (
     (wiring.shift_load, wiring.shift_hops)
@@ -455,7 +482,14 @@ def explain_reducescatter(
   # after the whole matmul (the model: 11.9 us exposed at M = 16, 85 at
   # M = 256, v5e, tp 8), as its all-gather does.
   wr = _links(wiring, n)
-  ring = (n - 1) * (part * wr.shift_load / chip.link + wr.shift_hops * _HOP_S)
+  # XLA's reduce-scatter moves the partial sums in the result's dtype (the
+  # fused kernel's ``part`` travels in bfloat16 for float32 at DEFAULT):
+  # float32 doubles the bytes (the model, v5e prefill f32, tp 4: 550 us
+  # exposed, 3 steps of a 8 MiB float32 block).
+  xla_part = m * c * b
+  ring = (n - 1) * (
+    xla_part * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
+  )
   xla = _XLA_OVERHEAD_S + ring + max(compute, hbm / cal.xla_hbm)
   plan = _fused.plan_reducescatter(
     m,
@@ -487,8 +521,25 @@ def explain_reducescatter(
     if d == 2 and m % 2:
       continue
     extra = m * k * b + 2 * m * c * b
+    # Each of a step's d dots reads its whole column block of w, its rows
+    # of x and writes its partial sums: HBM-bound in float32 at the prefill
+    # shape on v5e (tp 4: 95 us of bytes against 76 us of FLOPs per
+    # half-step dot of the two-way ring; the model 1038 us, the estimate
+    # without this floor 832).
+    one_dot = k * c * b + (m // d) * (k + c) * b
     rings[d] = _ring_s(
-      n, d, compute, d * k * c * b, extra, chip, m * c * b, cal, wr
+      n,
+      d,
+      compute,
+      d * k * c * b,
+      extra,
+      chip,
+      m * c * b,
+      cal,
+      wr,
+      # (the two-way ring's second dot covers the first's weight read)
+      w_share=cal.rs_ring_w if d == 1 else 0.0,
+      dot_bytes=one_dot,
     )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it
@@ -547,8 +598,8 @@ def explain_allreduce(
   )
   wr = _links(wiring, n)
   chip = chip_for(device_kind)
-  t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
-  half = m * c * t / chip.link
+  # XLA's all-reduce moves the result's dtype (as its reduce-scatter).
+  half = m * c * jnp.dtype(dtype).itemsize / chip.link
   # XLA's all-reduce: both halves over both ring directions (``rs``'s
   # XLA estimate has its reduce-scatter over one).
   one_way = (n - 1) * (half * wr.shift_load + wr.shift_hops * _HOP_S)

@@ -82,6 +82,15 @@ class Cal:
     xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
       reading the weights bounds it (the reduce-scatter's matmul, which
       its collective waits for).
+    rs_ring_w: the share of a one-way value reduce-scatter ring step's
+      read of its column block of ``w`` charged beside its dot (the
+      dot's first and last tiles of ``w`` are read with no MXU work
+      beside them; the two-way ring's second dot covers them). v5e: 0.25,
+      fit to the tp 4 prefill shape's one-way ring (the model 780.1 us in
+      bf16, 933.0 in f32; estimates 789.4 and 935.0, were 753.6 and
+      863.3); the tp 8 sweep's ring at M = 4096, a quarter the column
+      block, goes from 1724 to 1744 us (the model 1712). 0 elsewhere
+      (v6e's picks are right without it).
   """
 
   ring_rho: float
@@ -92,6 +101,7 @@ class Cal:
   xla_hbm: float
   rs_panel_s: float
   fused_acc: float = 1.0
+  rs_ring_w: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -99,8 +109,8 @@ class Cal:
 # their dots at decode, and its two-way ring's second dot 5 us); v4 takes
 # v5e's.
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
+  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
+  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
   "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 1.4, 0.76, 2e-6),
   "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75),
 }
