@@ -102,7 +102,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _fused, _wiring
+from asyncops.collective_matmul import _fused, _gather_rings, _wiring
 from asyncops.collective_matmul._chips import CAL as CAL
 from asyncops.collective_matmul._chips import CHIPS as CHIPS
 from asyncops.collective_matmul._chips import Cal as Cal
@@ -342,6 +342,23 @@ def _ring_s(
   return _XLA_OVERHEAD_S + n * step
 
 
+def _whole_ring_s(n, compute, acc, chunk, out_bytes, chip) -> float:
+  """The two-way ring of whole chunks (``_gather_rings.whole_chunks``):
+  ``x`` written twice into the travelling buffer; step 0 the local dot;
+  ``n / 2 - 1`` steps of two chunks' dots plus half an accumulator pass
+  (XLA's estimate of that fusion, the model at tp 8, M = 16384: v6e 478
+  us for 262 of FLOPs and a 286 us pass; v5e 1354 for 1224 and 574),
+  each at least a whole chunk's transfer; then the antipode's dot, a
+  full pass and the output (v6e 495 us, v5e 1124)."""
+  c = compute / n
+  a = acc / chip.hbm
+  transfer = chunk / chip.link + _HOP_S
+  mid = max(2 * c + a / 2, transfer)
+  last = c + a + out_bytes / chip.hbm
+  copy = 3 * chunk / chip.hbm
+  return _XLA_OVERHEAD_S + copy + max(c, transfer) + (n // 2 - 1) * mid + last
+
+
 def explain_allgather(
   m: int,
   k: int,
@@ -430,6 +447,8 @@ def explain_allgather(
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
     extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
     rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
+    if d == 2 and _gather_rings.whole_chunks(m, f, jnp.float32, n):
+      rings[d] = _whole_ring_s(n, compute, acc, m * k * b, out_bytes, chip)
   choice = _decide(
     reason,
     fused,
