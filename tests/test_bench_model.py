@@ -105,6 +105,27 @@ def test_roofline_takes_the_largest_floor():
   assert highest.compute_s == pytest.approx(6 * r.compute_s)
 
 
+def test_roofline_links_follow_the_rings_layout():
+  """A physical cycle gives each device two links to its ring; on an open
+  line (or a ring of two) an end device receives every shard through its
+  one link, so the link floor doubles."""
+  cycle = [[(0, 0), (1, 0), (1, 1), (0, 1)], [(2, 0), (3, 0), (3, 1), (2, 1)]]
+  line = [[(0, 0), (1, 0), (2, 0), (3, 0)], [(0, 1), (1, 1), (2, 1), (3, 1)]]
+  assert _roofline.ring_links(cycle) == 2
+  assert _roofline.ring_links(line) == 1
+  assert _roofline.ring_links([[(0, 0), (1, 0)]]) == 1
+  # Two cores of one chip count once: a 4-chip cycle stays a cycle.
+  assert _roofline.ring_links([[c for c in cycle[0] for _ in (0, 1)]]) == 2
+  args = ("allgather", (1024, 2048, 8192), 2, 4, jnp.bfloat16, CHIP)
+  ring = _roofline.roofline(*args)
+  end = _roofline.roofline(*args, links=_roofline.ring_links(line))
+  assert end.links_s == pytest.approx(2 * ring.links_s)
+  assert end.links_s == pytest.approx(
+    3 * 512 * 512 * 2 / CHIP.ici_link_bytes_per_s
+  )
+  assert end.compute_s == ring.compute_s
+
+
 def test_roofline_of_the_gated_mlps():
   """Three weights and one gather: 1.5 times the plain MLP's FLOPs, its
   ring bytes; the sequence-parallel layout moves the same bytes."""
