@@ -358,6 +358,28 @@ def test_fused_kernel_waits_for_each_steps_chunks():
   assert sim.exposed == pytest.approx(4e-6)
 
 
+def test_fused_kernel_with_a_tail_waits_before_its_last_iterations():
+  """A kernel whose steps wait before their last quarter (``AgSpec.tail``)
+  stalls less for a late chunk than one waiting before its last half."""
+
+  def end(steps):
+    sim = _timeline._Sim(None, CHIP, [(0,), (1,)], [[0, 1]], "free")
+    sim.pending["start"] = _timeline._Transfer("k", "f", 0.0, 5e-6, (5e-6,))
+    sim._sources = lambda comp, ins: ["start"]
+    sim._twin_cost = lambda ins: steps.total
+    sim._flops = lambda ins: (0.0, 0.0)
+    sim.kernel_cost = lambda ins, m: steps
+    return sim._stepped("entry", _FakeIns(), 0.0), sim.exposed
+
+  costs, needs = (4e-6, 3e-6), ((), (0,))
+  block = end(_timeline.KernelSteps(costs, needs, blocks=2))
+  tail = end(_timeline.KernelSteps(costs, needs, blocks=2, tails=(0.25, 1)))
+  # Before its last half: 2 us, wait to 5, 2 more, step 1.
+  assert block == pytest.approx((10e-6, 3e-6))
+  # Before its last quarter: 3 us, wait to 5, 1 more, step 1.
+  assert tail == pytest.approx((9e-6, 2e-6))
+
+
 @dataclasses.dataclass
 class _FakeIns:
   name: str = "ring_allgather_matmul"
