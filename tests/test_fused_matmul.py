@@ -151,7 +151,7 @@ def test_wrong_rows_are_caught(monkeypatch, capfd):
 
   monkeypatch.setattr(agk, "_chunk", backwards)
   with pytest.raises(AssertionError):
-    test_allgather_kernel_bodies((1, 4), 2, 1, "float32", None, capfd)
+    test_allgather_kernel_bodies((1, 4), 2, 1, "float32", None, None, capfd)
 
 
 # The entry points on 8 CPU devices -----------------------------------------
