@@ -233,7 +233,10 @@ class Bench:
     mesh = _measure.mesh_for(topology, a.layout, tp)
     x, y = mesh.shape["x"], mesh.shape["y"]
     dtype, precision = config
-    roof = _roofline.roofline(family, shape, x, y, dtype, chip, precision)
+    rings = [[d.coords for d in row] for row in mesh.devices]
+    roof = _roofline.roofline(
+      family, shape, x, y, dtype, chip, precision, _roofline.ring_links(rings)
+    )
     floor = roof.total_s * 1e6
     bound = self.guard(
       _measure.measure(
