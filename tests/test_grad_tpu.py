@@ -259,7 +259,7 @@ def auto_mlp_report(request):
 def test_auto_mlp_block_exchanges_overlapped_and_copy_free(auto_mlp_report):
   """The default path sums both weight gradients over the data axis ``x``
   with our exchanges, each in flight behind backward compute (not XLA's
-  all-reduce), and copies nothing: two devices exchange with a
+  all-reduce), one at a time, and copies nothing: two devices exchange with a
   ``ppermute``, four with an all-to-all of slots (then XLA's all-gather).
   Auto picks the fused kernels on the 2x4 meshes and XLA's collectives on
   the 4x2 mesh (a ring of two, 256 rows): both paths exchange."""
@@ -274,6 +274,10 @@ def test_auto_mlp_block_exchanges_overlapped_and_copy_free(auto_mlp_report):
   for p in dp:
     assert report.module.instr(p.start).name.startswith(kernel)
     assert p.overlapped and p.source_live and p.dest_live
+  # One exchange in flight at a time (_dp_reduce.finish_open): neither
+  # window holds the other's start, so their buffers never coexist.
+  for p, q in (dp, dp[::-1]):
+    assert q.start not in {i.name for i in p.between}, (p.start, q.start)
   rest = [p for p in bwd if p not in dp]
   if methods == {"fused"}:  # the fused kernels' backward rings
     assert rest and all(p.overlapped for p in rest)
