@@ -23,7 +23,10 @@ Over ``n > 2`` devices the window holds the reduce-scatter half: the
 gradient split into ``n`` slots along the first dimension ``n`` divides,
 an all-to-all of the slots (slot ``p`` to device ``p``, our kernel), then
 a local sum of the ``n`` slots received in the weight's dtype; the
-all-gather half (XLA's ``all_gather``) runs after the window, exposed.
+all-gather half runs after the window. Where a later window follows (the
+exchange :func:`finish_open` awaits), that half is our all-gather, in
+flight across the later window; after the last window of a backward it
+is XLA's ``all_gather``, exposed.
 
 One exchange in flight at a time. An exchange holds a weight-sized
 receive buffer next to the gradient it sends until its done. Before
@@ -204,7 +207,7 @@ def exchange_done(sent, fut, axis: str, shape):
   Two devices: ``own + received``, ``psum``'s value and rounding. More:
   the slots received summed in the gradient's dtype (this device's block
   of the sum), then gathered back by XLA's all-gather (after the window:
-  this half is exposed).
+  this half is exposed; :func:`gather_start` runs it in flight).
   """
   return exchange_sum(sent, exchange_wait(fut), axis, shape)
 
@@ -224,6 +227,28 @@ def exchange_sum(sent, got, axis: str, shape):
   d = _slot_dim(shape, n)
   with jax.named_scope(f"dp_allgather_axis_{axis}"):
     return jax.lax.all_gather(block, axis, axis=d, tiled=True)
+
+
+def gather_start(got, axis: str, shape):
+  """Over ``n > 2`` devices, the all-gather half in flight: this device's
+  block of the sum (the slots that arrived, summed in the gradient's
+  dtype) and the start of its all-gather with our kernel.
+
+  Returns:
+    ``(block, fut)``: the start's aliased source and the future, for
+    :func:`gather_done`.
+  """
+  n = jax.lax.axis_size(axis)
+  block = jnp.sum(got, axis=0, dtype=got.dtype)
+  d = _slot_dim(shape, n)
+  with jax.named_scope(f"ring_axis_{axis}"):
+    with jax.named_scope("dp_allgather"):
+      return _api.all_gather_start(block, axis, axis=d, tiled=True)
+
+
+def gather_done(fut):
+  """Awaits :func:`gather_start`: the whole sum over the axis."""
+  return _api.all_gather_done(fut)
 
 
 def _swappable(extra: tuple[str, ...], shape) -> bool:
@@ -282,9 +307,24 @@ def overlapped(cts, primals, fn, *args):
   leaves, settled = leaves[: tree.num_leaves], leaves[tree.num_leaves :]
   for k, e in enumerate(later):
     e.settle(settled[2 * k : 2 * k + 2])
+  # Over n > 2 devices an awaited exchange's all-gather half starts here
+  # and runs in this window too.
+  gathers = [e for e in later if e.fut is not None]
+  if gathers:
+    g, keep, leaves = window(
+      tuple(e.fut for e in gathers), [e.block for e in gathers], leaves
+    )
+    for e, f, b in zip(gathers, g, keep, strict=True):
+      e.fut, e.block = f, b
   out = fn(*jax.tree.unflatten(tree, leaves))
   leaves, tree = jax.tree.flatten(out)
   futs, sent, leaves = window(futs, sent, leaves)
+  if gathers:
+    g, keep, leaves = window(
+      tuple(e.fut for e in gathers), [e.block for e in gathers], leaves
+    )
+    for e, f in zip(gathers, g, strict=True):
+      e.total = gather_done(f)
   out = jax.tree.unflatten(tree, leaves)
   reduced = list(cts)
   for i, own, fut in zip(swap, sent, futs, strict=True):

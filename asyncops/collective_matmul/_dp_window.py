@@ -112,11 +112,21 @@ class _Done:
     self.arrays = [own, got]
     self.passed = passed
     self.total = None
+    self.fut = self.block = None
 
   def settle(self, arrays: list) -> None:
-    """The sum, of ``arrays`` (``self.arrays`` through a barrier)."""
+    """The sum, of ``arrays`` (``self.arrays`` through a barrier); over
+    more than two devices, the start of its all-gather half (``fut``;
+    ``_dp_reduce.overlapped`` awaits it into ``total``)."""
     own, got = arrays
-    self.total = _dp_reduce.exchange_sum(own, got, self.axis, self.passed.shape)
+    if jax.lax.axis_size(self.axis) == 2:
+      self.total = _dp_reduce.exchange_sum(
+        own, got, self.axis, self.passed.shape
+      )
+    else:
+      self.block, self.fut = _dp_reduce.gather_start(
+        got, self.axis, self.passed.shape
+      )
 
 
 open_p = jc.Primitive("asyncops_dp_open")
@@ -249,7 +259,7 @@ def _open_transpose(cts, *xs, window, reduce):
     others = [None if i in started else c for i, c in enumerate(out)]
     for e in started.values():
       if isinstance(e, _Done) and e.total is None:  # never settled
-        e.settle(e.arrays)
+        e.total = _dp_reduce.exchange_sum(*e.arrays, e.axis, e.passed.shape)
     totals = {i: e.total for i, e in started.items() if isinstance(e, _Done)}
     if todo:
       futs, barriered, others = _tie(
