@@ -54,6 +54,7 @@ __all__ = [
   "tpu_generation",
   "tpu_device_kind",
   "trace_device_kind",
+  "trace_concrete_mesh",
 ]
 
 # Versions -------------------------------------------------------------------
@@ -1137,3 +1138,48 @@ def trace_device_kind() -> str | None:
   """
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   return getattr(device, "device_kind", None)
+
+
+def _same_shape(mesh, want) -> bool:
+  return (
+    isinstance(mesh, jax.sharding.Mesh)
+    and not mesh.empty
+    and dict(mesh.shape) == want
+  )
+
+
+def trace_concrete_mesh() -> "jax.sharding.Mesh | None":
+  """The concrete mesh (its devices) of the ``shard_map`` being traced, or
+  None when it is not in sight.
+
+  Inside ``shard_map`` only the abstract mesh is public
+  (``jax.sharding.get_abstract_mesh()``: axis names, sizes and device
+  kind, no devices). The concrete mesh is found, first, as the context
+  mesh (``jax.set_mesh``; ``jax._src.mesh.get_concrete_mesh``, jax 0.9
+  and 0.10), then as the ``mesh`` argument of the ``shard_map`` staging
+  frame that is tracing us (``jax/_src/shard_map.py``, both versions: no
+  public hook exposes it). Either must match the abstract mesh's axes;
+  anything else gives None (callers then assume an ideal ring).
+  """
+  import sys  # noqa: PLC0415
+
+  from jax._src import mesh as _mesh_lib  # noqa: PLC0415 (see above)
+
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract is None or getattr(abstract, "empty", True):
+    return None
+  want = dict(abstract.shape)
+  try:
+    mesh = _mesh_lib.get_concrete_mesh()
+  except Exception:  # noqa: BLE001 (absent or renamed: fall through)
+    mesh = None
+  if _same_shape(mesh, want):
+    return mesh
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code.co_filename.endswith("shard_map.py"):
+      mesh = frame.f_locals.get("mesh")
+      if _same_shape(mesh, want):
+        return mesh
+    frame = frame.f_back
+  return None

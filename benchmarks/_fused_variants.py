@@ -105,13 +105,13 @@ def ring_steps(w, *xs, plan=None, out_dtype):
   return acc.astype(out_dtype)
 
 
-_STEPS = re.compile(r"ring_steps_([\d-]+)_nf(\d+)")
+_STEPS = re.compile(r"ring_steps_([\d-]+)_nf(\d+)(?:_t(\d+))?")
 
 
 def step_plan(attrs: str, n: int) -> tuple[tuple[int, ...], int]:
   """``(chunks per step, column blocks)`` of an all-gather compute kernel,
-  from the ``ring_steps_<g0-g1-..>_nf<blocks>`` scope it runs in (one
-  chunk per step and one block when absent)."""
+  from the ``ring_steps_<g0-g1-..>_nf<blocks>[_t<tail>]`` scope it runs in
+  (one chunk per step and one block when absent)."""
   found = _STEPS.search(attrs)
   if not found:
     return (1,) * n, 1
@@ -119,6 +119,14 @@ def step_plan(attrs: str, n: int) -> tuple[tuple[int, ...], int]:
   if sum(plan) != n:
     raise ValueError(f"ring_steps plan {plan} does not cover a ring of {n}")
   return plan, int(found.group(2))
+
+
+def step_tail(attrs: str) -> int | None:
+  """The kernel's ``AgSpec.tail`` (grid iterations a step's successor's
+  copies overlap), from its scope; None when it waits before its last
+  block."""
+  found = _STEPS.search(attrs)
+  return int(found.group(3)) if found and found.group(3) else None
 
 
 def _ag_twin(operands, results, attrs=""):
@@ -133,6 +141,12 @@ def _ag_twin(operands, results, attrs=""):
   n = recv.dims[1] + 1
   (m, k), f = x.dims, w.dims[1]
   plan, blocks = step_plan(attrs, n)
+  tail, nd = step_tail(attrs), recv.dims[0]
+  # A tail of ``t`` grid iterations (each ``[m, k/d] @ [k/d, bn]``) is
+  # ``t / (blocks g d)`` of a step of ``g`` chunks.
+  tails = (
+    tuple(min(1.0, tail / (blocks * g * nd)) for g in plan) if tail else ()
+  )
   fn = functools.partial(ring_steps, plan=plan, out_dtype=_dt(results[0]))
   needs, unit = [], 0
   for g in plan:
@@ -141,7 +155,7 @@ def _ag_twin(operands, results, attrs=""):
   args = (_sds((n * k, f), _dt(w)),) + tuple(
     _sds((m, g * k), _dt(x)) for g in plan
   )
-  return fn, args, _kernel_costs.Steps(tuple(needs), blocks)
+  return fn, args, _kernel_costs.Steps(tuple(needs), blocks, tails)
 
 
 def _rs_twin(operands, results, attrs=""):

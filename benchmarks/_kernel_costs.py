@@ -53,6 +53,7 @@ class Steps:
 
   needs: tuple[tuple[int, ...], ...]
   blocks: int = 1
+  tails: tuple[float, ...] = ()
 
 
 _TWINS: dict[str, Twin] = {}
@@ -149,4 +150,6 @@ def _split(tl: _timeline.Timeline, steps: Steps) -> _timeline.KernelSteps:
   else:
     sizes = [max(len(nd), 1) for nd in steps.needs]
     costs = [tl.step_s * g / sum(sizes) for g in sizes]
-  return _timeline.KernelSteps(tuple(costs), steps.needs, steps.blocks)
+  return _timeline.KernelSteps(
+    tuple(costs), steps.needs, steps.blocks, steps.tails
+  )

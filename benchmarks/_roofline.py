@@ -9,7 +9,11 @@ Three floors, each a time no implementation can beat on the chip:
 - HBM: the bytes the device must read and write once (its weight shard, the
   gathered activation, its output) at HBM bandwidth.
 - links: the bytes the device must receive (all-gather) or send
-  (reduce-scatter) over the two links of its ring, at the link bandwidth.
+  (reduce-scatter) over the links of its ring, at the link bandwidth. A
+  ring that is a physical cycle gives every device two links (one per
+  direction); on an open line (a ring axis laid along a slice edge with
+  no wraparound, or a ring of two) an end device has one link to its
+  ring, so all ``y - 1`` shards cross it (:func:`ring_links`).
 
 ``roofline = max(compute, HBM, links)``: ``max``, not the sum, because an
 ideal kernel overlaps all three.
@@ -31,6 +35,37 @@ _HLO_NAMES = {
   "int8": "s8",
 }
 RING_LINKS = 2  # a ring device receives on two links (one per direction)
+
+
+def ring_links(rings) -> int:
+  """Links the worst-placed device of ``rings`` has to its ring: 2 when
+  every ring is a physical cycle of three or more chips, 1 when some
+  device has a single ring member next to it (an end of an open line, a
+  ring of two).
+
+  Args:
+    rings: per ring, its devices' chip coordinates (tuples, one per
+      device, in any order; devices of one chip are counted once).
+
+  Example:
+    >>> ring_links([[(0, 0), (1, 0), (1, 1), (0, 1)]])  # a 2x2 cycle
+    2
+    >>> ring_links([[(0, 0), (1, 0), (2, 0), (3, 0)]])  # a line of 4
+    1
+  """
+  worst = RING_LINKS
+  for ring in rings:
+    chips = sorted(set(map(tuple, ring)))
+    if len(chips) < 2:
+      continue
+    for c in chips:
+      near = sum(
+        1
+        for o in chips
+        if sum(abs(a - b) for a, b in zip(c, o, strict=True)) == 1
+      )
+      worst = min(worst, max(near, 1))
+  return worst
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +95,12 @@ def roofline(
   dtype,
   chip: Chip,
   precision: str | None = None,
+  links: int = RING_LINKS,
 ) -> Roofline:
   """The floors of ``family`` at global ``(B, D, F)`` on an ``x`` by ``y``
-  mesh (the collective over ``y``).
+  mesh (the collective over ``y``); ``links``: how many links the
+  worst-placed device has to its ring (:func:`ring_links`; 2 for a
+  physical cycle, 1 for an open line).
 
   Raises:
     ValueError: unknown family.
@@ -72,7 +110,7 @@ def roofline(
   name = np.dtype(dtype).name
   s = np.dtype(dtype).itemsize
   peak = chip.peak_flops(_HLO_NAMES.get(name, name)) / _passes(name, precision)
-  link = RING_LINKS * chip.ici_link_bytes_per_s
+  link = links * chip.ici_link_bytes_per_s
   if family == "allgather":
     flops = 2 * m * d * (f // y)
     hbm = s * (d * (f // y) + m * d + m * (f // y))

@@ -336,11 +336,14 @@ class KernelSteps:
     needs: per step, the receive slots of the start it waits for.
     blocks: column blocks per step; a step waits for its successor's
       slots before its last block (after all of them when 1).
+    tails: when given, per step the share of it that runs after that wait
+      (the kernel's last grid iterations; replaces the last block).
   """
 
   costs: tuple[float, ...]
   needs: tuple[tuple[int, ...], ...]
   blocks: int = 1
+  tails: tuple[float, ...] = ()
 
   @property
   def total(self) -> float:
@@ -641,7 +644,7 @@ class _Sim:
         )
         # The kernel waits for the next step's chunks before this step's
         # last block: the blocks before it run first.
-        head = cost * frac
+        head = cost * (1 - steps.tails[i] if steps.tails else frac)
         self._emit("compute", ins.name, "compute", t, head, op=ins.opcode)
         t += head
         if ready > t:

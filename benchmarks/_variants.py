@@ -21,8 +21,10 @@ jitted function. ``precision`` is passed to every matmul.
 The rest of the family is named ``<family>:<kind>`` (see
 :data:`FAMILIES`), e.g. ``reducescatter:jit``; kinds are ``unsharded``
 (the bound), ``jit``, ``ppermute`` (a ``lax.ppermute`` ring in the
-chapter's style), ``asyncops``, ``asyncops_bidi``, ``asyncops_ref``. With
-global ``(B, D, F)``:
+chapter's style), ``asyncops``, ``asyncops_bidi``, ``asyncops_ref``, and
+for the reduce-scatter ``asyncops_int8[_bidi]`` / ``asyncops_fp8[_bidi]``
+(quantized partial sums, opt-in with ``--variants``). With global
+``(B, D, F)``:
 
 - ``reducescatter``: Tmp[B_X, F_Y] * W2[F_Y, D] -> Out[B_X, D_Y].
 - ``allreduce``: A[B_X, D_Y] * W[D_Y, F] -> Out[B_X, F].
@@ -398,6 +400,29 @@ KINDS = ("unsharded", "jit", "ppermute", "asyncops", "asyncops_bidi")
 KINDS_REF = ("asyncops_ref",)
 
 
+QUANTIZED_KINDS = {
+  "asyncops_int8": dict(transfer="int8"),
+  "asyncops_int8_bidi": dict(transfer="int8", bidirectional=True),
+  "asyncops_fp8": dict(transfer="float8_e4m3fn"),
+  "asyncops_fp8_bidi": dict(transfer="float8_e4m3fn", bidirectional=True),
+}
+
+
+def family_quantized(family: str) -> list[str]:
+  """``<family>:asyncops_int8[_bidi]`` / ``..._fp8[_bidi]`` for a family
+  whose library function takes ``transfer=`` (the matmul-reduce-scatter's
+  quantized partial sums); opt-in (``--variants``): they compute a
+  requantized sum, not the exact one."""
+  fam = FAMILIES.get(family)
+  fn = _library(fam.library) if fam else None
+  try:
+    if fn is None or "transfer" not in inspect.signature(fn).parameters:
+      return []
+  except (TypeError, ValueError):
+    return []
+  return [f"{family}:{k}" for k in QUANTIZED_KINDS]
+
+
 def family_variants(family: str, ref: bool = False) -> list[str]:
   """``<family>:<kind>`` names (the bound first), registered ones last."""
   kinds = KINDS + (KINDS_REF if ref else ())
@@ -434,6 +459,10 @@ def _build_family(name: str, mesh, precision):
       fam.library, precision, fam.lib_kw, fam.kw_args, method="auto"
     ),
   }
+  if name in family_quantized(family):
+    fns[kind] = _lib_fn(
+      fam.library, precision, fam.lib_kw, fam.kw_args, **QUANTIZED_KINDS[kind]
+    )
   if kind not in fns:
     raise ValueError(
       f"variant {name!r}: unknown kind {kind!r}; choose from "

@@ -233,7 +233,10 @@ class Bench:
     mesh = _measure.mesh_for(topology, a.layout, tp)
     x, y = mesh.shape["x"], mesh.shape["y"]
     dtype, precision = config
-    roof = _roofline.roofline(family, shape, x, y, dtype, chip, precision)
+    rings = [[d.coords for d in row] for row in mesh.devices]
+    roof = _roofline.roofline(
+      family, shape, x, y, dtype, chip, precision, _roofline.ring_links(rings)
+    )
     floor = roof.total_s * 1e6
     bound = self.guard(
       _measure.measure(
@@ -635,6 +638,7 @@ def main(argv=None) -> int:
   known |= set(_variants.library_quantized()) | set(_variants.TORUS)
   for fam in _variants.FAMILIES:
     known |= set(_variants.family_variants(fam, ref=True))
+    known |= set(_variants.family_quantized(fam))
   for v in (v for v in a.variants.split(",") if v):
     if v not in known:
       p.error(

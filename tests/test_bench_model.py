@@ -105,6 +105,27 @@ def test_roofline_takes_the_largest_floor():
   assert highest.compute_s == pytest.approx(6 * r.compute_s)
 
 
+def test_roofline_links_follow_the_rings_layout():
+  """A physical cycle gives each device two links to its ring; on an open
+  line (or a ring of two) an end device receives every shard through its
+  one link, so the link floor doubles."""
+  cycle = [[(0, 0), (1, 0), (1, 1), (0, 1)], [(2, 0), (3, 0), (3, 1), (2, 1)]]
+  line = [[(0, 0), (1, 0), (2, 0), (3, 0)], [(0, 1), (1, 1), (2, 1), (3, 1)]]
+  assert _roofline.ring_links(cycle) == 2
+  assert _roofline.ring_links(line) == 1
+  assert _roofline.ring_links([[(0, 0), (1, 0)]]) == 1
+  # Two cores of one chip count once: a 4-chip cycle stays a cycle.
+  assert _roofline.ring_links([[c for c in cycle[0] for _ in (0, 1)]]) == 2
+  args = ("allgather", (1024, 2048, 8192), 2, 4, jnp.bfloat16, CHIP)
+  ring = _roofline.roofline(*args)
+  end = _roofline.roofline(*args, links=_roofline.ring_links(line))
+  assert end.links_s == pytest.approx(2 * ring.links_s)
+  assert end.links_s == pytest.approx(
+    3 * 512 * 512 * 2 / CHIP.ici_link_bytes_per_s
+  )
+  assert end.compute_s == ring.compute_s
+
+
 def test_roofline_of_the_gated_mlps():
   """Three weights and one gather: 1.5 times the plain MLP's FLOPs, its
   ring bytes; the sequence-parallel layout moves the same bytes."""
@@ -335,6 +356,28 @@ def test_fused_kernel_waits_for_each_steps_chunks():
   # 1 us of step 0 (its first block), wait to 5 us, its last block, step 1.
   assert end == pytest.approx(5e-6 + 1e-6 + 3e-6)
   assert sim.exposed == pytest.approx(4e-6)
+
+
+def test_fused_kernel_with_a_tail_waits_before_its_last_iterations():
+  """A kernel whose steps wait before their last quarter (``AgSpec.tail``)
+  stalls less for a late chunk than one waiting before its last half."""
+
+  def end(steps):
+    sim = _timeline._Sim(None, CHIP, [(0,), (1,)], [[0, 1]], "free")
+    sim.pending["start"] = _timeline._Transfer("k", "f", 0.0, 5e-6, (5e-6,))
+    sim._sources = lambda comp, ins: ["start"]
+    sim._twin_cost = lambda ins: steps.total
+    sim._flops = lambda ins: (0.0, 0.0)
+    sim.kernel_cost = lambda ins, m: steps
+    return sim._stepped("entry", _FakeIns(), 0.0), sim.exposed
+
+  costs, needs = (4e-6, 3e-6), ((), (0,))
+  block = end(_timeline.KernelSteps(costs, needs, blocks=2))
+  tail = end(_timeline.KernelSteps(costs, needs, blocks=2, tails=(0.25, 1)))
+  # Before its last half: 2 us, wait to 5, 2 more, step 1.
+  assert block == pytest.approx((10e-6, 3e-6))
+  # Before its last quarter: 3 us, wait to 5, 1 more, step 1.
+  assert tail == pytest.approx((9e-6, 2e-6))
 
 
 @dataclasses.dataclass

@@ -240,3 +240,23 @@ def test_check_catches_a_matmul_outside_the_window():
   r.assert_no_defensive_copies()  # clean, yet nothing overlaps:
   with pytest.raises(AssertionError, match="chunk matmul"):
     check_overlap(r, 4, 1, 1)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_two_way_whole_chunks_overlap(monkeypatch, topology):
+  """The long-prefill two-way ring (whole chunks both ways, forced at the
+  chapter shape): no copies, ``n / 2`` bidirectional transfers on a ring
+  of ``n``, and each window holds its own step's one dot (the local chunk,
+  then both neighbours' chunks stacked)."""
+  from asyncops.collective_matmul import _gather_rings
+
+  monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
+  r = _report(topology, "allgather", True)
+  assert_copy_free(r)
+  n = TOPOLOGIES[topology][1]
+  pairs = r.pairs_for("asyncops.bidirectional")
+  assert len(pairs) == n // 2 and not r.pairs_for("asyncops.ppermute")
+  for p in pairs:
+    assert p.source_live and p.dest_live, p
+    assert len(window_matmuls(_P(r, p))) == 1, p.start
+  assert "concatenate" not in _opcodes(r)

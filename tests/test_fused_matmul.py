@@ -12,6 +12,7 @@ Two layers:
   ``jax.lax`` collectives and must equal the reference.
 """
 
+import dataclasses
 import functools
 import inspect
 
@@ -76,16 +77,17 @@ def _check_interpreter_output(capfd):
 
 
 @pytest.mark.parametrize(
-  "mesh_shape,directions,blocks,dtype,steps",
+  "mesh_shape,directions,blocks,dtype,steps,tail",
   [
-    ((1, 4), 2, 3, "float32", None),
-    ((1, 4), 2, 2, "bfloat16", (1, 2, 1)),  # both neighbours at once
-    ((2, 3), 1, 1, "bfloat16", (1, 2)),
-    ((1, 2), 2, 2, "float32", None),
+    ((1, 4), 2, 3, "float32", None, None),
+    # Both neighbours at once; each step waits before its last iteration.
+    ((1, 4), 2, 2, "bfloat16", (1, 2, 1), 1),
+    ((2, 3), 1, 1, "bfloat16", (1, 2), None),
+    ((1, 2), 2, 2, "float32", None, 3),
   ],
 )
 def test_allgather_kernel_bodies(
-  mesh_shape, directions, blocks, dtype, steps, capfd
+  mesh_shape, directions, blocks, dtype, steps, tail, capfd
 ):
   x_n, n = mesh_shape
   dtype = jnp.dtype(dtype)
@@ -94,7 +96,9 @@ def test_allgather_kernel_bodies(
 
   def body(x, y):
     name = dtype.name
-    spec = _ag_spec(n, x, y, name, name, name, directions, steps=steps)
+    spec = _ag_spec(
+      n, x, y, name, name, name, directions, steps=steps, tail=tail
+    )
     return _one_kernel(agk, x, y, spec, y.shape[1], dtype)
 
   in_specs = (P("x", "y"), P(None, "y"))
@@ -147,7 +151,7 @@ def test_wrong_rows_are_caught(monkeypatch, capfd):
 
   monkeypatch.setattr(agk, "_chunk", backwards)
   with pytest.raises(AssertionError):
-    test_allgather_kernel_bodies((1, 4), 2, 1, "float32", None, capfd)
+    test_allgather_kernel_bodies((1, 4), 2, 1, "float32", None, None, capfd)
 
 
 # The entry points on 8 CPU devices -----------------------------------------
@@ -426,6 +430,8 @@ def test_step_plan_is_checked(steps):
   with pytest.raises(ValueError, match=r"AgSpec.steps must be positive"):
     _bf16_spec(4, steps)
   assert _fused._steps_arg([1, 3], 4) == (1, 3)
+  with pytest.raises(ValueError, match=r"AgSpec.tail must be a positive"):
+    dataclasses.replace(_bf16_spec(4, None), tail=0)
 
 
 def test_sends_go_nearest_first_on_both_sides():

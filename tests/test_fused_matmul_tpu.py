@@ -95,6 +95,11 @@ def test_allgather_kernels_in_order(topology):
   # scopes (one chunk per step at this shape; nearest peers first).
   assert re.search(r"ring_steps_1-1-1-1_nf\d+", compute.attrs)
   assert "ring_hops_1-3-2" in start.attrs
+  # v5e's MXU covers a chunk's copy into VMEM with one grid iteration, so
+  # each step waits before its last iteration; on v6e an iteration's w
+  # block alone fills HBM, so it waits before its last block.
+  tail = "_t1" if topology.startswith("v5e") else ""
+  assert re.search(rf"ring_steps_1-1-1-1_nf\d+{tail}\b", compute.attrs)
   report = analyze(text)
   assert not report.defensive_copies, report.defensive_copies
   _assert_result_written_in_place(text, compute)
@@ -297,7 +302,9 @@ _KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5p"}
     ("allgather", "v5e", 16384, "ring"),
     ("allgather", "v5p", 16, "xla"),
     ("reducescatter", "v5p", 16, "fused"),
-    ("allgather", "v6e", 256, "xla"),
+    # Bound by the weight read, but XLA's blocking all-gather (47 us) takes
+    # longer than that read (36 us): the fused kernel, 68.2 against 68.6.
+    ("allgather", "v6e", 256, "fused"),
     ("allgather", "v6e", 1024, "ring_bidi"),
     ("reducescatter", "v5e", 16, "fused"),  # the partial sums leave early
     ("reducescatter", "v5e", 256, "fused"),
@@ -328,9 +335,12 @@ def test_auto_decisions_on_the_llama_sweep(family, chip, m, method):
       method == "fused" and 0.97 * c.fused_us < least
     )
     assert est[method] < 0.97 * c.xla_us
+  fused_why = "partial sums" if m == 16 else "the ring transfers"
+  if (family, chip, m) == ("allgather", "v6e", 256):
+    fused_why = "all-gather takes longer than that read"
   reasons = {
     "xla": "HBM",
-    "fused": "partial sums" if m == 16 else "the ring transfers",
+    "fused": fused_why,
     "ring": "one-way value ring",
     "ring_bidi": "two-way value ring",
   }

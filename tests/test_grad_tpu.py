@@ -259,8 +259,9 @@ def auto_mlp_report(request):
 def test_auto_mlp_block_exchanges_overlapped_and_copy_free(auto_mlp_report):
   """The default path sums both weight gradients over the data axis ``x``
   with our exchanges, each in flight behind backward compute (not XLA's
-  all-reduce), and copies nothing: two devices exchange with a
-  ``ppermute``, four with an all-to-all of slots (then XLA's all-gather).
+  all-reduce), one at a time, and copies nothing: two devices exchange with a
+  ``ppermute``, four with an all-to-all of slots (then an all-gather: ours
+  in flight for the first, XLA's for the second).
   Auto picks the fused kernels on the 2x4 meshes and XLA's collectives on
   the 4x2 mesh (a ring of two, 256 rows): both paths exchange."""
   shape, methods, report = auto_mlp_report
@@ -269,11 +270,21 @@ def test_auto_mlp_block_exchanges_overlapped_and_copy_free(auto_mlp_report):
   report.assert_no_inflight_copies()
   _, bwd = _split(report)
   dp = [p for p in bwd if "ring_axis_x" in p.kernel]
+  kinds = sorted(
+    report.module.instr(p.start).name.split("_start")[0] for p in dp
+  )
   kernel = "asyncops_ppermute" if shape[0] == 2 else "asyncops_all_to_all"
-  assert len(dp) == 2
+  # Four devices: the first exchange's all-gather half is ours too, in
+  # flight behind the input gradient (the second's is XLA's, exposed).
+  gathers = [] if shape[0] == 2 else ["asyncops_all_gather"]
+  assert kinds == sorted([kernel, kernel, *gathers])
   for p in dp:
-    assert report.module.instr(p.start).name.startswith(kernel)
     assert p.overlapped and p.source_live and p.dest_live
+  # One exchange in flight at a time (_dp_reduce.finish_open): neither
+  # window holds the other's start, so their buffers never coexist.
+  ex = [p for p in dp if report.module.instr(p.start).name.startswith(kernel)]
+  for p, q in (ex, ex[::-1]):
+    assert q.start not in {i.name for i in p.between}, (p.start, q.start)
   rest = [p for p in bwd if p not in dp]
   if methods == {"fused"}:  # the fused kernels' backward rings
     assert rest and all(p.overlapped for p in rest)

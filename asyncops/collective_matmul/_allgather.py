@@ -84,9 +84,11 @@ def allgather_matmul(
       codes with one float32 scale (``max|row| / 127`` or ``/ 448``),
       about half of bfloat16's bytes; **the result is then that of the
       dequantized lhs** (``all_gather(q * s) @ w``, ``_quantized``), not
-      the exact product. Floating ``lhs``, ``gather_dim=-1`` and
-      ``return_gathered=False`` only; it always runs the ring
-      (``method`` ``"auto"`` or ``"ring"``).
+      the exact product. Floating ``lhs`` and ``return_gathered=False``
+      only, either form; it always runs the ring (``method`` ``"auto"``
+      or ``"ring"``). **Derivatives are straight-through the quantizer**
+      (``d lhs`` as for ``transfer="native"``, ``d rhs`` of the
+      dequantized lhs).
     method: how (``asyncops.collective_matmul._auto``): ``"auto"``
       (default) picks from the per-device shapes, dtype, ring size and chip
       between the fused ring kernel (``"fused"``: one Pallas kernel, the
@@ -115,8 +117,8 @@ def allgather_matmul(
       ``bidirectional=True``, an empty ``rhs`` list, an unknown ``api``,
       ``method`` or ``transfer``; ring options with
       ``method="fused"``/``"xla"``, ``method="fused"`` for a form it does
-      not run; a quantized ``transfer`` with a row ``gather_dim``,
-      ``return_gathered`` or ``method="fused"``/``"xla"``.
+      not run; a quantized ``transfer`` with ``return_gathered`` or
+      ``method="fused"``/``"xla"``.
     TypeError: mismatched or non-movable dtypes; a quantized
       ``transfer`` of an integer ``lhs``.
     NameError: ``axis_name`` is not bound.
@@ -192,6 +194,7 @@ def allgather_matmul(
       lhs.dtype,
       precision=_fused.precision_name(),
       device_kind=_auto.device_kind(),
+      wiring=_auto.wiring(axis_name),
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * n * lhs.size * sum(w.shape[1] for w in ws),
@@ -245,20 +248,15 @@ def allgather_matmul(
 
 def _quantized_path(lhs, ws, single, fold, axis_name, n, api, bidi, transfer):
   """``transfer="int8"`` / ``"float8_e4m3fn"``: the quantized ring
-  (``_quantized``); no custom gradient (the codes are not differentiable)."""
+  (``_quantized``), differentiable straight through the quantizer."""
   x = fold.fold(lhs)
   with jax.named_scope(f"allgather_matmul_{transfer}"):
     if n == 1:
       outs = _quantized.local(x, ws, transfer)
     else:
-      outs = _quantized.contracting(
-        x,
-        ws,
-        axis_name,
-        n=n,
-        api=api,
-        bidirectional=bidi,
-        transfer=transfer,
+      options = dict(n=n, api=api, bidirectional=bidi, transfer=transfer)
+      outs = _quantized.gather(
+        fold.rows_form, x, tuple(ws), axis_name, tuple(sorted(options.items()))
       )
   outs = tuple(
     fold.unfold(o, w.shape[1]) for o, w in zip(outs, ws, strict=True)

@@ -107,7 +107,9 @@ def matmul_allreduce(
     if varying or n == 1
     else "lhs is not typed as varying over the axis "
     "(shard_map(check_vma=False)), so the fused kernel has no gradient",
-    explain=lambda: _auto.explain_allreduce(m, k, f, n, lhs.dtype, **kw),
+    explain=lambda: _auto.explain_allreduce(
+      m, k, f, n, lhs.dtype, wiring=_auto.wiring(axis_name), **kw
+    ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * lhs.size * f,
       rhs.size * jnp.dtype(rhs.dtype).itemsize,

@@ -23,28 +23,38 @@ Candidates (per device, inside ``shard_map``):
   is bound by reading the weights (:func:`explain_ring`).
 
 The choice is made at trace time from the per-device shapes, the dtype,
-the ring size and the chip the mesh is made of (``AbstractMesh.
+the ring size, the chip the mesh is made of (``AbstractMesh.
 abstract_device``; a v5e if the mesh names none, e.g. on CPU, where every
-method computes the same result with ``jax.lax``). Each candidate gets an
-analytic estimate from public chip figures (:data:`CHIPS`) and a few
-per-chip constants fit to the benchmark model's figures (:data:`CAL`):
+method computes the same result with ``jax.lax``) and the slice's wiring
+(:func:`wiring`: the ring's devices' coordinates, ``_wiring``; an ideal
+ring when they are unknown). Each candidate gets an analytic estimate
+from public chip figures (:data:`CHIPS`) and a few per-chip constants fit
+to the benchmark model's figures (:data:`CAL`):
 
 - MXU time ``C`` = FLOPs / peak (float32 at ``HIGHEST`` takes six bf16
   passes); HBM time ``M`` = bytes every method must read or write once
   (``w``, the chunks, the result) / HBM bandwidth; ``W`` = the weight
   read alone;
-- ring time ``T(d)`` = bytes received per link direction / link bandwidth
-  plus a hop of latency per step, with ``d`` directions in use.
+- ring time ``T(d)`` = bytes on the busiest directed link / link
+  bandwidth plus a microsecond per link the longest message crosses, per
+  step, with ``d`` directions in use. On a ring whose every hop is one
+  link, ``T(2)`` moves half of ``T(1)``'s bytes per link; on a line (a
+  sub-pod v5e/v6e ``y`` axis laid along one row of chips, no wraparound)
+  the wrapping message crosses ``n - 1`` links and both directions share
+  each link, so ``T(2)`` moves as many bytes as ``T(1)``.
 
 - ``xla ~ 1 us + T(1) + max(C, M)``: XLA's collective inside
   ``shard_map`` blocks and runs over one ring direction (what the
   benchmark model finds in XLA's all-gather and reduce-scatter); the
   reduce-scatter's matmul, which it waits for, is charged the weight read
-  at ``CAL.xla_hbm`` of HBM bandwidth.
+  at ``CAL.xla_hbm`` of HBM bandwidth. XLA's reduce-scatter and
+  all-reduce move the result's dtype (float32 partial sums in float32;
+  the fused kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
-  dots (each the longer of its FLOPs and its rows of ``W`` with a pass
-  over the float32 accumulator), or the direct sends to every peer and
-  the last step, whichever is longer; extra panels cost
+  dots (each the longer of its FLOPs and its rows of ``W`` with
+  ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
+  direct sends to every peer (the busiest link's load from the wiring)
+  and the last step, whichever is longer; extra panels cost
   ``CAL.fused_panel W`` each.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
@@ -52,13 +62,22 @@ per-chip constants fit to the benchmark model's figures (:data:`CAL`):
   panels cost ``CAL.rs_panel_s`` each.
 - ``ring(d)``: ``n`` steps, each ``max(C / n + rho bytes / HBM + fixed,
   T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
-  ``ring_step_s``, ``ring_dot_s`` for the second direction's dot).
+  ``ring_step_s``, ``ring_dot_s`` for the second direction's dot). The
+  two-way ring's two dots per step meet different rows (columns, for the
+  reduce-scatter) of ``w``: its bytes count them twice. A reduce-scatter
+  ring's dot is never shorter than its own bytes (its column block of
+  ``w``, its rows, its partial sums) at HBM bandwidth (float32 at the
+  prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
+  its column block's read beside its FLOPs.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
 program. For the all-gather, a matmul bound by reading ``w`` (``C < M /
-2``, decode sizes) keeps XLA's program (no extra kernels, no barrier): the
-step is the weight read either way. The reduce-scatter has no such rule:
+2``, decode sizes) keeps XLA's program (no extra kernels, no barrier) when
+XLA's all-gather takes less than the weight read ``W``: the step is about
+the weight read either way. When the all-gather is longer (small
+float32 shapes on v6e: 20 us of transfer beside a 10 us weight read at
+the chapter's shape) the estimates decide. The reduce-scatter has no such rule:
 XLA's reduce-scatter waits for the whole matmul, the fused kernel sends
 partial sums as they are made, which the benchmark model finds faster at
 decode sizes too.
@@ -83,36 +102,16 @@ from typing import Literal
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _fused
+from asyncops.collective_matmul import _fused, _gather_rings, _wiring
+from asyncops.collective_matmul._chips import CAL as CAL
+from asyncops.collective_matmul._chips import CHIPS as CHIPS
+from asyncops.collective_matmul._chips import Cal as Cal
+from asyncops.collective_matmul._chips import Chip as Chip
+from asyncops.collective_matmul._chips import chip_for as chip_for
 
 Method = Literal["auto", "fused", "ring", "xla"]
 METHODS: tuple[str, ...] = ("auto", "fused", "ring", "xla")
 
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """Public per-chip figures (Cloud TPU docs; links at 0.92 of nominal,
-  as measured with pipelined remote DMAs in a public Pallas study).
-
-  Attributes:
-    name: generation.
-    bf16_flops: peak bf16 FLOP/s.
-    hbm: HBM bytes/s.
-    link: one ICI link, one direction, bytes/s.
-  """
-
-  name: str
-  bf16_flops: float
-  hbm: float
-  link: float
-
-
-CHIPS = {
-  "v4": Chip("v4", 275e12, 1200e9, 45e9 * 0.92),
-  "v5e": Chip("v5e", 197e12, 819e9, 50e9 * 0.92),
-  "v5p": Chip("v5p", 459e12, 2765e9, 100e9 * 0.92),
-  "v6e": Chip("v6e", 918e12, 1640e9, 100e9 * 0.92),
-}
 _HOP_S = 1e-6
 _FUSED_OVERHEAD_S = 1.5e-6  # the start's barrier and issue, the done
 _XLA_OVERHEAD_S = 1e-6
@@ -121,69 +120,6 @@ _MARGIN = 0.97
 # tenth of the shorter beyond the longer (the model's steps, v5e and v6e).
 _RING_CONTENTION = 0.1
 _BIDI_ACC_BYTES = 128 * 2**20
-
-
-def chip_for(device_kind: str | None) -> Chip:
-  """The figures for a device kind (``"TPU v5 lite"`` -> v5e); v5e when
-  unknown."""
-  kind = (device_kind or "").lower()
-  if "v6" in kind:
-    return CHIPS["v6e"]
-  if "v5" in kind and ("lite" in kind or "v5e" in kind):
-    return CHIPS["v5e"]
-  if "v5" in kind:
-    return CHIPS["v5p"]
-  if "v4" in kind:
-    return CHIPS["v4"]
-  return CHIPS["v5e"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Cal:
-  """How the benchmark model's charges depart from the roofline, per chip
-  (fit to the Llama-3-70B sweep of ``design/benchmarks.md``; the figures
-  of :data:`CHIPS` are the roofline).
-
-  Attributes:
-    ring_rho: the share of a value-ring step's HBM traffic (its rows of
-      ``w``, the chunk, the partial sums or accumulator) that does not
-      hide under the step's matmul (XLA's chunk dots and adds).
-    ring_step_s: a value-ring step's fixed cost (start, done, the dot's
-      launch).
-    fused_panel: a fused all-gather's cost per extra row panel beyond its
-      weight read, in weight reads (its ring restarts and accumulator
-      flushes; the model, tp 8: v5e 100 us over the one-panel estimate
-      at 2 panels, 300 us per extra panel at 8; v6e 172 us at 8).
-    ring_dot_s: the two-way ring's extra cost per step (a second dot).
-    ring_acc: the share of the all-gather ring's float32 accumulator
-      traffic (read and write per step) charged beside its dots.
-    rs_panel_s: a fused reduce-scatter's cost per extra row panel (the
-      model, tp 8, up to 16 MiB of sent partial sums per panel: 74 us on
-      v5e at 4 and 16 panels, 12 to 17 us on v6e).
-    xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
-      reading the weights bounds it (the reduce-scatter's matmul, which
-      its collective waits for).
-  """
-
-  ring_rho: float
-  ring_step_s: float
-  ring_dot_s: float
-  ring_acc: float
-  fused_panel: float
-  xla_hbm: float
-  rs_panel_s: float
-
-
-# v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
-# v5p: three points of it (its value-ring steps cost about 13 us more than
-# their dots at decode, and its two-way ring's second dot 5 us); v4 takes
-# v5e's.
-CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6),
-  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 1.4, 0.76, 2e-6),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,9 +185,14 @@ def _decide(
   hbm_rule=True,
   ring_s=None,
   ring_bidi_s=None,
+  xla_comm_s=0.0,
+  w_s=float("inf"),
 ) -> Choice:
   """The fastest candidate by estimate; a ring or fused kernel must beat
-  XLA's program by 3% (it adds kernels and barriers)."""
+  XLA's program by 3% (it adds kernels and barriers). With ``hbm_rule``,
+  a matmul bound by reading the weights (``compute_s < hbm_s / 2``) whose
+  XLA collective takes less than that read (``xla_comm_s < w_s``) keeps
+  XLA's program."""
 
   def us(v):
     return None if v is None else v * 1e6
@@ -267,7 +208,7 @@ def _decide(
   rings = {k: v for k, v in rings.items() if v is not None}
   if fused_reason is not None and not rings:
     return Choice("xla", f"fused kernels unavailable: {fused_reason}", **est)
-  if hbm_rule and compute_s < hbm_s / 2:
+  if hbm_rule and compute_s < hbm_s / 2 and xla_comm_s < w_s:
     return Choice(
       "xla",
       "bound by reading the weights from HBM (decode-size rows): no "
@@ -287,7 +228,12 @@ def _decide(
     return Choice("xla", why, **est)
   if best == "fused":
     why = "the ring transfers hide under the matmul"
-    if compute_s < hbm_s / 2:
+    if compute_s < hbm_s / 2 and hbm_rule:
+      why = (
+        "bound by reading the weights from HBM, but XLA's blocking "
+        "all-gather takes longer than that read: the fused kernel hides it"
+      )
+    elif compute_s < hbm_s / 2:
       why = (
         "bound by reading the weights from HBM, but the partial sums leave "
         "as they are made (XLA's reduce-scatter waits for the whole matmul)"
@@ -303,55 +249,126 @@ def _decide(
   return Choice(best, why, **est)
 
 
-def _fused_s(panels, compute, w_s, rest_s, n, chunk, link, floor_s=0.0):
+def _fused_s(panels, compute, w_s, rest_s, n, chunk, link, wiring):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
   XLA's estimate of the same dots, which serialises the weight read), and
   runs its own ring of ``1 / panels`` of the rows (``rest_s``: the other
-  HBM traffic, ``chunk``: one step's bytes, ``floor_s``: the least a
-  panel's dots cost, ``n`` steps of them). The partial sums travel on, one
-  hop per step, once the dots have made them."""
+  HBM traffic, ``chunk``: one step's bytes, ``n`` steps). The partial
+  sums travel on, one ring hop per step both ways (``wiring.bidi_load``
+  chunks per link), once the dots have made them."""
   p = panels
-  ring = (n - 1) * (chunk / p / (2 * link) + _HOP_S)
-  c = max(compute / p, floor_s, rest_s / p)
+  w = wiring
+  ring = (n - 1) * (chunk / p * w.bidi_load / link + w.bidi_hops * _HOP_S)
+  c = max(compute / p, rest_s / p)
   return p * (_FUSED_OVERHEAD_S + w_s + max(c, ring + c / n))
 
 
-def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link):
+def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
   one dot (XLA's estimate: its FLOPs, or its rows of ``w`` and a pass over
   the float32 accumulator, ``acc_s``, whichever is longer). The start sends
-  every chunk to every peer over both directions (``sum(min(d, n - d)) /
-  2`` chunks per directed link, 8 at ``n = 8`` where forwarding takes 3.5)
-  before the dots begin; the last step waits for the farthest chunk. (The
+  every chunk to every peer (``wiring.direct_load`` chunks on the busiest
+  directed link: ``sum(min(d, n - d)) / 2`` on a ring, 8 at ``n = 8``
+  where forwarding takes 3.5; 4 on a line of 4) before the dots begin;
+  the last step waits for the farthest chunk. (The
   benchmark model: within 1% at the chapter's and prefill shapes on v5e
   and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.)"""
   p = panels
-  load = sum(min(d, n - d) for d in range(1, n)) / 2
-  ring = load * chunk / p / link + (n - 1) * _HOP_S
+  extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
+  ring = wiring.direct_load * chunk / p / link + (n - 1 + extra_hops) * _HOP_S
   steps = [max(g * compute / (n * p), g * w_s / n + acc_s / p) for g in plan]
   c = sum(steps)
   return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
 
 
-def _ring_s(n, d, compute, hidden, extra, chip, chunk, cal) -> float:
+def _on(choice: Choice, wiring: _wiring.Wiring) -> Choice:
+  """``choice`` with the wiring in its reason when it is not a ring's."""
+  if wiring.is_ideal:
+    return choice
+  return dataclasses.replace(
+    choice, reason=f"{choice.reason}; on {wiring.describe()}"
+  )
+
+
+def _links(wiring: _wiring.Wiring | None, n: int) -> _wiring.Wiring:
+  """The wiring to charge: the mesh's, or an ideal ring of ``n``."""
+  if wiring is None or wiring.n != n:
+    return _wiring.ideal(n)
+  return wiring
+
+
+def _ring_s(
+  n,
+  d,
+  compute,
+  hidden,
+  extra,
+  chip,
+  chunk,
+  cal,
+  wiring,
+  *,
+  w_share=0.0,
+  dot_bytes=0.0,
+) -> float:
   """The value ring over ``d`` directions: ``n`` steps, each its dots
   (``compute / n``, or the HBM time of the ``hidden`` bytes a step reads
   under them when longer), plus ``cal.ring_rho`` of the ``extra`` bytes
   that stream beside them and a fixed cost (one more dot launch per extra
-  direction), or the step's transfer (``chunk / d`` bytes per link) when
-  that is longer (plus :data:`_RING_CONTENTION` of the shorter)."""
-  dots = max(compute / n, cal.ring_rho * hidden / chip.hbm)
+  direction), or the step's transfer (``chunk / d`` bytes per link on a
+  ring; ``wiring`` says how many chunks the busiest link carries, and how
+  many links the longest hop crosses) when that is longer (plus
+  :data:`_RING_CONTENTION` of the shorter). ``w_share`` of the ``hidden``
+  bytes' HBM time is charged beside the dots (the part of a lone dot's
+  weight read its MXU work does not cover); no step's ``d`` dots are shorter
+  than ``d`` times ``dot_bytes`` (one dot's own operands and result) at
+  HBM bandwidth."""
+  dots = max(
+    compute / n + w_share * hidden / chip.hbm,
+    cal.ring_rho * hidden / chip.hbm,
+    d * dot_bytes / chip.hbm,
+  )
   dots += cal.ring_rho * extra / chip.hbm
-  transfer = chunk / (d * chip.link) + _HOP_S
+  load, hops = (
+    (wiring.shift_load, wiring.shift_hops)
+    if d == 1
+    else (wiring.bidi_load, wiring.bidi_hops)
+  )
+  transfer = chunk * load / chip.link + hops * _HOP_S
   fixed = cal.ring_step_s + (d - 1) * cal.ring_dot_s
   step = max(dots + fixed, transfer) + _RING_CONTENTION * min(dots, transfer)
   return _XLA_OVERHEAD_S + n * step
 
 
+def _whole_ring_s(n, compute, acc, chunk, out_bytes, chip) -> float:
+  """The two-way ring of whole chunks (``_gather_rings.whole_chunks``):
+  ``x`` written twice into the travelling buffer; step 0 the local dot;
+  ``n / 2 - 1`` steps of two chunks' dots plus half an accumulator pass
+  (XLA's estimate of that fusion, the model at tp 8, M = 16384: v6e 478
+  us for 262 of FLOPs and a 286 us pass; v5e 1354 for 1224 and 574),
+  each at least a whole chunk's transfer; then the antipode's dot, a
+  full pass and the output (v6e 495 us, v5e 1124)."""
+  c = compute / n
+  a = acc / chip.hbm
+  transfer = chunk / chip.link + _HOP_S
+  mid = max(2 * c + a / 2, transfer)
+  last = c + a + out_bytes / chip.hbm
+  copy = 3 * chunk / chip.hbm
+  return _XLA_OVERHEAD_S + copy + max(c, transfer) + (n // 2 - 1) * mid + last
+
+
 def explain_allgather(
-  m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
+  m: int,
+  k: int,
+  f: int,
+  n: int,
+  dtype,
+  *,
+  precision: str,
+  device_kind,
+  wiring: _wiring.Wiring | None = None,
 ) -> Choice:
   """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices.
 
@@ -372,7 +389,10 @@ def explain_allgather(
   compute = 2 * m * n * k * f / _flops_rate(chip, dtype, precision)
   hbm = (w_bytes + n * m * k * t + out_bytes) / chip.hbm
   chunk = m * k * t
-  xla_ring = (n - 1) * (chunk / chip.link + _HOP_S)
+  wr = _links(wiring, n)
+  xla_ring = (n - 1) * (
+    chunk * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
+  )
   xla = _XLA_OVERHEAD_S + xla_ring + max(compute, hbm)
   plan = _fused.plan_allgather(
     m,
@@ -403,7 +423,15 @@ def explain_allgather(
   )
   fused = (
     _fused_ag_s(
-      panels, plan_steps, compute, w_s, acc / chip.hbm, n, chunk, chip.link
+      panels,
+      plan_steps,
+      compute,
+      w_s,
+      cal.fused_acc * acc / chip.hbm,
+      n,
+      chunk,
+      chip.link,
+      wr,
     )
     + (panels - 1) * cal.fused_panel * w_s
   )
@@ -412,13 +440,15 @@ def explain_allgather(
     if d == 2 and m % 2:
       continue
     # The value ring moves x as it is (``chunk`` is the fused kernel's).
-    hidden = k * f * b + m * k * b + cal.ring_acc * acc
+    hidden = d * k * f * b + m * k * b + cal.ring_acc * acc
     # The two-way ring's two half accumulators ([2, m/2, f]) are charged
     # their traffic beside the dots once they are large (the model, tp 8:
     # within 4% of this estimate without it at M <= 4096, 1.35x and 2.0x
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
     extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
-    rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal)
+    rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
+    if d == 2 and _gather_rings.whole_chunks(m, f, jnp.float32, n):
+      rings[d] = _whole_ring_s(n, compute, acc, m * k * b, out_bytes, chip)
   choice = _decide(
     reason,
     fused,
@@ -428,6 +458,8 @@ def explain_allgather(
     chip,
     ring_s=rings.get(1),
     ring_bidi_s=rings.get(2),
+    xla_comm_s=xla_ring,
+    w_s=w_s,
   )
   if panels > 1 and choice.method == "fused":
     choice = dataclasses.replace(
@@ -439,11 +471,19 @@ def explain_allgather(
       reason=f"{choice.reason}; the fused kernel would run {panels} row "
       "panels, each re-reading w",
     )
-  return choice
+  return _on(choice, wr)
 
 
 def explain_reducescatter(
-  m: int, k: int, c: int, n: int, dtype, *, precision: str, device_kind
+  m: int,
+  k: int,
+  c: int,
+  n: int,
+  dtype,
+  *,
+  precision: str,
+  device_kind,
+  wiring: _wiring.Wiring | None = None,
 ) -> Choice:
   """The choice for ``psum_scatter(x [m, k] @ w [k, n c])`` (the fused
   estimate counts its row panels, as :func:`explain_allgather`; the value
@@ -460,7 +500,15 @@ def explain_reducescatter(
   # XLA's reduce-scatter inside shard_map runs over one ring direction
   # after the whole matmul (the model: 11.9 us exposed at M = 16, 85 at
   # M = 256, v5e, tp 8), as its all-gather does.
-  ring = (n - 1) * (part / chip.link + _HOP_S)
+  wr = _links(wiring, n)
+  # XLA's reduce-scatter moves the partial sums in the result's dtype (the
+  # fused kernel's ``part`` travels in bfloat16 for float32 at DEFAULT):
+  # float32 doubles the bytes (the model, v5e prefill f32, tp 4: 550 us
+  # exposed, 3 steps of a 8 MiB float32 block).
+  xla_part = m * c * b
+  ring = (n - 1) * (
+    xla_part * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
+  )
   xla = _XLA_OVERHEAD_S + ring + max(compute, hbm / cal.xla_hbm)
   plan = _fused.plan_reducescatter(
     m,
@@ -484,6 +532,7 @@ def explain_reducescatter(
     n,
     part,
     chip.link,
+    wr,
   )
   fused += (panels - 1) * cal.rs_panel_s
   rings = {}
@@ -491,7 +540,26 @@ def explain_reducescatter(
     if d == 2 and m % 2:
       continue
     extra = m * k * b + 2 * m * c * b
-    rings[d] = _ring_s(n, d, compute, k * c * b, extra, chip, m * c * b, cal)
+    # Each of a step's d dots reads its whole column block of w, its rows
+    # of x and writes its partial sums: HBM-bound in float32 at the prefill
+    # shape on v5e (tp 4: 95 us of bytes against 76 us of FLOPs per
+    # half-step dot of the two-way ring; the model 1038 us, the estimate
+    # without this floor 832).
+    one_dot = k * c * b + (m // d) * (k + c) * b
+    rings[d] = _ring_s(
+      n,
+      d,
+      compute,
+      d * k * c * b,
+      extra,
+      chip,
+      m * c * b,
+      cal,
+      wr,
+      # (the two-way ring's second dot covers the first's weight read)
+      w_share=cal.rs_ring_w if d == 1 else 0.0,
+      dot_bytes=one_dot,
+    )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it
   # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
@@ -513,11 +581,19 @@ def explain_reducescatter(
       reason=f"{choice.reason}; the fused kernel would run {panels} row "
       "panels, each re-reading w",
     )
-  return choice
+  return _on(choice, wr)
 
 
 def explain_allreduce(
-  m: int, k: int, f: int, n: int, dtype, *, precision: str, device_kind
+  m: int,
+  k: int,
+  f: int,
+  n: int,
+  dtype,
+  *,
+  precision: str,
+  device_kind,
+  wiring: _wiring.Wiring | None = None,
 ) -> Choice:
   """The choice for ``psum(x [m, k] @ w [k, f])``: the fused reduce-scatter
   plus XLA's all-gather, against XLA's all-reduce.
@@ -530,15 +606,24 @@ def explain_allreduce(
   """
   c = -(-f // n)
   rs = explain_reducescatter(
-    m, k, c, n, dtype, precision=precision, device_kind=device_kind
+    m,
+    k,
+    c,
+    n,
+    dtype,
+    precision=precision,
+    device_kind=device_kind,
+    wiring=wiring,
   )
+  wr = _links(wiring, n)
   chip = chip_for(device_kind)
-  t = jnp.dtype(_fused.transfer_dtype(dtype, precision)).itemsize
-  half = m * c * t / chip.link
+  # XLA's all-reduce moves the result's dtype (as its reduce-scatter).
+  half = m * c * jnp.dtype(dtype).itemsize / chip.link
   # XLA's all-reduce: both halves over both ring directions (``rs``'s
   # XLA estimate has its reduce-scatter over one).
-  xla = rs.xla_us * 1e-6 - (n - 1) * (half + _HOP_S)
-  xla += 2 * (n - 1) * (half / 2 + _HOP_S)
+  one_way = (n - 1) * (half * wr.shift_load + wr.shift_hops * _HOP_S)
+  xla = rs.xla_us * 1e-6 - one_way
+  xla += 2 * (n - 1) * (half * wr.bidi_load + wr.bidi_hops * _HOP_S)
   if rs.fused_us is None:
     # The rings' all-reduce is not estimated here: XLA's all-reduce.
     return Choice(
@@ -548,10 +633,10 @@ def explain_allreduce(
       xla * 1e6,
       rs.chip,
     )
-  fused = rs.fused_us * 1e-6 + _XLA_OVERHEAD_S + (n - 1) * (half + _HOP_S)
+  fused = rs.fused_us * 1e-6 + _XLA_OVERHEAD_S + one_way
   compute = 2 * m * k * n * c / _flops_rate(chip, dtype, precision)
   hbm = k * n * c * jnp.dtype(dtype).itemsize / chip.hbm
-  return _decide(None, fused, xla, compute, hbm, chip)
+  return _on(_decide(None, fused, xla, compute, hbm, chip), wr)
 
 
 def explain_ring(
@@ -684,6 +769,13 @@ def recording():
 def device_kind() -> str | None:
   """The chip of the mesh being traced over (None: unknown)."""
   return jc.trace_device_kind()
+
+
+def wiring(axis_name) -> _wiring.Wiring | None:
+  """How the rings along ``axis_name`` of the mesh being traced over load
+  the links (None: unknown; the estimates then assume a ring whose every
+  hop is one link)."""
+  return _wiring.for_axis(axis_name)
 
 
 # Running the choice --------------------------------------------------------

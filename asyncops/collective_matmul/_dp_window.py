@@ -29,7 +29,11 @@ parks the future on the :class:`Window` (a static parameter of both
 equations), keyed by the trace it runs in. ``open_p``'s transpose runs
 last: it ties the done after the cotangents of ``x`` and the other
 weights (the whole rest of the block's backward), **awaits**, and returns
-``own + received`` typed invariant, as ``psum``'s transpose would.
+``own + received`` typed invariant, as ``psum``'s transpose would. When
+another exchange starts before that (the up projection's weight gradient,
+``_dp_reduce.overlapped``), it awaits this one first
+(:meth:`Window.finish`): one exchange's buffers live at a time, and
+``open_p``'s transpose takes the sum as it is.
 
 Both are linear identities: ``jax.jvp``/``jax.linearize`` pass tangents
 through, ``jax.vmap`` keeps batch dimensions. A weight whose gradient is
@@ -64,6 +68,65 @@ class Window(_ad.TracePending):
 
   def __repr__(self):
     return f"dp_window{self.id}[{self.axis}]"
+
+  def finish(self, values: list) -> tuple[list, list]:
+    """Awaits this window's exchanges in flight in the current trace,
+    after ``values``; returns ``values`` tied after the dones and the
+    awaited exchanges, whose sums wait for :meth:`_Done.settle` (see
+    ``_dp_reduce.finish_open``). ``open_p``'s transpose then takes the
+    sums as they are."""
+    trace = jc.current_trace()
+    later = []
+    for k, (t, entry) in enumerate(self.pending):
+      if t is not trace or not entry:
+        continue
+      live = [j for j, e in enumerate(entry) if isinstance(e, tuple)]
+      if not live:
+        continue
+      futs, own, values = _dp_reduce.window(
+        tuple(entry[j][1] for j in live),
+        [entry[j][0] for j in live],
+        list(values),
+      )
+      # What reads values (the next start) waits for the transfers, not
+      # for the sums: those run in the next window (settle).
+      got, values = jc.window_tie(
+        [_dp_reduce.exchange_wait(f) for f in futs], list(values)
+      )
+      done = list(entry)
+      for j, o, g in zip(live, own, got, strict=True):
+        done[j] = _Done(self.axis, o, g, entry[j][2])
+        later.append(done[j])
+      self.pending[k] = (t, done)
+    return values, later
+
+
+class _Done:
+  """An exchange :meth:`Window.finish` awaited: what was sent and what
+  arrived (``arrays``) until :meth:`settle` sums them into ``total``, and
+  the gradient passed on at the start (``open_p``'s transpose checks
+  it)."""
+
+  def __init__(self, axis: str, own, got, passed):
+    self.axis = axis
+    self.arrays = [own, got]
+    self.passed = passed
+    self.total = None
+    self.fut = self.block = None
+
+  def settle(self, arrays: list) -> None:
+    """The sum, of ``arrays`` (``self.arrays`` through a barrier); over
+    more than two devices, the start of its all-gather half (``fut``;
+    ``_dp_reduce.overlapped`` awaits it into ``total``)."""
+    own, got = arrays
+    if jax.lax.axis_size(self.axis) == 2:
+      self.total = _dp_reduce.exchange_sum(
+        own, got, self.axis, self.passed.shape
+      )
+    else:
+      self.block, self.fut = _dp_reduce.gather_start(
+        got, self.axis, self.passed.shape
+      )
 
 
 open_p = jc.Primitive("asyncops_dp_open")
@@ -165,6 +228,7 @@ def _mark_transpose(cts, *xs, window, start):
     for i, o in zip(todo, own, strict=True)
   ]
   # The k-th marked weight is the k-th weight open_p reduces.
+  _dp_reduce.track(window)
   window.push(
     [
       (own[todo.index(i)], futs[todo.index(i)], passed[todo.index(i)])
@@ -190,17 +254,26 @@ def _open_transpose(cts, *xs, window, reduce):
       i: e for i, e in zip(reduced, entry, strict=True) if e is not None
     }
   if started:
-    todo = list(started)
-    own = [started[i][0] for i in todo]
+    # In flight still, or awaited already (Window.finish).
+    todo = [i for i, e in started.items() if not isinstance(e, _Done)]
     others = [None if i in started else c for i, c in enumerate(out)]
-    futs, barriered, others = _tie(
-      tuple(started[i][1] for i in todo), own, others
-    )
-    for k, i in enumerate(todo):
-      passed = started[i][2]
-      total = _dp_reduce.exchange_done(
-        barriered[k], futs[k], window.axis, passed.shape
+    for e in started.values():
+      if isinstance(e, _Done) and e.total is None:  # never settled
+        e.total = _dp_reduce.exchange_sum(*e.arrays, e.axis, e.passed.shape)
+    totals = {i: e.total for i, e in started.items() if isinstance(e, _Done)}
+    if todo:
+      futs, barriered, others = _tie(
+        tuple(started[i][1] for i in todo),
+        [started[i][0] for i in todo],
+        others,
       )
+      for k, i in enumerate(todo):
+        totals[i] = _dp_reduce.exchange_done(
+          barriered[k], futs[k], window.axis, started[i][2].shape
+        )
+    for i, e in started.items():
+      passed = e.passed if isinstance(e, _Done) else e[2]
+      total = totals[i]
       if _nonzero(out[i]) and not jc.same_value(out[i], passed):
         # Something else added to the cotangent after the start.
         total = total + jax.lax.psum(out[i] - passed, window.axis)

@@ -28,11 +28,13 @@ output panels are written in place into one buffer.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
+from asyncops.collective_matmul import _chips
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _common
 from asyncops.kernels import _reducescatter_matmul as rsk
@@ -137,15 +139,49 @@ def choose_steps(
     >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v6 lite")
     (1, 1, 1, 1)
   """
-  from asyncops.collective_matmul import _auto  # noqa: PLC0415 (cycle)
-
-  chip = _auto.chip_for(device_kind)
+  chip = _chips.chip_for(device_kind)
   link_s = m * k * jnp.dtype(t_dtype).itemsize / chip.link
   mxu_s = 2 * m * k * f / chip.bf16_flops
   big = k >= 2048 and jnp.dtype(w_dtype).itemsize == 2
   if n >= 3 and big and link_s <= 0.75 * mxu_s:
     return (1,) + (2,) * ((n - 1) // 2) + (1,) * ((n - 1) % 2)
   return (1,) * n
+
+
+def choose_tail(spec: agk.AgSpec, device_kind: str | None) -> int | None:
+  """Grid iterations at the end of a step that the copies of the next
+  step's chunks overlap (``AgSpec.tail``), or None for the last column
+  block.
+
+  A step waits for its successor's chunks, then copies them from their
+  receive slots into VMEM while its last iterations run. The fewest
+  iterations whose matmuls, at the chip's peak, cover that copy and
+  their own ``w`` blocks at HBM bandwidth wait latest (a late chunk
+  stalls less); None when that is not fewer than the last block's
+  (or an iteration's ``w`` block alone fills HBM: float32 weights).
+
+  Example:
+    >>> from asyncops.kernels._allgather_matmul import AgSpec
+    >>> s = AgSpec("y", ("x", "y"), 4, 512, 512, 2048, "bfloat16",
+    ...            "bfloat16", "bfloat16", bn=1024)
+    >>> choose_tail(s, "TPU v5 lite"), choose_tail(s, "TPU v6 lite")
+    (1, None)
+  """
+  from asyncops.collective_matmul import _auto  # noqa: PLC0415 (cycle)
+
+  chip = _auto.chip_for(device_kind)
+  plan, nd = spec.plan, spec.directions
+  if spec.nf < 2 or len(plan) < 2:
+    return None
+  it_s = 2 * spec.m * spec.kh * spec.bn / chip.bf16_flops
+  w_s = spec.kh * spec.bn * jnp.dtype(spec.w_dtype).itemsize / chip.hbm
+  if it_s <= w_s:
+    return None
+  chunk = spec.m * spec.k * jnp.dtype(spec.dtype).itemsize
+  need = max(math.ceil(g * chunk / chip.hbm / (it_s - w_s)) for g in plan[1:])
+  if need >= nd * min(plan[:-1]):
+    return None
+  return need
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +259,7 @@ def plan_allgather(
       if steps is not None
       else choose_steps(n, rows, k, f, w_dtype, device_kind, t),
     )
+    s = dataclasses.replace(s, tail=choose_tail(s, device_kind))
     need = agk.vmem_bytes(s)
     limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
     return dataclasses.replace(s, vmem_limit=limit), need

@@ -33,6 +33,12 @@ The contracting ring halves ``x``'s rows and accumulates into
 ``[2, M/2, f]`` (a free reshape of ``[M, f]``); the rows ring halves where
 ``_layout.RowSplit`` says.
 
+Long prefill (a float32 accumulator of ``WHOLE_ACC_BYTES`` or more): the
+two-way contracting ring moves a whole copy of every chunk each way
+instead of halves, and adds the two chunks it holds with one dot per step
+(:func:`whole_chunks`): the accumulator's pass through HBM, not the dot,
+is then what each step costs, and it runs ``n / 2 + 1`` times, not ``n``.
+
 ``return_gathered``: each chunk is also written into the gathered ``x``
 (read from the transfer's source, which a transfer may read while in
 flight), so the caller gets ``all_gather(x)`` without a second gather.
@@ -137,6 +143,86 @@ def _rows_of(w, c, k: int):
   return jax.lax.dynamic_slice_in_dim(w, c * k, k, axis=0)
 
 
+# A two-way ring whose float32 accumulator is at least this large moves
+# whole chunks both ways (see :func:`whole_chunks`).
+WHOLE_ACC_BYTES = 64 << 20
+
+
+def whole_chunks(m: int, f: int, acc_dtype, n: int) -> bool:
+  """Whether a two-way contracting ring moves whole chunks each way.
+
+  Each chunk's product is added into the ``[M, f]`` accumulator, a read
+  and a write of it in HBM (8 bytes per element in float32). At long
+  prefill that pass costs more than the chunk's dot (tp 8, M = 16384:
+  286 us against 131 on v6e), and a ring of half-row chunks makes it
+  ``n`` times. Moving a whole copy of each chunk both ways (XLA's
+  bidirectional windowed einsum does the same) gives every step the two
+  chunks ``i - s`` and ``i + s`` over all rows, met in one dot over the
+  stacked pair: ``n / 2 + 1`` passes and ``n / 2`` transfers of a whole
+  chunk per direction (the two-way ring of halves: ``n - 1`` of half a
+  chunk; the same bytes, bar the antipode's second copy).
+  """
+  return n > 2 and m * f * jnp.dtype(acc_dtype).itemsize >= WHOLE_ACC_BYTES
+
+
+def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
+  """The two-way contracting ring of whole chunks (:func:`whole_chunks`).
+
+  A ``[2 M, k]`` buffer (value API: one ``bidirectional_start`` kernel
+  sends its first ``M`` rows to ``index + 1`` and the rest to ``index -
+  1``) or two ``[M, k]`` Refs carry two copies of ``x``; after ``s``
+  transfers they hold chunks ``i - s`` and ``i + s``. Step ``s`` (``1 <=
+  s < n / 2``) adds both chunks' products with one dot over the stacked
+  pair inside the window of transfer ``s``; step 0 is the local chunk,
+  and after ``ceil((n - 1) / 2)`` transfers the last step takes the
+  antipode once (``n`` even) or both chunks (``n`` odd).
+  """
+  (m, k) = x.shape
+  me = jax.lax.axis_index(axis_name)
+  if stash is not None:
+    # x itself is no transfer's source here: readable later at no copy.
+    stash.append((x,) if api == "value" else (x[: m // 2], x[m // 2 :]))
+  if api == "value":
+    # Two copies of x as one buffer (a broadcast, no concatenate).
+    pair = jnp.broadcast_to(x, (2, m, k)).reshape(2 * m, k)
+    bufs, shifts = (pair,), ("both",)
+  else:
+    bufs, shifts = (x, x), (1, -1)
+
+  def consume(s, sent, ws, accs):
+    # [2, M, k]: a free reshape of the value API's buffer (a stack of the
+    # Ref API's two).
+    pair = sent[0].reshape(2, m, k) if len(sent) == 1 else jnp.stack(sent)
+    cs = chunks(me, s, n, True)
+    use = 1 if s == 0 or 2 * s == n else 2
+    out = []
+    for w, acc in zip(ws, accs, strict=True):
+      rows = [_rows_of(w, c, k) for c in cs[:use]]
+      if use == 1:
+        y = jnp.dot(pair[0], rows[0], preferred_element_type=acc_dt)
+      else:
+        y = jax.lax.dot_general(
+          pair,
+          jnp.stack(rows),
+          (((0, 2), (0, 1)), ((), ())),
+          preferred_element_type=acc_dt,
+        )
+      out.append(y if acc is None else acc + y)
+    return tuple(out)
+
+  ring = _ring.Ring(bufs, shifts, axis_name, api)
+  accs = tuple(None for _ in ws)
+  last = n // 2  # transfers: ceil((n - 1) / 2)
+  for s in range(last):
+    with jax.named_scope(f"chunk{s}"):
+      accs = ring.step(
+        lambda sent, ws, accs, s=s: consume(s, sent, ws, accs), ws, accs
+      )
+  with jax.named_scope(f"chunk{last}"):
+    accs = consume(last, ring.values(), ws, accs)
+  return tuple(a.astype(x.dtype) for a in accs)
+
+
 def contracting(
   x,
   ws: tuple,
@@ -166,6 +252,9 @@ def contracting(
   """
   (m, k), dt = x.shape, x.dtype
   acc_dt = accumulator_dtype(dt)
+  f = sum(w.shape[1] for w in ws)
+  if bidirectional and not return_gathered and whole_chunks(m, f, acc_dt, n):
+    return _whole(x, ws, axis_name, n, api, acc_dt, stash), None
   me = jax.lax.axis_index(axis_name)
   h = m // 2
   # Accumulators start at the first chunk's product: no zero fill (a

@@ -11,7 +11,15 @@ reshape. See those modules for the algorithms.
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _auto, _fused, _layout, _validate, _vjp
+from asyncops.collective_matmul import (
+  _auto,
+  _fused,
+  _layout,
+  _quantized,
+  _quantized_scatter,
+  _validate,
+  _vjp,
+)
 
 
 def matmul_reducescatter(
@@ -22,6 +30,7 @@ def matmul_reducescatter(
   scatter_dim: int = -1,
   api: _validate.Api = "value",
   bidirectional: bool = False,
+  transfer: _quantized.Transfer = "native",
   method: _auto.Method = "auto",
 ):
   """Multiplies ``lhs @ rhs`` and reduce-scatters along ``scatter_dim``.
@@ -80,8 +89,10 @@ def matmul_reducescatter(
       dimension of the result, the halves are impossible with
       ``bidirectional=True``, an unknown ``api`` or ``method``, ring
       options with ``method="fused"``/``"xla"``, or ``method="fused"``
-      with a row ``scatter_dim``.
-    TypeError: mismatched or non-movable dtypes.
+      with a row ``scatter_dim``; an unknown ``transfer``, or a quantized
+      one with ``method="fused"``/``"xla"``.
+    TypeError: mismatched or non-movable dtypes; a quantized ``transfer``
+      of an integer ``lhs``.
     NameError: ``axis_name`` is not bound.
 
   Example:
@@ -134,6 +145,17 @@ def matmul_reducescatter(
       _validate.halvable(fold.p, fold.r, fn, "lhs", f"scatter_dim={dim}")
     else:
       _validate.even_rows(fold.m, fn, "lhs")
+  transfer = _quantized.check(transfer, fn, lhs)
+  if transfer != "native":
+    if method not in ("auto", "ring"):
+      raise ValueError(
+        f"{fn}: transfer={transfer!r} runs the quantized ring, but "
+        f"method={method!r}. Pass method='auto' (the default) or 'ring', "
+        "or transfer='native'."
+      )
+    return _quantized_path(
+      lhs, rhs, fold, axis_name, n, api, bool(bidirectional), transfer
+    )
   unfused = None
   if fold.rows_form:
     unfused = (
@@ -153,6 +175,7 @@ def matmul_reducescatter(
       lhs.dtype,
       precision=_fused.precision_name(),
       device_kind=_auto.device_kind(),
+      wiring=_auto.wiring(axis_name),
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * lhs.size * rhs.shape[1],
@@ -185,6 +208,20 @@ def matmul_reducescatter(
       n=n,
       api=api,
       bidirectional=bool(bidirectional),
+    )
+    return fold.unfold(out, out.shape[-1])
+
+
+def _quantized_path(lhs, rhs, fold, axis_name, n, api, bidi, transfer):
+  """``transfer="int8"`` / ``"float8_e4m3fn"``: the quantized ring
+  (``_quantized_scatter``), differentiable straight through."""
+  with jax.named_scope(f"matmul_reducescatter_{transfer}"):
+    if n == 1:  # no transfer, nothing to quantize
+      return jnp.dot(lhs, rhs, preferred_element_type=lhs.dtype)
+    x = fold.fold(lhs)
+    options = dict(n=n, api=api, bidirectional=bidi, transfer=transfer)
+    out = _quantized_scatter.scatter(
+      fold.rows_form, x, rhs, axis_name, tuple(sorted(options.items()))
     )
     return fold.unfold(out, out.shape[-1])
 

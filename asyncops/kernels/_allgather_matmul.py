@@ -45,12 +45,13 @@ Kernels, in program order (all three appear in the compiled HLO):
    Step ``s`` multiplies the halves it holds (``x`` at step 0) by their
    ``w`` blocks (streamed by the Pallas pipeline) into the float32 VMEM
    accumulator. After the last unit of block ``max(nf - 2, 0)`` of a step
-   it waits for the units of the next step and starts copying them into
-   the other slot of a VMEM double buffer ``[2, max(steps), m, k]``, so
-   the copies overlap the step's last block. The last step adds its
+   (or before its last ``AgSpec.tail`` grid iterations) it waits for the
+   units of the next step and starts copying them into the other slot of
+   a VMEM double buffer ``[2, max(steps), m, k]``, so the copies overlap
+   the step's last block (or those iterations). The last step adds its
    product and writes ``[m, bn]`` output blocks. It starts **no remote
    DMA**, and returns an SMEM token besides the result. It runs in a
-   ``ring_steps_<plan>_nf<blocks>`` named scope (the start in
+   ``ring_steps_<plan>_nf<blocks>[_t<tail>]`` named scope (the start in
    ``ring_hops_<hops>``), which ``benchmarks/_timeline.py`` reads.
 3. ``asyncops_ring_allgather_done``: waits for every send; it takes the
    token (not the result), so it runs after the compute kernel and the
@@ -121,6 +122,14 @@ class AgSpec:
     precision: ``jax.lax.Precision`` name for the in-kernel dots.
     collective_id: barrier semaphore id of the start kernel.
     vmem_limit: VMEM bytes the compute kernel may use.
+    steps: chunks per step (the step plan; None: one chunk per step).
+    tail: grid iterations (each one ``[m, k/d] @ [k/d, bn]``) at the end
+      of a step that the copies of the next step's chunks overlap: the
+      step waits for those chunks before its last ``tail`` iterations.
+      None: before its last column block (after all of it when ``f =
+      bn``). A short tail waits later, so a late chunk stalls less, but
+      the copies must still fit under the tail's matmuls
+      (``collective_matmul._fused.choose_tail``).
   """
 
   axis_name: str
@@ -139,9 +148,17 @@ class AgSpec:
   vmem_limit: int | None = None
   quantized: bool = False
   steps: tuple[int, ...] | None = None
+  tail: int | None = None
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
+    if self.tail is not None and (
+      not isinstance(self.tail, int) or self.tail < 1
+    ):
+      raise ValueError(
+        f"AgSpec.tail must be a positive int (grid iterations) or None, "
+        f"got {self.tail!r}."
+      )
     if self.steps is not None:
       st = tuple(self.steps)
       if (
@@ -184,7 +201,8 @@ class AgSpec:
     """The named scope the compute kernel runs in (the benchmark model
     reads the step plan from it)."""
     plan = "-".join(str(g) for g in self.plan)
-    return f"ring_steps_{plan}_nf{self.nf}"
+    tail = "" if self.tail is None else f"_t{self.tail}"
+    return f"ring_steps_{plan}_nf{self.nf}{tail}"
 
   @property
   def hops(self) -> tuple[int, ...]:
@@ -411,9 +429,15 @@ def compute_kernel(*refs, spec: AgSpec):
     o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
 
   # The chunks of step ss + 1: wait for them and copy them into VMEM (the
-  # copies overlap this step's last block).
+  # copies overlap this step's last block, or its last ``spec.tail``
+  # iterations).
   for ss in range(last):
-    tail = (j == max(nf - 2, 0)) & (ci == plan[ss] - 1) & (d == nd - 1)
+    if spec.tail is None:
+      tail = (j == max(nf - 2, 0)) & (ci == plan[ss] - 1) & (d == nd - 1)
+    else:
+      its = nf * plan[ss] * nd
+      tail = (j * plan[ss] + ci) * nd + d == max(its - spec.tail - 1, 0)
+      tail = tail & (ci < plan[ss])
 
     @pl.when((s == ss) & tail)
     def _(ss=ss):

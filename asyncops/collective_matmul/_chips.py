@@ -1,0 +1,116 @@
+"""Public per-chip figures, and how the benchmark model departs from them
+(the estimates of ``method="auto"`` and the fused kernels' step plans).
+
+:class:`Chip` holds the roofline figures (:data:`CHIPS`, looked up by
+device kind with :func:`chip_for`); :class:`Cal` the per-chip constants
+fit to the benchmark model (:data:`CAL`). ``_auto`` and ``_fused`` both
+read them, so they live here, below both.
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Public per-chip figures (Cloud TPU docs; links at 0.92 of nominal,
+  as measured with pipelined remote DMAs in a public Pallas study).
+
+  Attributes:
+    name: generation.
+    bf16_flops: peak bf16 FLOP/s.
+    hbm: HBM bytes/s.
+    link: one ICI link, one direction, bytes/s.
+  """
+
+  name: str
+  bf16_flops: float
+  hbm: float
+  link: float
+
+
+CHIPS = {
+  "v4": Chip("v4", 275e12, 1200e9, 45e9 * 0.92),
+  "v5e": Chip("v5e", 197e12, 819e9, 50e9 * 0.92),
+  "v5p": Chip("v5p", 459e12, 2765e9, 100e9 * 0.92),
+  "v6e": Chip("v6e", 918e12, 1640e9, 100e9 * 0.92),
+}
+
+
+def chip_for(device_kind: str | None) -> Chip:
+  """The figures for a device kind (``"TPU v5 lite"`` -> v5e); v5e when
+  unknown."""
+  kind = (device_kind or "").lower()
+  if "v6" in kind:
+    return CHIPS["v6e"]
+  if "v5" in kind and ("lite" in kind or "v5e" in kind):
+    return CHIPS["v5e"]
+  if "v5" in kind:
+    return CHIPS["v5p"]
+  if "v4" in kind:
+    return CHIPS["v4"]
+  return CHIPS["v5e"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cal:
+  """How the benchmark model's charges depart from the roofline, per chip
+  (fit to the Llama-3-70B sweep of ``design/benchmarks.md``; the figures
+  of :data:`CHIPS` are the roofline).
+
+  Attributes:
+    ring_rho: the share of a value-ring step's HBM traffic (its rows of
+      ``w``, the chunk, the partial sums or accumulator) that does not
+      hide under the step's matmul (XLA's chunk dots and adds).
+    ring_step_s: a value-ring step's fixed cost (start, done, the dot's
+      launch).
+    fused_panel: a fused all-gather's cost per extra row panel beyond its
+      weight read, in weight reads (its ring restarts and accumulator
+      flushes; the model, tp 8: v5e 100 us over the one-panel estimate
+      at 2 panels, 300 us per extra panel at 8; v6e 172 us at 8).
+    ring_dot_s: the two-way ring's extra cost per step (a second dot).
+    ring_acc: the share of the all-gather ring's float32 accumulator
+      traffic (read and write per step) charged beside its dots.
+    rs_panel_s: a fused reduce-scatter's cost per extra row panel (the
+      model, tp 8, up to 16 MiB of sent partial sums per panel: 74 us on
+      v5e at 4 and 16 panels, 12 to 17 us on v6e).
+    fused_acc: the share of the fused all-gather's float32 accumulator
+      pass (read and write per step) its steps are charged beside their
+      rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
+      M = 1024 needs it; three quarters on v6e, within 10% at the tp 4
+      chapter and prefill shapes, which one full pass puts 1.15x to 1.3x
+      over).
+    xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
+      reading the weights bounds it (the reduce-scatter's matmul, which
+      its collective waits for).
+    rs_ring_w: the share of a one-way value reduce-scatter ring step's
+      read of its column block of ``w`` charged beside its dot (the
+      dot's first and last tiles of ``w`` are read with no MXU work
+      beside them; the two-way ring's second dot covers them). v5e: 0.25,
+      fit to the tp 4 prefill shape's one-way ring (the model 780.1 us in
+      bf16, 933.0 in f32; estimates 789.4 and 935.0, were 753.6 and
+      863.3); the tp 8 sweep's ring at M = 4096, a quarter the column
+      block, goes from 1724 to 1744 us (the model 1712). 0 elsewhere
+      (v6e's picks are right without it).
+  """
+
+  ring_rho: float
+  ring_step_s: float
+  ring_dot_s: float
+  ring_acc: float
+  fused_panel: float
+  xla_hbm: float
+  rs_panel_s: float
+  fused_acc: float = 1.0
+  rs_ring_w: float = 0.0
+
+
+# v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
+# v5p: three points of it (its value-ring steps cost about 13 us more than
+# their dots at decode, and its two-way ring's second dot 5 us); v4 takes
+# v5e's.
+CAL = {
+  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
+  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
+  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 1.4, 0.76, 2e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75),
+}
