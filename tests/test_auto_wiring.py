@@ -187,3 +187,27 @@ def test_no_coords_no_wiring(axis):
     jax.shard_map(f, mesh=mesh, in_specs=P("x", "y"), out_specs=P("x", "y"))
   ).trace(jnp.ones((2, 4)))
   assert seen == [None]
+
+
+@pytest.mark.parametrize("m,method", [(4096, "fused"), (16384, "ring_bidi")])
+def test_v5p_cube_allgather_picks(m, method):
+  """The Llama shard at tp 8 on v5p:2x2x2 (a cycle through the cube, no
+  wraparound): the direct sends load a link with 4 chunks, not a ring's 8.
+  The model: M = 4096 fused 903.8 us (the two-way ring 973.6); M = 16384
+  the two-way ring of whole chunks 2562.5 (the fused kernel's 16 row
+  panels 4881.5)."""
+  cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
+  cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
+  wr = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
+  assert wr.direct_load == 4 and wr.shift_hops == 1
+  c = _auto.explain_allgather(
+    m,
+    1024,
+    3584,
+    8,
+    jnp.bfloat16,
+    precision="DEFAULT",
+    device_kind="TPU v5p",
+    wiring=wr,
+  )
+  assert c.method == method, str(c)

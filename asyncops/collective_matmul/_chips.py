@@ -106,11 +106,14 @@ class Cal:
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
 # v5p: three points of it (its value-ring steps cost about 13 us more than
-# their dots at decode, and its two-way ring's second dot 5 us); v4 takes
-# v5e's.
+# their dots at decode, and its two-way ring's second dot 5 us); its fused
+# panel charge (2.4 weight reads per extra panel) sits between the model's
+# tp 8 points on the 2x2x2 cube's wiring: M = 4096 (4 panels, 903.8 us,
+# estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
+# two-way ring of whole chunks, 2562.5); v4 takes v5e's.
 CAL = {
   "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
   "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
-  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 1.4, 0.76, 2e-6),
+  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 2.4, 0.76, 2e-6),
   "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75),
 }
