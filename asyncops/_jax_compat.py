@@ -144,8 +144,10 @@ def half_dma_problem(shape: Sequence[int], dtype: Any) -> str | None:
     bytes"); 2-D halves of any row count compile.
   - jax 0.9: a 1-D array of 2048 or more elements is tiled by 1024 (a
     shorter one by its own padded length, so its halves never align):
-    halves must be multiples of 1024 elements; a 2-D half must span whole
-    128-lane tiles (its last dimension a multiple of 128).
+    halves must be multiples of 1024 elements; a half of 2 or more
+    dimensions must span whole 128-lane tiles (its last dimension a
+    multiple of 128; rank 4, the quantized row form's u8[2, 1, 256, 516]:
+    "Slice shape along dimension 3 must be aligned to tiling (128)").
   """
   if not shape:
     return None
@@ -163,8 +165,8 @@ def half_dma_problem(shape: Sequence[int], dtype: Any) -> str | None:
         f"({itemsize}-byte elements: 128-element tiles, 512-byte DMAs)"
       )
     return None
-  if len(shape) == 2 and JAX_VERSION < (0, 10) and shape[1] % 128:
-    return f"the last dimension {shape[1]} is not a multiple of 128 lanes"
+  if JAX_VERSION < (0, 10) and shape[-1] % 128:
+    return f"the last dimension {shape[-1]} is not a multiple of 128 lanes"
   return None
 
 
