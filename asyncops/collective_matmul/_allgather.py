@@ -172,12 +172,7 @@ def allgather_matmul(
     return_gathered=return_gathered,
   )
   if transfer != "native":
-    if method not in ("auto", "ring"):
-      raise ValueError(
-        f"{fn}: transfer={transfer!r} runs the quantized ring, but "
-        f"method={method!r}. Pass method='auto' (the default) or 'ring', "
-        "or transfer='native'."
-      )
+    _quantized.require_ring(transfer, method, fn)
     return _quantized_path(
       lhs, ws, single, fold, axis_name, n, api, bidirectional, transfer
     )

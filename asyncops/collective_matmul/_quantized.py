@@ -60,6 +60,20 @@ _SCALE_BYTES = 4
 UNIT_ERROR = {"int8": 1.0 / 254.0, "float8_e4m3fn": 2.0**-4}
 
 
+def require_ring(transfer: str, method: str, fn: str) -> None:
+  """Refuses a quantized ``transfer`` with a method other than the ring's.
+
+  Raises:
+    ValueError: ``method`` is neither ``"auto"`` nor ``"ring"``.
+  """
+  if method not in ("auto", "ring"):
+    raise ValueError(
+      f"{fn}: transfer={transfer!r} runs the quantized ring, but "
+      f"method={method!r}. Pass method='auto' (the default) or 'ring', "
+      "or transfer='native'."
+    )
+
+
 def check(
   transfer, fn: str, lhs, *, rows_form: bool = False, return_gathered=False
 ) -> str:

@@ -147,12 +147,7 @@ def matmul_reducescatter(
       _validate.even_rows(fold.m, fn, "lhs")
   transfer = _quantized.check(transfer, fn, lhs)
   if transfer != "native":
-    if method not in ("auto", "ring"):
-      raise ValueError(
-        f"{fn}: transfer={transfer!r} runs the quantized ring, but "
-        f"method={method!r}. Pass method='auto' (the default) or 'ring', "
-        "or transfer='native'."
-      )
+    _quantized.require_ring(transfer, method, fn)
     return _quantized_path(
       lhs, rhs, fold, axis_name, n, api, bool(bidirectional), transfer
     )
