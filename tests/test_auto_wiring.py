@@ -211,3 +211,37 @@ def test_v5p_cube_allgather_picks(m, method):
     wiring=wr,
   )
   assert c.method == method, str(c)
+
+
+@pytest.mark.parametrize(
+  "m, method", [(16, "fused"), (256, "fused"), (4096, "ring_bidi")]
+)
+def test_v5p_tp4_reducescatter_picks(m, method):
+  """The Llama shard's down projection at tp 4 on v5p:2x2x2 (two 4-chip
+  cycles of the cube; per device x [m, 7168] @ w [7168, 8192]). The model
+  (design/benchmarks.md): M = 16 fused 70.9 us (xla_best 74.2); M = 256
+  fused 90.0, XLA's program in shard_map 118.8 (xla_best 115.8), which
+  auto ran while it charged the fused kernel its whole weight read beside
+  its dots (estimated 109.5 against XLA's 103.7); M = 4096 the two-way
+  ring 1294.6 (xla_best 1471.6; the fused kernel's 8 row panels 1334.0)."""
+  rings = [[(0, 0, 0), (0, 0, 1), (0, 1, 1), (0, 1, 0)]]
+  rings += [[(1, 0, 0), (1, 0, 1), (1, 1, 1), (1, 1, 0)]]
+  wr = _wiring.from_coords(rings, _wiring.wraps("TPU v5p", (2, 2, 2)))
+  assert wr.is_ideal
+  c = _auto.explain_reducescatter(
+    m,
+    7168,
+    2048,
+    4,
+    jnp.bfloat16,
+    precision="DEFAULT",
+    device_kind="TPU v5p",
+    wiring=wr,
+  )
+  assert c.method == method, str(c)
+  if m == 256:
+    assert c.fused_us < 0.97 * c.xla_us, str(c)
+    assert 0.9 < c.fused_us / 90.0 < 1.1, str(c)
+  if m == 4096:
+    # 8 row panels, each with its ring's restart (Cal.rs_panel_s).
+    assert 0.95 < c.fused_us / 1334.0 < 1.05, str(c)

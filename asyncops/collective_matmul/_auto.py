@@ -58,8 +58,9 @@ to the benchmark model's figures (:data:`CAL`):
   ``CAL.fused_panel W`` each.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
-  before them) plus the larger of its dots and its ring ``T(2)``; extra
-  panels cost ``CAL.rs_panel_s`` each.
+  before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
+  panel's dots hides) plus the larger of its dots and its ring ``T(2)``;
+  extra panels cost ``CAL.rs_panel_s`` each.
 - ``ring(d)``: ``n`` steps, each ``max(C / n + rho bytes / HBM + fixed,
   T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
   ``ring_step_s``, ``ring_dot_s`` for the second direction's dot). The
@@ -249,19 +250,21 @@ def _decide(
   return Choice(best, why, **est)
 
 
-def _fused_s(panels, compute, w_s, rest_s, n, chunk, link, wiring):
+def _fused_s(panels, compute, w_s, rest_s, n, chunk, link, wiring, overlap=0.0):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
-  XLA's estimate of the same dots, which serialises the weight read), and
-  runs its own ring of ``1 / panels`` of the rows (``rest_s``: the other
-  HBM traffic, ``chunk``: one step's bytes, ``n`` steps). The partial
-  sums travel on, one ring hop per step both ways (``wiring.bidi_load``
-  chunks per link), once the dots have made them."""
+  XLA's estimate of the same dots, which serialises the weight read, but
+  for ``overlap`` of the shorter of the read and the panel's dots,
+  ``Cal.rs_overlap``), and runs its own ring of ``1 / panels`` of the rows
+  (``rest_s``: the other HBM traffic, ``chunk``: one step's bytes, ``n``
+  steps). The partial sums travel on, one ring hop per step both ways
+  (``wiring.bidi_load`` chunks per link), once the dots have made them."""
   p = panels
   w = wiring
   ring = (n - 1) * (chunk / p * w.bidi_load / link + w.bidi_hops * _HOP_S)
   c = max(compute / p, rest_s / p)
-  return p * (_FUSED_OVERHEAD_S + w_s + max(c, ring + c / n))
+  read = w_s - overlap * min(w_s, c)
+  return p * (_FUSED_OVERHEAD_S + read + max(c, ring + c / n))
 
 
 def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
@@ -533,6 +536,7 @@ def explain_reducescatter(
     part,
     chip.link,
     wr,
+    cal.rs_overlap,
   )
   fused += (panels - 1) * cal.rs_panel_s
   rings = {}
