@@ -247,7 +247,9 @@ def test_two_way_whole_chunks_overlap(monkeypatch, topology):
   """The long-prefill two-way ring (whole chunks both ways, forced at the
   chapter shape): no copies, ``n / 2`` bidirectional transfers on a ring
   of ``n``, and each window holds its own step's one dot (the local chunk,
-  then both neighbours' chunks stacked)."""
+  then both neighbours' chunks stacked). The first transfer sends ``x``
+  itself whole both ways (source ``[M, k]``, destination ``[2 M, k]``),
+  so no instruction builds a buffer of two copies of ``x``."""
   from asyncops.collective_matmul import _gather_rings
 
   monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
@@ -256,7 +258,23 @@ def test_two_way_whole_chunks_overlap(monkeypatch, topology):
   n = TOPOLOGIES[topology][1]
   pairs = r.pairs_for("asyncops.bidirectional")
   assert len(pairs) == n // 2 and not r.pairs_for("asyncops.ppermute")
+  m, k = B // TOPOLOGIES[topology][0], D // n  # x per device
+  two = f"bf16[{2 * m},{k}]"
+  first = {chunk_scope(_P(r, p).start_instr.op_name): p for p in pairs}
   for p in pairs:
     assert p.source_live and p.dest_live, p
     assert len(window_matmuls(_P(r, p))) == 1, p.start
+    start = _P(r, p).start_instr
+    src = r.module.instr(start.operands[0]).shape_text
+    is_first = p is first[min(first)]  # chunk0: x itself, whole both ways
+    want = f"bf16[{m},{k}]" if is_first else two
+    assert src.startswith(want), (p.start, src)
+    assert start.shape_text.startswith(f"({want}") and two in start.shape_text
   assert "concatenate" not in _opcodes(r)
+  built = [
+    i.name
+    for instrs in r.schedule.values()
+    for i in instrs
+    if i.opcode in ("broadcast", "fusion") and i.shape_text.startswith(two)
+  ]
+  assert not built, built  # no [2 M, k] copy of x (the old broadcast)

@@ -168,38 +168,41 @@ def whole_chunks(m: int, f: int, acc_dtype, n: int) -> bool:
 def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   """The two-way contracting ring of whole chunks (:func:`whole_chunks`).
 
-  A ``[2 M, k]`` buffer (value API: one ``bidirectional_start`` kernel
-  sends its first ``M`` rows to ``index + 1`` and the rest to ``index -
-  1``) or two ``[M, k]`` Refs carry two copies of ``x``; after ``s``
-  transfers they hold chunks ``i - s`` and ``i + s``. Step ``s`` (``1 <=
-  s < n / 2``) adds both chunks' products with one dot over the stacked
-  pair inside the window of transfer ``s``; step 0 is the local chunk,
-  and after ``ceil((n - 1) / 2)`` transfers the last step takes the
-  antipode once (``n`` even) or both chunks (``n`` odd).
+  Value API: the first transfer sends ``x`` itself whole both ways (one
+  ``bidirectional_start(whole=True)`` kernel, both DMAs reading ``x``)
+  into a ``[2 M, k]`` buffer holding chunks ``i - 1`` and ``i + 1``; each
+  later transfer sends that buffer on, its first ``M`` rows to ``index +
+  1`` and the rest to ``index - 1`` (the default kernel), so after ``s``
+  transfers it holds chunks ``i - s`` and ``i + s``. No buffer ever holds
+  two copies of ``x``. Ref API: two ``[M, k]`` Refs start from ``x``.
+
+  Step 0, the local chunk's dot, runs inside the window of the first
+  transfer (reading ``x`` as that transfer sees it); step ``s`` (``1 <= s
+  < n / 2``) adds both chunks' products with one dot over the stacked pair
+  inside the window of transfer ``s + 1``; after ``ceil((n - 1) / 2)``
+  transfers the last step takes the antipode once (``n`` even) or both
+  chunks (``n`` odd).
   """
   (m, k) = x.shape
   me = jax.lax.axis_index(axis_name)
-  if stash is not None:
-    # x itself is no transfer's source here: readable later at no copy.
-    stash.append((x,) if api == "value" else (x[: m // 2], x[m // 2 :]))
-  if api == "value":
-    # Two copies of x as one buffer (a broadcast, no concatenate).
-    pair = jnp.broadcast_to(x, (2, m, k)).reshape(2 * m, k)
-    bufs, shifts = (pair,), ("both",)
-  else:
-    bufs, shifts = (x, x), (1, -1)
 
   def consume(s, sent, ws, accs):
-    # [2, M, k]: a free reshape of the value API's buffer (a stack of the
-    # Ref API's two).
-    pair = sent[0].reshape(2, m, k) if len(sent) == 1 else jnp.stack(sent)
+    if s == 0:
+      local, pair = sent[0], None
+    elif len(sent) == 1:
+      # [2, M, k]: a free reshape of the value API's buffer.
+      pair = sent[0].reshape(2, m, k)
+      local = pair[0]
+    else:
+      pair = jnp.stack(sent)  # the Ref API's two buffers
+      local = sent[0]
     cs = chunks(me, s, n, True)
     use = 1 if s == 0 or 2 * s == n else 2
     out = []
     for w, acc in zip(ws, accs, strict=True):
       rows = [_rows_of(w, c, k) for c in cs[:use]]
       if use == 1:
-        y = jnp.dot(pair[0], rows[0], preferred_element_type=acc_dt)
+        y = jnp.dot(local, rows[0], preferred_element_type=acc_dt)
       else:
         y = jax.lax.dot_general(
           pair,
@@ -210,9 +213,29 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
       out.append(y if acc is None else acc + y)
     return tuple(out)
 
-  ring = _ring.Ring(bufs, shifts, axis_name, api)
   accs = tuple(None for _ in ws)
   last = n // 2  # transfers: ceil((n - 1) / 2)
+  if api == "value":
+    cur = (x,)
+    for s in range(last):
+      shift = "whole" if s == 0 else "both"
+
+      def compute(sent, ws, accs, s=s):
+        if s == 0 and stash is not None:
+          # x as the first transfer sees it: readable after the ring at
+          # no copy (reading x itself would copy it).
+          stash.append(tuple(sent))
+        return consume(s, sent, ws, accs)
+
+      with jax.named_scope(f"chunk{s}"):
+        cur, accs = _ring.step(cur, (shift,), axis_name, compute, ws, accs)
+    with jax.named_scope(f"chunk{last}"):
+      accs = consume(last, cur, ws, accs)
+    return tuple(a.astype(x.dtype) for a in accs)
+  if stash is not None:
+    # x itself is no transfer's source here: readable later at no copy.
+    stash.append((x[: m // 2], x[m // 2 :]))
+  ring = _ring.Ring((x, x), (1, -1), axis_name, api)
   for s in range(last):
     with jax.named_scope(f"chunk{s}"):
       accs = ring.step(

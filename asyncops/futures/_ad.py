@@ -120,7 +120,7 @@ def reverse(spec: OpSpec) -> OpSpec:
 
     d = -_bidirectional.direction(spec)
     return dataclasses.replace(
-      base, perm=tuple((i, (i + d) % n) for i in range(n))
+      base, perm=tuple((i, (i + d) % n) for i in range(n)), whole=False
     )
   if spec.kind == "all_gather":
     return dataclasses.replace(
@@ -140,6 +140,9 @@ def _after_reverse(y, spec: OpSpec, rev: OpSpec):
   y = _registry.get(rev.kind).finalize(y, rev)
   if spec.kind == "all_gather":
     y = jnp.sum(y, axis=0, dtype=y.dtype)  # the reduce of reduce-scatter
+  if spec.kind == "bidirectional" and spec.whole:
+    lo, hi = jnp.split(y, 2, axis=spec.gather_axis)  # the copies' sum
+    y = lo + hi
   return y
 
 
