@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncops.collective_matmul import _layout, _ring
+from asyncops.futures import _api as futures
 
 
 def accumulator_dtype(dtype) -> jnp.dtype:
@@ -216,22 +217,8 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   accs = tuple(None for _ in ws)
   last = n // 2  # transfers: ceil((n - 1) / 2)
   if api == "value":
-    cur = (x,)
-    for s in range(last):
-      shift = "whole" if s == 0 else "both"
-
-      def compute(sent, ws, accs, s=s):
-        if s == 0 and stash is not None:
-          # x as the first transfer sees it: readable after the ring at
-          # no copy (reading x itself would copy it).
-          stash.append(tuple(sent))
-        return consume(s, sent, ws, accs)
-
-      with jax.named_scope(f"chunk{s}"):
-        cur, accs = _ring.step(cur, (shift,), axis_name, compute, ws, accs)
-    with jax.named_scope(f"chunk{last}"):
-      accs = consume(last, cur, ws, accs)
-    return tuple(a.astype(x.dtype) for a in accs)
+    out = _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last)
+    return tuple(a.astype(x.dtype) for a in out)
   if stash is not None:
     # x itself is no transfer's source here: readable later at no copy.
     stash.append((x[: m // 2], x[m // 2 :]))
@@ -244,6 +231,102 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   with jax.named_scope(f"chunk{last}"):
     accs = consume(last, ring.values(), ws, accs)
   return tuple(a.astype(x.dtype) for a in accs)
+
+
+def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
+  """The value API's ring of whole chunks, in two row pieces.
+
+  Each transfer moves one piece (half of ``x``'s rows, or all of them when
+  ``M`` is odd) of the two chunks it carries, and the pieces' transfers
+  alternate: the window of piece 1's transfer at step ``s`` holds the dot
+  of piece 0's chunks that arrived at step ``s``, and the window of piece
+  0's transfer at step ``s + 1`` the dot of piece 1's. So every transfer
+  is half a chunk each way, and the first one (``x``'s first rows, sent
+  with ``bidirectional_start(whole=True, rows=...)`` straight from ``x``)
+  hides under the local chunk's dot, where a whole chunk each way did
+  not (v5e, v6e: 102 and 132 us exposed at tp 8, M = 16384). A buffer a
+  dot reads that a later transfer sends passes through optimization
+  barriers after that dot, so the transfer's in-place start is ordered
+  after it (no copy).
+
+  Returns:
+    The float32 accumulators ``[M, f_i]``.
+  """
+  (m, k) = x.shape
+  p = 2 if m % 2 == 0 else 1
+  h = m // p
+  order = [(s, j) for s in range(1, last + 1) for j in range(p)]
+  work = [(0, None), *order]  # the local chunk, then each arrived piece
+  state = {"x": x}  # buffers to send later: x's chain, then each piece's
+  accs = [None] * len(ws)
+
+  def dot(t, bufs, sent_key, sent):
+    """Work item ``t`` on the buffers (``sent`` for the one in flight)."""
+    s, j = work[t]
+
+    def src(key):
+      return sent if key == sent_key else bufs[key]
+
+    if s == 0:
+      xs = src("x")
+      for i, w in enumerate(ws):
+        y = jnp.dot(xs, _rows_of(w, me, k), preferred_element_type=acc_dt)
+        accs[i] = y.reshape(p, h, y.shape[-1])
+      return
+    pair = src(f"p{j}").reshape(2, h, k)
+    cs = chunks(me, s, n, True)
+    use = 1 if 2 * s == n else 2
+    for i, w in enumerate(ws):
+      if use == 1:
+        y = jnp.dot(
+          pair[0], _rows_of(w, cs[0], k), preferred_element_type=acc_dt
+        )
+      else:
+        y = jax.lax.dot_general(
+          pair,
+          jnp.stack([_rows_of(w, c, k) for c in cs]),
+          (((0, 2), (0, 1)), ((), ())),
+          preferred_element_type=acc_dt,
+        )
+      accs[i] = accs[i].at[j].add(y)
+
+  for t, (s, j) in enumerate(order):
+    key = "x" if s == 1 else f"p{j}"
+    src = state.pop(key)
+    with jax.named_scope(f"chunk{work[t][0]}"), jax.named_scope("ring_step"):
+      if s == 1:
+        rows = (j * h, (j + 1) * h) if p == 2 else None
+        sent, fut = futures.bidirectional_start(
+          src, axis_name, whole=True, rows=rows
+        )
+      else:
+        sent, fut = futures.bidirectional_start(src, axis_name)
+      fut, sent, state, wsb, acc_in = jax.lax.optimization_barrier(
+        (fut, sent, state, ws, tuple(accs))
+      )
+      accs[:] = acc_in
+      ws_saved, ws = ws, wsb
+      dot(t, state, key, sent)
+      ws = ws_saved
+      acc_out, fut, state = jax.lax.optimization_barrier(
+        (tuple(accs), fut, state)
+      )
+      accs[:] = acc_out
+      recv = futures.done(fut)
+      # The aliased x goes on to x's next piece (its last alias is what
+      # the first transfer saw, readable later at no copy).
+      if key == "x":
+        if s == 1 and j == p - 1:
+          if stash is not None:
+            stash.append((sent,))
+        else:
+          state["x"] = sent
+      state, recv = jax.lax.optimization_barrier((state, recv))
+      state[f"p{j}"] = recv
+  with jax.named_scope(f"chunk{last}"):
+    for t in range(len(order), len(work)):
+      dot(t, state, None, None)
+  return tuple(a.reshape(m, a.shape[-1]) for a in accs)
 
 
 def contracting(

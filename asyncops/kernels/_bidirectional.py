@@ -98,17 +98,25 @@ def split_axis(spec: OpSpec) -> int:
 
 def halves(ref, spec: OpSpec):
   """The two halves of the source ``ref`` along ``split_axis(spec)``, as
-  ref views (``ref`` itself twice when ``spec.whole``)."""
+  ref views (``ref``, or its ``spec.rows``, twice when ``spec.whole``)."""
   if spec.whole:
-    return ref, ref
+    lo = spec.rows[0] if spec.rows else 0
+    lead = (slice(None),) * split_axis(spec)
+    part = ref.at[(*lead, pl.ds(lo, sent_rows(spec)))]
+    return part, part
   return _split(ref, spec.shape[split_axis(spec)] // 2, spec)
+
+
+def sent_rows(spec: OpSpec) -> int:
+  """How much of the split axis one direction moves."""
+  if spec.whole and spec.rows:
+    return spec.rows[1] - spec.rows[0]
+  return spec.shape[split_axis(spec)] // (1 + (not spec.whole))
 
 
 def dst_halves(ref, spec: OpSpec):
   """The two halves of the destination ``ref``, one per direction."""
-  return _split(
-    ref, spec.shape[split_axis(spec)] // (1 + (not spec.whole)), spec
-  )
+  return _split(ref, sent_rows(spec), spec)
 
 
 def _split(ref, h: int, spec: OpSpec):
@@ -117,11 +125,12 @@ def _split(ref, h: int, spec: OpSpec):
 
 
 def dst_shape(spec: OpSpec) -> tuple[int, ...]:
-  """The source's shape, or twice it along the split axis if whole."""
+  """The source's shape, or twice what travels along the split axis if
+  whole."""
   if not spec.whole:
     return spec.shape
   a = split_axis(spec)
-  return (*spec.shape[:a], 2 * spec.shape[a], *spec.shape[a + 1 :])
+  return (*spec.shape[:a], 2 * sent_rows(spec), *spec.shape[a + 1 :])
 
 
 def bidirectional_start_kernel(
@@ -227,7 +236,12 @@ def start(x, *, spec: OpSpec):
 
 def emulate(x, *, spec: OpSpec):
   a = split_axis(spec)
-  lo, hi = (x, x) if spec.whole else jax.numpy.split(x, 2, axis=a)
+  if spec.whole:
+    start = spec.rows[0] if spec.rows else 0
+    part = jax.lax.slice_in_dim(x, start, start + sent_rows(spec), axis=a)
+    lo, hi = part, part
+  else:
+    lo, hi = jax.numpy.split(x, 2, axis=a)
   n, d = spec.axis_size, direction(spec)
   right = [(i, (i + d) % n) for i in range(n)]
   left = [(i, (i - d) % n) for i in range(n)]

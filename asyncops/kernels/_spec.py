@@ -51,6 +51,8 @@ class OpSpec:
     whole: for ``bidirectional``, all of the source travels each way (no
       halves): the destination stacks the two copies along the split
       axis, twice the source's size there.
+    rows: with ``whole``, the ``[lo, hi)`` range of the split axis that
+      travels (``None``: all of it).
   """
 
   kind: Kind
@@ -67,6 +69,7 @@ class OpSpec:
   transfer: Transfer = "start"
   view_dtype: str | None = None
   whole: bool = False
+  rows: tuple[int, int] | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -104,5 +107,5 @@ class OpSpec:
     if self.kind == "ppermute":
       parts.append(f"perm={list(self.perm)}")
     if self.whole:
-      parts.append("whole")
+      parts.append(f"whole rows={list(self.rows)}" if self.rows else "whole")
     return " ".join(parts)
