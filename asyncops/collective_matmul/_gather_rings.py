@@ -250,7 +250,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
   after it (no copy).
 
   Returns:
-    The float32 accumulators ``[M, f_i]``.
+    The outputs ``[M, f_i]``, in ``x.dtype``.
   """
   (m, k) = x.shape
   p = 2 if m % 2 == 0 else 1
@@ -259,6 +259,9 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
   work = [(0, None), *order]  # the local chunk, then each arrived piece
   state = {"x": x}  # buffers to send later: x's chain, then each piece's
   accs = [None] * len(ws)
+  # Each piece's last product is added and rounded straight into its rows
+  # of the output (one fusion, no separate pass to round the accumulator).
+  outs = [_empty((p, h, w.shape[1]), x.dtype) for w in ws]
 
   def dot(t, bufs, sent_key, sent):
     """Work item ``t`` on the buffers (``sent`` for the one in flight)."""
@@ -282,13 +285,22 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
           pair[0], _rows_of(w, cs[0], k), preferred_element_type=acc_dt
         )
       else:
+        # Both pieces of step s meet the same stacked rows of w: stacked
+        # once, carried to the other piece's window in the buffers.
+        rows = f"w{s}.{i}"
+        if rows not in bufs:
+          bufs[rows] = jnp.stack([_rows_of(w, c, k) for c in cs])
+        stacked = bufs[rows] if j < p - 1 else bufs.pop(rows)
         y = jax.lax.dot_general(
           pair,
-          jnp.stack([_rows_of(w, c, k) for c in cs]),
+          stacked,
           (((0, 2), (0, 1)), ((), ())),
           preferred_element_type=acc_dt,
         )
-      accs[i] = accs[i].at[j].add(y)
+      if s == last:
+        outs[i] = outs[i].at[j].set((accs[i][j] + y).astype(x.dtype))
+      else:
+        accs[i] = accs[i].at[j].add(y)
 
   for t, (s, j) in enumerate(order):
     key = "x" if s == 1 else f"p{j}"
@@ -301,17 +313,17 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
         )
       else:
         sent, fut = futures.bidirectional_start(src, axis_name)
-      fut, sent, state, wsb, acc_in = jax.lax.optimization_barrier(
-        (fut, sent, state, ws, tuple(accs))
+      fut, sent, state, wsb, acc_in, out_in = jax.lax.optimization_barrier(
+        (fut, sent, state, ws, tuple(accs), tuple(outs))
       )
-      accs[:] = acc_in
+      accs[:], outs[:] = acc_in, out_in
       ws_saved, ws = ws, wsb
       dot(t, state, key, sent)
       ws = ws_saved
-      acc_out, fut, state = jax.lax.optimization_barrier(
-        (tuple(accs), fut, state)
+      acc_out, out_out, fut, state = jax.lax.optimization_barrier(
+        (tuple(accs), tuple(outs), fut, state)
       )
-      accs[:] = acc_out
+      accs[:], outs[:] = acc_out, out_out
       recv = futures.done(fut)
       # The aliased x goes on to x's next piece (its last alias is what
       # the first transfer saw, readable later at no copy).
@@ -326,7 +338,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
   with jax.named_scope(f"chunk{last}"):
     for t in range(len(order), len(work)):
       dot(t, state, None, None)
-  return tuple(a.reshape(m, a.shape[-1]) for a in accs)
+  return tuple(o.reshape(m, o.shape[-1]) for o in outs)
 
 
 def contracting(
