@@ -285,15 +285,9 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
           pair[0], _rows_of(w, cs[0], k), preferred_element_type=acc_dt
         )
       else:
-        # Both pieces of step s meet the same stacked rows of w: stacked
-        # once, carried to the other piece's window in the buffers.
-        rows = f"w{s}.{i}"
-        if rows not in bufs:
-          bufs[rows] = jnp.stack([_rows_of(w, c, k) for c in cs])
-        stacked = bufs[rows] if j < p - 1 else bufs.pop(rows)
         y = jax.lax.dot_general(
           pair,
-          stacked,
+          jnp.stack([_rows_of(w, c, k) for c in cs]),
           (((0, 2), (0, 1)), ((), ())),
           preferred_element_type=acc_dt,
         )
