@@ -38,6 +38,8 @@ two-way contracting ring moves a whole copy of every chunk each way
 instead of halves, and adds the two chunks it holds with one dot per step
 (:func:`whole_chunks`): the accumulator's pass through HBM, not the dot,
 is then what each step costs, and it runs ``n / 2 + 1`` times, not ``n``.
+The value API sends ``x`` itself (no buffer of two copies) and moves the
+chunks in two row pieces whose transfers alternate (:func:`_whole_pieces`).
 
 ``return_gathered``: each chunk is also written into the gathered ``x``
 (read from the transfer's source, which a transfer may read while in
@@ -161,7 +163,8 @@ def whole_chunks(m: int, f: int, acc_dtype, n: int) -> bool:
   chunks ``i - s`` and ``i + s`` over all rows, met in one dot over the
   stacked pair: ``n / 2 + 1`` passes and ``n / 2`` transfers of a whole
   chunk per direction (the two-way ring of halves: ``n - 1`` of half a
-  chunk; the same bytes, bar the antipode's second copy).
+  chunk; the same bytes, bar the antipode's second copy). The value API
+  sends them in two row pieces, ``n`` transfers of half a chunk each way.
   """
   return n > 2 and m * f * jnp.dtype(acc_dtype).itemsize >= WHOLE_ACC_BYTES
 
@@ -169,13 +172,15 @@ def whole_chunks(m: int, f: int, acc_dtype, n: int) -> bool:
 def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   """The two-way contracting ring of whole chunks (:func:`whole_chunks`).
 
-  Value API: the first transfer sends ``x`` itself whole both ways (one
-  ``bidirectional_start(whole=True)`` kernel, both DMAs reading ``x``)
-  into a ``[2 M, k]`` buffer holding chunks ``i - 1`` and ``i + 1``; each
-  later transfer sends that buffer on, its first ``M`` rows to ``index +
-  1`` and the rest to ``index - 1`` (the default kernel), so after ``s``
-  transfers it holds chunks ``i - s`` and ``i + s``. No buffer ever holds
-  two copies of ``x``. Ref API: two ``[M, k]`` Refs start from ``x``.
+  Value API (:func:`_whole_pieces`): each row piece of ``x`` (half its
+  rows) goes whole both ways straight from ``x`` (one
+  ``bidirectional_start(whole=True, rows=...)`` kernel, both DMAs reading
+  ``x``) into a ``[2 M/2, k]`` buffer holding that piece of chunks ``i -
+  1`` and ``i + 1``; each later transfer sends a piece's buffer on, its
+  first half to ``index + 1`` and the rest to ``index - 1`` (the default
+  kernel), so after ``s`` transfers of a piece it holds chunks ``i - s``
+  and ``i + s``. No buffer ever holds two copies of ``x``. Ref API: two
+  ``[M, k]`` Refs start from ``x``, whole chunks, one piece.
 
   Step 0, the local chunk's dot, runs inside the window of the first
   transfer (reading ``x`` as that transfer sees it); step ``s`` (``1 <= s
