@@ -38,21 +38,19 @@ import jax
 
 from asyncops.futures import _api as futures
 
-Shift = int | Literal["both", "whole"]
+Shift = int | Literal["both"]
 
 
 def start(x, axis_name: str, shift: Shift):
   """Starts moving ``x`` one hop: ``index -> index + shift``.
 
   ``shift="both"``: one bidirectional kernel, the first half of ``x``'s
-  rows to ``index + 1``, the second half to ``index - 1``;
-  ``shift="whole"``: all of ``x`` both ways, into twice its rows (the
-  copy from ``index - 1`` first). A numeric shift
+  rows to ``index + 1``, the second half to ``index - 1``. A numeric shift
   is written into the op name (``ring_shift+1``) so tools that read the
   compiled HLO (``benchmarks/``) can route the transfer.
   """
-  if shift in ("both", "whole"):
-    return futures.bidirectional_start(x, axis_name, whole=shift == "whole")
+  if shift == "both":
+    return futures.bidirectional_start(x, axis_name)
   with jax.named_scope(f"ring_shift{shift:+d}"):
     return futures.ppermute_start(x, axis_name, shift=shift)
 
