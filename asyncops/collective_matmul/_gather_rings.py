@@ -267,6 +267,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
   # Each piece's last product is added and rounded straight into its rows
   # of the output (one fusion, no separate pass to round the accumulator).
   outs = [_empty((p, h, w.shape[1]), x.dtype) for w in ws]
+  stacks = {}
 
   def dot(t, bufs, sent_key, sent):
     """Work item ``t`` on the buffers (``sent`` for the one in flight)."""
@@ -290,9 +291,14 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
           pair[0], _rows_of(w, cs[0], k), preferred_element_type=acc_dt
         )
       else:
+        # Both pieces of step s meet the same stacked rows of w: stacked
+        # once, in the first piece's window (not carried through the
+        # barriers: that cost the second piece's dot a relayout).
+        if (s, i) not in stacks:
+          stacks[s, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
         y = jax.lax.dot_general(
           pair,
-          jnp.stack([_rows_of(w, c, k) for c in cs]),
+          stacks[s, i],
           (((0, 2), (0, 1)), ((), ())),
           preferred_element_type=acc_dt,
         )
