@@ -349,16 +349,18 @@ def _whole_ring_s(n, compute, acc, chunk, out_bytes, w_rows, chip) -> float:
   piece of each two-chunk step: a dot over half the rows of two chunks
   (one chunk's FLOPs) overlapped with its rows' accumulator pass in one
   fusion, plus the stacked rows of ``w`` (``w_rows`` bytes per chunk,
-  written and read); then the antipode's pieces, a pass and the output.
-  The model at tp 8, M = 16384: a two-chunk piece 729 us on v5e (610 of
-  FLOPs, a 287 us half pass), 236 on v6e (131, 143); the antipode's
-  pieces 1021 and 471; in all 6147.9 and 2210.0 us (this estimate: 6067
-  and 1766, so v6e's is kind: the two-way ring is far ahead there)."""
+  written and read, once per step for both pieces); then the antipode's
+  pieces, a pass and the output. The model at tp 8, M = 16384: a
+  two-chunk piece 681 us on v5e (610 of FLOPs, a 287 us half pass) and
+  48 us of stacking per step, 212 and 24 on v6e (131, 143); the
+  antipode's pieces 1021 and 471; in all 6004.0 and 2153.6 us (this
+  estimate: 5905 and 1682, so v6e's is kind: the two-way ring is far
+  ahead there)."""
   c = compute / n
   a = acc / chip.hbm
   half = chunk / 2 / chip.link + _HOP_S  # a piece: half a chunk each way
   stack = 3 * 2 * w_rows / chip.hbm
-  piece = max(max(c, a / 2) + a / 8 + stack, half)
+  piece = max(max(c, a / 2) + a / 8 + stack / 2, half)
   two = n // 2 - (1 - n % 2)  # steps carrying two chunks
   tail = (c + a / 2 if n % 2 == 0 else 0.0) + out_bytes / chip.hbm
   return _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + tail
