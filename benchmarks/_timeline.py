@@ -40,7 +40,8 @@ shift over ``rings`` (the mesh axis' devices in ring order); the library
 writes the shift into the op name (``ring_shift+1``), default ``-1``, and
 the axis when it is not the ring axis (``ring_axis_x``: the rings of
 ``axis_rings["x"]``, e.g. a data-parallel gradient exchange). A
-bidirectional kernel sends half its bytes each way. Link sharing is FIFO
+bidirectional kernel sends half its destination's bytes each way (a
+``whole=True`` kernel, its whole source). Link sharing is FIFO
 per link, not fair sharing, so two transfers on one link finish one after
 the other (same last end).
 """
@@ -823,6 +824,10 @@ class _Sim:
     if kind == "copy":
       return "dma", nbytes / self.chip.hbm_bytes_per_s, 0.0
     if kind == "bidirectional":
+      # Half the destination each way: the source's halves, or (a
+      # ``whole=True`` kernel, destination twice the source) all of it.
+      if len(ins.arrays) > 1:
+        nbytes = ins.arrays[1].nbytes
       rings = self.rings
       if _X_AXIS in ins.attrs:  # along mesh axis x: the rings' columns
         rings = [list(c) for c in zip(*self.rings, strict=True)]

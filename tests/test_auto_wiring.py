@@ -245,3 +245,27 @@ def test_v5p_tp4_reducescatter_picks(m, method):
   if m == 4096:
     # 8 row panels, each with its ring's restart (Cal.rs_panel_s).
     assert 0.95 < c.fused_us / 1334.0 < 1.05, str(c)
+
+
+# The model (tp 8, M = 16384, bf16, design/benchmarks.md "Long prefill"):
+# chip -> (two-way ring of whole chunks in two row pieces, one-way ring).
+WHOLE_MODEL = {"TPU v5 lite": (6004.0, 6394.8), "TPU v6 lite": (2153.6, 3201.8)}
+
+
+@pytest.mark.parametrize("kind", sorted(WHOLE_MODEL))
+def test_long_prefill_picks_the_whole_chunk_ring(kind):
+  """The Llama shard at tp 8, M = 16384 on v5e and v6e: the two-way ring of
+  whole chunks (no copy of ``x``, two row pieces) is the model's fastest
+  of ours on both, and auto's estimate of it is below the one-way ring's
+  (v5e: 5906 against 6333; before, with a copy of ``x``, 6705 and the
+  one-way ring picked) and within 2% of the model on v5e, where the pick
+  is close (v6e's is kind, 1685 for 2154, far ahead of 3048)."""
+  c = _auto.explain_allgather(
+    16384, 1024, 3584, 8, jnp.bfloat16, precision="DEFAULT", device_kind=kind
+  )
+  two_way, one_way = WHOLE_MODEL[kind]
+  assert c.method == "ring_bidi", str(c)
+  assert c.ring_bidi_us < c.ring_us, str(c)
+  if kind == "TPU v5 lite":
+    assert abs(c.ring_bidi_us / two_way - 1) < 0.02, str(c)
+  assert two_way < one_way

@@ -245,9 +245,12 @@ def test_check_catches_a_matmul_outside_the_window():
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
 def test_two_way_whole_chunks_overlap(monkeypatch, topology):
   """The long-prefill two-way ring (whole chunks both ways, forced at the
-  chapter shape): no copies, ``n / 2`` bidirectional transfers on a ring
-  of ``n``, and each window holds its own step's one dot (the local chunk,
-  then both neighbours' chunks stacked)."""
+  chapter shape), value API, in two row pieces: no copies, ``n``
+  bidirectional transfers on a ring of ``n`` (``n / 2`` steps of two
+  pieces), and each window holds one dot, of its own step's chunk scope
+  (the local chunk, then each piece's stacked pair). The first two
+  transfers send ``x`` itself (the second its alias through the first):
+  no instruction builds a buffer of two copies of ``x`` (``[2 M, k]``)."""
   from asyncops.collective_matmul import _gather_rings
 
   monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
@@ -255,8 +258,64 @@ def test_two_way_whole_chunks_overlap(monkeypatch, topology):
   assert_copy_free(r)
   n = TOPOLOGIES[topology][1]
   pairs = r.pairs_for("asyncops.bidirectional")
-  assert len(pairs) == n // 2 and not r.pairs_for("asyncops.ppermute")
+  assert len(pairs) == n and not r.pairs_for("asyncops.ppermute")
+  m, k = B // TOPOLOGIES[topology][0], D // n  # x per device
+  starts = []
   for p in pairs:
     assert p.source_live and p.dest_live, p
     assert len(window_matmuls(_P(r, p))) == 1, p.start
+    start = _P(r, p).start_instr
+    starts.append(start)
+    src = r.module.instr(start.operands[0]).shape_text
+    assert src.startswith(f"bf16[{m},{k}]"), (p.start, src)
+    assert start.shape_text.startswith(f"(bf16[{m},{k}]"), p.start
+  # x itself: a parameter (or its move to another memory space), then the
+  # first start's aliased output.
+  first, second = sorted(starts, key=lambda i: i.position)[:2]
+  x0 = r.module.instr(first.operands[0])
+  assert x0.opcode in ("parameter", "copy"), x0.name
+  gte = r.module.instr(second.operands[0])
+  while gte.opcode in ("get-tuple-element", "tuple", "opt-barrier"):
+    if gte.opcode == "get-tuple-element" and gte.operands[0] == first.name:
+      break
+    gte = r.module.instr(gte.operands[0])
+  assert gte.opcode == "get-tuple-element", gte.name
   assert "concatenate" not in _opcodes(r)
+  two = f"bf16[{2 * m},{k}]"
+  built = [
+    i.name
+    for instrs in r.schedule.values()
+    for i in instrs
+    if i.shape_text.startswith(two)
+  ]
+  assert not built, built  # no [2 M, k] copy of x (the old broadcast)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_two_way_whole_chunks_backward_copy_free(monkeypatch, topology):
+  """``jit(grad)`` through the long-prefill two-way ring (forced at the
+  chapter shape, bf16): the backward keeps ``x`` as the forward's last
+  transfer of it returned it (no copy of the buffer the first transfer
+  aliased), nothing in flight is copied, and every pair overlaps."""
+  from asyncops.collective_matmul import _gather_rings
+
+  monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
+  mesh = tpu_mesh(topology, TOPOLOGIES[topology], ("x", "y"))
+
+  def loss(x, w):
+    y = allgather_matmul(x * 2, w, "y", bidirectional=True)  # computed x
+    return jax.lax.psum(jnp.sum(jnp.sin(y.astype(jnp.float32))), ("x", "y"))
+
+  f = jax.shard_map(
+    loss, mesh=mesh, in_specs=(P("x", "y"), P(None, "y")), out_specs=P()
+  )
+  args = (
+    jax.ShapeDtypeStruct((B, D), jnp.bfloat16),
+    jax.ShapeDtypeStruct((D, F), jnp.bfloat16),
+  )
+  r = analyze(jax.jit(jax.grad(f, (0, 1))), *args)
+  r.assert_no_defensive_copies()
+  r.assert_no_inflight_copies()
+  n = TOPOLOGIES[topology][1]
+  assert len(r.pairs_for("asyncops.bidirectional")) >= n  # forward's n
+  assert r.pairs and all(p.overlapped for p in r.pairs)

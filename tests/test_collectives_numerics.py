@@ -184,6 +184,68 @@ def test_bidirectional_send_done_then_recv_done(transfer):
   _assert_same(got, want)
 
 
+@pytest.mark.parametrize("rows", [None, (1, 3)])
+@pytest.mark.parametrize("transfer", TRANSFERS)
+@pytest.mark.parametrize("mesh_shape,names,axis", MESHES, ids=MESH_IDS)
+def test_bidirectional_whole_sends_all_of_x_both_ways(
+  mesh_shape, names, axis, transfer, rows
+):
+  """``whole=True``: ``concat(x_{i-1}, x_{i+1})`` (an odd row count is
+  fine; ``rows``: of those rows only), and its gradient is the reversed
+  transfer's, summed: the cotangent of each copy goes back where it came
+  from (zero on the rows that did not travel)."""
+  x = _data((int(np.prod(mesh_shape)) * 3, 4), "float32")
+  c = _data(x.shape, "float32", seed=5) / 8
+  lo, hi = rows or (0, 3)
+
+  def send(x):
+    n = jax.lax.axis_size(axis)
+    x, fut = asyncops.bidirectional_start(x, axis, whole=True, rows=rows)
+    got = asyncops.bidirectional_done(fut)
+    want = jnp.concatenate(
+      [
+        jax.lax.ppermute(x[lo:hi], axis, _ring(n, 1)),
+        jax.lax.ppermute(x[lo:hi], axis, _ring(n, -1)),
+      ]
+    )
+    return got, want
+
+  def body(x, c):
+    c = c[: hi - lo]
+    weights = jnp.concatenate([c, c[::-1]])  # distinct per copy
+
+    def loss(which):
+      return lambda x: jnp.sum(jnp.sin(send(x)[which]) * weights)
+
+    got, want = send(x)
+    return got, want, jax.grad(loss(0))(x), jax.grad(loss(1))(x)
+
+  mesh = _mesh(mesh_shape, names)
+  spec = P(names)
+  f = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * 4)
+  )
+  put = functools.partial(jax.device_put, device=jax.NamedSharding(mesh, spec))
+  with asyncops.emulation(transfer):
+    got, want, g_got, g_want = f(put(x), put(c))
+  assert got.shape == (2 * (hi - lo) * x.shape[0] // 3, 4)
+  _assert_same(got, want)
+  np.testing.assert_allclose(np.asarray(g_got), np.asarray(g_want), 1e-6, 1e-6)
+  assert np.abs(np.asarray(g_got)).sum() > 0
+
+
+def test_bidirectional_rows_without_whole_is_rejected():
+  mesh = _mesh((8,), ("i",))
+
+  def body(x):
+    x, fut = asyncops.bidirectional_start(x, "i", rows=(0, 2))
+    return asyncops.bidirectional_done(fut)
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+  with pytest.raises(ValueError, match=r"rows = \(0, 2\) with whole = False"):
+    jax.jit(f).trace(_abstract(mesh, (8 * 4, 2)))
+
+
 def test_bidirectional_odd_leading_dim_is_rejected():
   mesh = _mesh((8,), ("i",))
 

@@ -589,6 +589,30 @@ def test_all_to_all_kernel_sends_one_slot_to_each_peer():
   assert sum(load.values()) == pytest.approx(slot * 4 * (1 + 1 + 2))
 
 
+@pytest.mark.parametrize("dst_rows", [128, 256])
+def test_bidirectional_kernel_moves_half_its_destination_each_way(dst_rows):
+  """A bidirectional start sends half its destination each way: its
+  source's halves (destination as large as the source), or all of its
+  source each way (``whole=True``: the destination twice the source). It
+  used to charge half the source, half a whole transfer's bytes."""
+  src, dst = "f32[128,512]", f"f32[{dst_rows},512]"
+  m = _hlo.parse(
+    _HEAD + f"ENTRY %main (p: {src}) -> {dst} {{\n"
+    f"  %p = {src}{{1,0}} parameter(0)\n"
+    f"  %asyncops_bidirectional_start.0 = ({src}, {dst}, s32[], s32[], "
+    's32[], s32[]) custom-call(%p), custom_call_target="tpu_custom_call"\n'
+    f"  ROOT %g = {dst} get-tuple-element("
+    "%asyncops_bidirectional_start.0), index=1\n}\n"
+  )
+  sim = _timeline._Sim(m, CHIP, SQUARE, [[0, 1, 2, 3]], "free")
+  sim._comp = m.entry
+  ins = m.computations[m.entry][1]
+  track, load, _ = sim._kernel_dur(ins)
+  # Four devices, each sending half the destination to each neighbour.
+  assert track == "ici"
+  assert sum(load.values()) == pytest.approx(4 * dst_rows * 512 * 4)
+
+
 def test_combined_all_reduce_moves_every_operand(v5e_mesh):
   """XLA's all-reduce combiner makes one all-reduce of two gradients (a
   tuple): the model moves both, twice the bytes of one (it used to cost

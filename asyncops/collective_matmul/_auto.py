@@ -345,21 +345,28 @@ def _ring_s(
   return _XLA_OVERHEAD_S + n * step
 
 
-def _whole_ring_s(n, compute, acc, chunk, out_bytes, chip) -> float:
-  """The two-way ring of whole chunks (``_gather_rings.whole_chunks``):
-  ``x`` written twice into the travelling buffer; step 0 the local dot;
-  ``n / 2 - 1`` steps of two chunks' dots plus half an accumulator pass
-  (XLA's estimate of that fusion, the model at tp 8, M = 16384: v6e 478
-  us for 262 of FLOPs and a 286 us pass; v5e 1354 for 1224 and 574),
-  each at least a whole chunk's transfer; then the antipode's dot, a
-  full pass and the output (v6e 495 us, v5e 1124)."""
+def _whole_ring_s(n, compute, acc, chunk, out_bytes, w_rows, chip) -> float:
+  """The two-way ring of whole chunks (``_gather_rings.whole_chunks``) in
+  two row pieces: every transfer is half a chunk each way, the first two
+  straight from ``x`` (no copy); step 0 the local dot; then one window per
+  piece of each two-chunk step: a dot over half the rows of two chunks
+  (one chunk's FLOPs) overlapped with its rows' accumulator pass in one
+  fusion, plus the stacked rows of ``w`` (``w_rows`` bytes per chunk,
+  written and read, once per step for both pieces); then the antipode's
+  pieces, a pass and the output. The model at tp 8, M = 16384: a
+  two-chunk piece 681 us on v5e (610 of FLOPs, a 287 us half pass) and
+  48 us of stacking per step, 212 and 24 on v6e (131, 143); the
+  antipode's pieces 1021 and 471; in all 6004.0 and 2153.6 us (this
+  estimate: 5905 and 1682, so v6e's is kind: the two-way ring is far
+  ahead there)."""
   c = compute / n
   a = acc / chip.hbm
-  transfer = chunk / chip.link + _HOP_S
-  mid = max(2 * c + a / 2, transfer)
-  last = c + a + out_bytes / chip.hbm
-  copy = 3 * chunk / chip.hbm
-  return _XLA_OVERHEAD_S + copy + max(c, transfer) + (n // 2 - 1) * mid + last
+  half = chunk / 2 / chip.link + _HOP_S  # a piece: half a chunk each way
+  stack = 3 * 2 * w_rows / chip.hbm
+  piece = max(max(c, a / 2) + a / 8 + stack / 2, half)
+  two = n // 2 - (1 - n % 2)  # steps carrying two chunks
+  tail = (c + a / 2 if n % 2 == 0 else 0.0) + out_bytes / chip.hbm
+  return _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + tail
 
 
 def explain_allgather(
@@ -451,7 +458,9 @@ def explain_allgather(
     extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
     rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
     if d == 2 and _gather_rings.whole_chunks(m, f, jnp.float32, n):
-      rings[d] = _whole_ring_s(n, compute, acc, m * k * b, out_bytes, chip)
+      rings[d] = _whole_ring_s(
+        n, compute, acc, m * k * b, out_bytes, k * f * b, chip
+      )
   choice = _decide(
     reason,
     fused,

@@ -38,6 +38,8 @@ two-way contracting ring moves a whole copy of every chunk each way
 instead of halves, and adds the two chunks it holds with one dot per step
 (:func:`whole_chunks`): the accumulator's pass through HBM, not the dot,
 is then what each step costs, and it runs ``n / 2 + 1`` times, not ``n``.
+The value API sends ``x`` itself (no buffer of two copies) and moves the
+chunks in two row pieces whose transfers alternate (:func:`_whole_pieces`).
 
 ``return_gathered``: each chunk is also written into the gathered ``x``
 (read from the transfer's source, which a transfer may read while in
@@ -50,6 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncops.collective_matmul import _layout, _ring
+from asyncops.futures import _api as futures
 
 
 def accumulator_dtype(dtype) -> jnp.dtype:
@@ -160,7 +163,8 @@ def whole_chunks(m: int, f: int, acc_dtype, n: int) -> bool:
   chunks ``i - s`` and ``i + s`` over all rows, met in one dot over the
   stacked pair: ``n / 2 + 1`` passes and ``n / 2`` transfers of a whole
   chunk per direction (the two-way ring of halves: ``n - 1`` of half a
-  chunk; the same bytes, bar the antipode's second copy).
+  chunk; the same bytes, bar the antipode's second copy). The value API
+  sends them in two row pieces, ``n`` transfers of half a chunk each way.
   """
   return n > 2 and m * f * jnp.dtype(acc_dtype).itemsize >= WHOLE_ACC_BYTES
 
@@ -168,38 +172,43 @@ def whole_chunks(m: int, f: int, acc_dtype, n: int) -> bool:
 def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   """The two-way contracting ring of whole chunks (:func:`whole_chunks`).
 
-  A ``[2 M, k]`` buffer (value API: one ``bidirectional_start`` kernel
-  sends its first ``M`` rows to ``index + 1`` and the rest to ``index -
-  1``) or two ``[M, k]`` Refs carry two copies of ``x``; after ``s``
-  transfers they hold chunks ``i - s`` and ``i + s``. Step ``s`` (``1 <=
-  s < n / 2``) adds both chunks' products with one dot over the stacked
-  pair inside the window of transfer ``s``; step 0 is the local chunk,
-  and after ``ceil((n - 1) / 2)`` transfers the last step takes the
-  antipode once (``n`` even) or both chunks (``n`` odd).
+  Value API (:func:`_whole_pieces`): each row piece of ``x`` (half its
+  rows) goes whole both ways straight from ``x`` (one
+  ``bidirectional_start(whole=True, rows=...)`` kernel, both DMAs reading
+  ``x``) into a ``[2 M/2, k]`` buffer holding that piece of chunks ``i -
+  1`` and ``i + 1``; each later transfer sends a piece's buffer on, its
+  first half to ``index + 1`` and the rest to ``index - 1`` (the default
+  kernel), so after ``s`` transfers of a piece it holds chunks ``i - s``
+  and ``i + s``. No buffer ever holds two copies of ``x``. Ref API: two
+  ``[M, k]`` Refs start from ``x``, whole chunks, one piece.
+
+  Step 0, the local chunk's dot, runs inside the window of the first
+  transfer (reading ``x`` as that transfer sees it); step ``s`` (``1 <= s
+  < n / 2``) adds both chunks' products with one dot over the stacked pair
+  inside the window of transfer ``s + 1``; after ``ceil((n - 1) / 2)``
+  transfers the last step takes the antipode once (``n`` even) or both
+  chunks (``n`` odd).
   """
   (m, k) = x.shape
   me = jax.lax.axis_index(axis_name)
-  if stash is not None:
-    # x itself is no transfer's source here: readable later at no copy.
-    stash.append((x,) if api == "value" else (x[: m // 2], x[m // 2 :]))
-  if api == "value":
-    # Two copies of x as one buffer (a broadcast, no concatenate).
-    pair = jnp.broadcast_to(x, (2, m, k)).reshape(2 * m, k)
-    bufs, shifts = (pair,), ("both",)
-  else:
-    bufs, shifts = (x, x), (1, -1)
 
   def consume(s, sent, ws, accs):
-    # [2, M, k]: a free reshape of the value API's buffer (a stack of the
-    # Ref API's two).
-    pair = sent[0].reshape(2, m, k) if len(sent) == 1 else jnp.stack(sent)
+    if s == 0:
+      local, pair = sent[0], None
+    elif len(sent) == 1:
+      # [2, M, k]: a free reshape of the value API's buffer.
+      pair = sent[0].reshape(2, m, k)
+      local = pair[0]
+    else:
+      pair = jnp.stack(sent)  # the Ref API's two buffers
+      local = sent[0]
     cs = chunks(me, s, n, True)
     use = 1 if s == 0 or 2 * s == n else 2
     out = []
     for w, acc in zip(ws, accs, strict=True):
       rows = [_rows_of(w, c, k) for c in cs[:use]]
       if use == 1:
-        y = jnp.dot(pair[0], rows[0], preferred_element_type=acc_dt)
+        y = jnp.dot(local, rows[0], preferred_element_type=acc_dt)
       else:
         y = jax.lax.dot_general(
           pair,
@@ -210,9 +219,15 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
       out.append(y if acc is None else acc + y)
     return tuple(out)
 
-  ring = _ring.Ring(bufs, shifts, axis_name, api)
   accs = tuple(None for _ in ws)
   last = n // 2  # transfers: ceil((n - 1) / 2)
+  if api == "value":
+    out = _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last)
+    return tuple(a.astype(x.dtype) for a in out)
+  if stash is not None:
+    # x itself is no transfer's source here: readable later at no copy.
+    stash.append((x[: m // 2], x[m // 2 :]))
+  ring = _ring.Ring((x, x), (1, -1), axis_name, api)
   for s in range(last):
     with jax.named_scope(f"chunk{s}"):
       accs = ring.step(
@@ -221,6 +236,114 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   with jax.named_scope(f"chunk{last}"):
     accs = consume(last, ring.values(), ws, accs)
   return tuple(a.astype(x.dtype) for a in accs)
+
+
+def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
+  """The value API's ring of whole chunks, in two row pieces.
+
+  Each transfer moves one piece (half of ``x``'s rows, or all of them when
+  ``M`` is odd) of the two chunks it carries, and the pieces' transfers
+  alternate: the window of piece 1's transfer at step ``s`` holds the dot
+  of piece 0's chunks that arrived at step ``s``, and the window of piece
+  0's transfer at step ``s + 1`` the dot of piece 1's. So every transfer
+  is half a chunk each way, and the first one (``x``'s first rows, sent
+  with ``bidirectional_start(whole=True, rows=...)`` straight from ``x``)
+  hides under the local chunk's dot, where a whole chunk each way did
+  not (v5e, v6e: 102 and 132 us exposed at tp 8, M = 16384). A buffer a
+  dot reads that a later transfer sends passes through optimization
+  barriers after that dot, so the transfer's in-place start is ordered
+  after it (no copy).
+
+  Returns:
+    The outputs ``[M, f_i]``, in ``x.dtype``.
+  """
+  (m, k) = x.shape
+  p = 2 if m % 2 == 0 else 1
+  h = m // p
+  order = [(s, j) for s in range(1, last + 1) for j in range(p)]
+  work = [(0, None), *order]  # the local chunk, then each arrived piece
+  state = {"x": x}  # buffers to send later: x's chain, then each piece's
+  accs = [None] * len(ws)
+  # Each piece's last product is added and rounded straight into its rows
+  # of the output (one fusion, no separate pass to round the accumulator).
+  outs = [_empty((p, h, w.shape[1]), x.dtype) for w in ws]
+  stacks = {}
+
+  def dot(t, bufs, sent_key, sent):
+    """Work item ``t`` on the buffers (``sent`` for the one in flight)."""
+    s, j = work[t]
+
+    def src(key):
+      return sent if key == sent_key else bufs[key]
+
+    if s == 0:
+      xs = src("x")
+      for i, w in enumerate(ws):
+        y = jnp.dot(xs, _rows_of(w, me, k), preferred_element_type=acc_dt)
+        accs[i] = y.reshape(p, h, y.shape[-1])
+      return
+    pair = src(f"p{j}").reshape(2, h, k)
+    cs = chunks(me, s, n, True)
+    use = 1 if 2 * s == n else 2
+    for i, w in enumerate(ws):
+      if use == 1:
+        y = jnp.dot(
+          pair[0], _rows_of(w, cs[0], k), preferred_element_type=acc_dt
+        )
+      else:
+        # Both pieces of step s meet the same stacked rows of w: stacked
+        # once, in the first piece's window (not carried through the
+        # barriers: that cost the second piece's dot a relayout).
+        if (s, i) not in stacks:
+          stacks[s, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
+        y = jax.lax.dot_general(
+          pair,
+          stacks[s, i],
+          (((0, 2), (0, 1)), ((), ())),
+          preferred_element_type=acc_dt,
+        )
+      if s == last:
+        outs[i] = outs[i].at[j].set((accs[i][j] + y).astype(x.dtype))
+      else:
+        accs[i] = accs[i].at[j].add(y)
+
+  for t, (s, j) in enumerate(order):
+    key = "x" if s == 1 else f"p{j}"
+    src = state.pop(key)
+    with jax.named_scope(f"chunk{work[t][0]}"), jax.named_scope("ring_step"):
+      if s == 1:
+        rows = (j * h, (j + 1) * h) if p == 2 else None
+        sent, fut = futures.bidirectional_start(
+          src, axis_name, whole=True, rows=rows
+        )
+      else:
+        sent, fut = futures.bidirectional_start(src, axis_name)
+      fut, sent, state, wsb, acc_in, out_in = jax.lax.optimization_barrier(
+        (fut, sent, state, ws, tuple(accs), tuple(outs))
+      )
+      accs[:], outs[:] = acc_in, out_in
+      ws_saved, ws = ws, wsb
+      dot(t, state, key, sent)
+      ws = ws_saved
+      acc_out, out_out, fut, state = jax.lax.optimization_barrier(
+        (tuple(accs), tuple(outs), fut, state)
+      )
+      accs[:], outs[:] = acc_out, out_out
+      recv = futures.done(fut)
+      # The aliased x goes on to x's next piece (its last alias is what
+      # the first transfer saw, readable later at no copy).
+      if key == "x":
+        if s == 1 and j == p - 1:
+          if stash is not None:
+            stash.append((sent,))
+        else:
+          state["x"] = sent
+      state, recv = jax.lax.optimization_barrier((state, recv))
+      state[f"p{j}"] = recv
+  with jax.named_scope(f"chunk{last}"):
+    for t in range(len(order), len(work)):
+      dot(t, state, None, None)
+  return tuple(o.reshape(m, o.shape[-1]) for o in outs)
 
 
 def contracting(

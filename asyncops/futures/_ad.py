@@ -120,7 +120,10 @@ def reverse(spec: OpSpec) -> OpSpec:
 
     d = -_bidirectional.direction(spec)
     return dataclasses.replace(
-      base, perm=tuple((i, (i + d) % n) for i in range(n))
+      base,
+      perm=tuple((i, (i + d) % n) for i in range(n)),
+      whole=False,
+      rows=None,
     )
   if spec.kind == "all_gather":
     return dataclasses.replace(
@@ -140,6 +143,14 @@ def _after_reverse(y, spec: OpSpec, rev: OpSpec):
   y = _registry.get(rev.kind).finalize(y, rev)
   if spec.kind == "all_gather":
     y = jnp.sum(y, axis=0, dtype=y.dtype)  # the reduce of reduce-scatter
+  if spec.kind == "bidirectional" and spec.whole:
+    a = spec.gather_axis
+    lo, hi = jnp.split(y, 2, axis=a)  # the copies' sum
+    y = lo + hi
+    if spec.rows:  # zero beside the rows that travelled
+      pad = [(0, 0)] * y.ndim
+      pad[a] = (spec.rows[0], spec.shape[a] - spec.rows[1])
+      y = jnp.pad(y, pad)
   return y
 
 

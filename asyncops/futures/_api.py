@@ -168,7 +168,9 @@ def ppermute_done(fut: Future):
 # bidirectional ring ----------------------------------------------------------
 
 
-def bidirectional_start(x, axis_name: str):
+def bidirectional_start(
+  x, axis_name: str, *, whole: bool = False, rows: tuple | None = None
+):
   """Starts a bidirectional ring permute: half of ``x`` each way.
 
   The first half of ``x`` along axis 0 goes to index + 1, the second half
@@ -176,18 +178,42 @@ def bidirectional_start(x, axis_name: str):
   The result on device ``i`` is ``concat(x_{i-1}[:h], x_{i+1}[h:])``.
 
   Args:
-    x: the array; ``x.shape[0]`` must be even.
+    x: the array; ``x.shape[0]`` must be even unless ``whole``.
     axis_name: the ring's mesh axis.
+    whole: send all of ``x`` each way instead: the result on device ``i``
+      is ``concat(x_{i-1}, x_{i+1})`` (twice ``x``'s rows), read from the
+      one source (no buffer of two copies of ``x`` to send).
+    rows: with ``whole``, send only ``x[lo:hi]`` (``rows = (lo, hi)``)
+      each way: the result is ``concat(x_{i-1}[lo:hi], x_{i+1}[lo:hi])``.
 
   Returns:
     ``(x, future)`` for :func:`bidirectional_done`.
 
   Raises:
-    ValueError: ``x.shape[0]`` is odd.
+    TypeError: ``whole`` is not a bool.
+    ValueError: ``x.shape[0]`` is odd (and not ``whole``); ``rows``
+      without ``whole``, or not a range ``0 <= lo < hi <= x.shape[0]``.
   """
   fn = "bidirectional_start"
   _validate.array(x, fn)
-  if x.shape[0] % 2:
+  if not isinstance(whole, bool):
+    raise TypeError(f"{fn}: whole must be a bool, got {whole!r}.")
+  if rows is not None:
+    ok = (
+      whole
+      and len(rows) == 2
+      and all(isinstance(r, int) for r in rows)
+      and 0 <= rows[0] < rows[1] <= x.shape[0]
+    )
+    if not ok:
+      raise ValueError(
+        f"{fn}: rows = {rows!r} with whole = {whole} and x.shape[0] = "
+        f"{x.shape[0]}; rows is a range (lo, hi) of axis 0, 0 <= lo < hi "
+        "<= x.shape[0], sent with whole=True. Pass whole=True, or fix the "
+        "range."
+      )
+    rows = tuple(rows)
+  if x.shape[0] % 2 and not whole:
     raise ValueError(
       f"{fn}: x.shape[0] = {x.shape[0]} is odd; the bidirectional permute "
       "sends half of axis 0 each way. Pad x to an even leading dimension, "
@@ -195,7 +221,12 @@ def bidirectional_start(x, axis_name: str):
     )
   size = _validate.axis(axis_name, fn)
   pairs = tuple((i, (i + 1) % size) for i in range(size))
-  return _start(x, collective_spec("bidirectional", x, axis_name, fn, pairs))
+  return _start(
+    x,
+    collective_spec(
+      "bidirectional", x, axis_name, fn, pairs, whole=whole, rows=rows
+    ),
+  )
 
 
 def bidirectional_done(fut: Future):

@@ -37,6 +37,15 @@ swap directions: the first half goes to ``index - 1`` and the second to
 the row half that came from the left goes back to the left), so the
 backward pass of a bidirectional permute is one bidirectional kernel too.
 
+Whole (``spec.whole``). All of ``x`` travels each way, no halves: the
+destination is twice ``x`` along the split axis, ``concat(x_{i-1},
+x_{i+1})`` on device ``i``. Both DMAs read the one source, so the first
+step of a ring of whole chunks (``collective_matmul._gather_rings``)
+needs no buffer holding two copies of ``x``; its later steps send that
+destination on with the default kernel. Its transpose is the reversed
+default kernel on the destination's cotangent, then the sum of the two
+halves that come back.
+
 Split axis. The halves are taken along axis 0, except under ``jax.vmap``
 with the batch at axis 0: the rows are then axis 1 (``spec.gather_axis``)
 and each half is a strided DMA, so the batch needs no relayout.
@@ -88,11 +97,40 @@ def split_axis(spec: OpSpec) -> int:
 
 
 def halves(ref, spec: OpSpec):
-  """The two halves of ``ref`` along ``split_axis(spec)``, as ref views."""
-  a = split_axis(spec)
-  h = spec.shape[a] // 2
-  lead = (slice(None),) * a
+  """The two halves of the source ``ref`` along ``split_axis(spec)``, as
+  ref views (``ref``, or its ``spec.rows``, twice when ``spec.whole``)."""
+  if spec.whole:
+    lo = spec.rows[0] if spec.rows else 0
+    lead = (slice(None),) * split_axis(spec)
+    part = ref.at[(*lead, pl.ds(lo, sent_rows(spec)))]
+    return part, part
+  return _split(ref, spec.shape[split_axis(spec)] // 2, spec)
+
+
+def sent_rows(spec: OpSpec) -> int:
+  """How much of the split axis one direction moves."""
+  if spec.whole and spec.rows:
+    return spec.rows[1] - spec.rows[0]
+  return spec.shape[split_axis(spec)] // (1 + (not spec.whole))
+
+
+def dst_halves(ref, spec: OpSpec):
+  """The two halves of the destination ``ref``, one per direction."""
+  return _split(ref, sent_rows(spec), spec)
+
+
+def _split(ref, h: int, spec: OpSpec):
+  lead = (slice(None),) * split_axis(spec)
   return ref.at[(*lead, pl.ds(0, h))], ref.at[(*lead, pl.ds(h, h))]
+
+
+def dst_shape(spec: OpSpec) -> tuple[int, ...]:
+  """The source's shape, or twice what travels along the split axis if
+  whole."""
+  if not spec.whole:
+    return spec.shape
+  a = split_axis(spec)
+  return (*spec.shape[:a], 2 * sent_rows(spec), *spec.shape[a + 1 :])
 
 
 def bidirectional_start_kernel(
@@ -108,7 +146,7 @@ def bidirectional_start_kernel(
 ):
   del aliased_x_ref
   x_lo, x_hi = halves(x_ref, spec)
-  o_lo, o_hi = halves(o_ref, spec)
+  o_lo, o_hi = dst_halves(o_ref, spec)
   if spec.axis_size == 1:
     with jax.named_scope("local_copy"):
       pltpu.make_async_copy(x_lo, o_lo, send_right).start()
@@ -154,7 +192,7 @@ def wait_recv(o_ref, sems, *, spec: OpSpec):
   recv_left, recv_right = sems
   if spec.axis_size == 1:
     return  # The local copies signalled the send semaphores.
-  o_lo, o_hi = halves(o_ref, spec)
+  o_lo, o_hi = dst_halves(o_ref, spec)
   c.wait_dma(o_lo, recv_left)
   c.wait_dma(o_hi, recv_right)
 
@@ -174,12 +212,13 @@ def check_tpu_halves(shape, dtype) -> None:
 
 
 def start(x, *, spec: OpSpec):
-  check_tpu_halves(x.shape, x.dtype)
+  # Whole: each destination half is one DMA, the size of x.
+  check_tpu_halves(dst_shape(spec), x.dtype)
   return pl.pallas_call(
     functools.partial(bidirectional_start_kernel, spec=spec),
     out_shape=(
       jc.shape_like(x),
-      c.shape_like(x),
+      c.shape_like(x, dst_shape(spec)),
       c.DMA,
       c.DMA,
       c.DMA,
@@ -197,7 +236,12 @@ def start(x, *, spec: OpSpec):
 
 def emulate(x, *, spec: OpSpec):
   a = split_axis(spec)
-  lo, hi = jax.numpy.split(x, 2, axis=a)
+  if spec.whole:
+    start = spec.rows[0] if spec.rows else 0
+    part = jax.lax.slice_in_dim(x, start, start + sent_rows(spec), axis=a)
+    lo, hi = part, part
+  else:
+    lo, hi = jax.numpy.split(x, 2, axis=a)
   n, d = spec.axis_size, direction(spec)
   right = [(i, (i + d) % n) for i in range(n)]
   left = [(i, (i - d) % n) for i in range(n)]
@@ -212,7 +256,7 @@ def emulate(x, *, spec: OpSpec):
 
 def validate(spec: OpSpec) -> None:
   a = split_axis(spec)
-  if len(spec.shape) <= a or spec.shape[a] % 2:
+  if len(spec.shape) <= a or (spec.shape[a] % 2 and not spec.whole):
     raise ValueError(
       f"bidirectional_start: x.shape = {spec.shape}; axis {a} must be even "
       "(half of it goes each way). Pad x along axis 0, or use "
@@ -225,7 +269,7 @@ _registry.register(
   _registry.KernelSet(
     send_sems=lambda spec: 2,
     recv_sems=lambda spec: 2,
-    dst_shape=lambda spec: spec.shape,
+    dst_shape=dst_shape,
     start=start,
     wait_send=wait_send,
     wait_recv=wait_recv,

@@ -48,6 +48,11 @@ class OpSpec:
     view_dtype: the user's dtype when it travels as a carrier
       (``asyncops.futures._bitcast``: ``shape`` and ``dtype`` are then the
       carrier's); ``None`` when it travels as it is.
+    whole: for ``bidirectional``, all of the source travels each way (no
+      halves): the destination stacks the two copies along the split
+      axis, twice the source's size there.
+    rows: with ``whole``, the ``[lo, hi)`` range of the split axis that
+      travels (``None``: all of it).
   """
 
   kind: Kind
@@ -63,6 +68,8 @@ class OpSpec:
   collective_id: int | None = None
   transfer: Transfer = "start"
   view_dtype: str | None = None
+  whole: bool = False
+  rows: tuple[int, int] | None = None
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -99,4 +106,6 @@ class OpSpec:
       parts.append(f"axis={self.axis_name!r}")
     if self.kind == "ppermute":
       parts.append(f"perm={list(self.perm)}")
+    if self.whole:
+      parts.append(f"whole rows={list(self.rows)}" if self.rows else "whole")
     return " ".join(parts)
