@@ -54,6 +54,9 @@ class Steps:
   needs: tuple[tuple[int, ...], ...]
   blocks: int = 1
   tails: tuple[float, ...] = ()
+  # Per step, the twin's parameter number of the chunk operand its dot
+  # reads (empty: the dots are taken in schedule order).
+  params: tuple[int, ...] = ()
 
 
 _TWINS: dict[str, Twin] = {}
@@ -127,25 +130,61 @@ class KernelCoster:
       tl = _timeline.simulate(_hlo.parse(text), self.chip, prefetch="charged")
       self.cache[key] = tl.step_s
       if steps:
-        self.cache[key] = _split(tl, steps[0])
+        owners = _dot_steps(_hlo.parse(text), steps[0].params)
+        self.cache[key] = _split(tl, steps[0], owners)
     return self.cache[key]
 
 
-def _split(tl: _timeline.Timeline, steps: Steps) -> _timeline.KernelSteps:
-  """The twin's modelled time step by step: each compute box joins the
-  step of the next dot (boxes after the last dot join the last step). If
-  XLA did not keep one dot per step, the time is split in proportion to
-  each step's chunks (its slots; one for the first step)."""
+def _dot_steps(module: _hlo.Module, params: tuple[int, ...]) -> dict:
+  """Entry instruction name -> step, for each instruction that reads
+  exactly one step's chunk parameter (``params[s]``) directly or through
+  copies (a cross-program prefetch's copy-start / copy-done)."""
+  if not params:
+    return {}
+  step_of = {p: s for s, p in enumerate(params)}
+  reach: dict[str, set] = {}
+  owners = {}
+  for ins in module.computations[module.entry]:
+    if ins.opcode == "parameter":
+      reach[ins.name] = {ins.parameter_number}
+      continue
+    came = set().union(*(reach.get(o, set()) for o in ins.operands))
+    if ins.opcode in ("copy-start", "copy-done", "copy", "bitcast"):
+      reach[ins.name] = came
+    steps = {step_of[p] for p in came if p in step_of}
+    if len(steps) == 1:
+      owners[ins.name] = steps.pop()
+  return owners
+
+
+def _split(
+  tl: _timeline.Timeline, steps: Steps, owners: dict | None = None
+) -> _timeline.KernelSteps:
+  """The twin's modelled time step by step: each dot box is charged to
+  the step whose chunks it reads (``owners``, from the twin's HLO: XLA
+  may schedule the steps' dots in another order than the kernel runs
+  them, e.g. a paired step's dot last, fused with the accumulation), or
+  when that is not known to the steps in schedule order; each other
+  compute box joins the step of the next dot (boxes after the last dot,
+  the last step). If XLA did not keep one dot per step, the time is
+  split in proportion to each step's chunks (its slots; one for the first
+  step)."""
   n = len(steps.needs)
   costs = [0.0] * n
-  i = 0
   boxes = [e for e in tl.events if e.track == "compute"]
-  dots = sum(1 for e in boxes if e.args.get("flops", 0) > 0)
-  if dots == n:
+  dots = [e for e in boxes if e.args.get("flops", 0) > 0]
+  owners = owners or {}
+  order = [owners.get(e.name) for e in dots]
+  if sorted(s for s in order if s is not None) != list(range(n)):
+    order = list(range(len(dots)))  # schedule order
+  if len(dots) == n:
+    i, pending = 0, 0.0
     for e in boxes:
-      costs[min(i, n - 1)] += e.dur
+      pending += e.dur
       if e.args.get("flops", 0) > 0:
-        i += 1
+        costs[order[i]] += pending
+        i, pending = i + 1, 0.0
+    costs[-1] += pending  # the last step writes the result
     costs[-1] += tl.step_s - sum(costs)  # anything off the compute track
   else:
     sizes = [max(len(nd), 1) for nd in steps.needs]

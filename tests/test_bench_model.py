@@ -380,6 +380,44 @@ def test_fused_kernel_with_a_tail_waits_before_its_last_iterations():
   assert tail == pytest.approx((9e-6, 2e-6))
 
 
+def test_fused_kernel_steps_are_charged_by_the_chunks_their_dots_read():
+  """XLA schedules the twin's dots in its own order (for a ``(1, 2, 1)``
+  plan at the v6e prefill step it runs the paired step's dot last, fused
+  with the accumulation); each step is still charged the dot that reads
+  its chunks, so the paired step (twice the FLOPs) costs the most, in the
+  kernel's order."""
+  import functools  # noqa: PLC0415
+
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
+  chip = _chips.CHIPS["v6e"]
+  device = _measure.mesh_for("v6e:2x4", "ring", 4).devices.flat[0]
+  s = jax.sharding.SingleDeviceSharding(device)
+  n, m, k, f, plan = 4, 1024, 2048, 7168, (1, 2, 1)
+  args = [jax.ShapeDtypeStruct((n * k, f), jnp.bfloat16, sharding=s)] + [
+    jax.ShapeDtypeStruct((m, g * k), jnp.bfloat16, sharding=s) for g in plan
+  ]
+  fn = functools.partial(
+    _fused_variants.ring_steps, plan=plan, out_dtype=jnp.bfloat16
+  )
+  text = jax.jit(fn).trace(*args).lower().compile().as_text()
+  module = _hlo.parse(text)
+  tl = _timeline.simulate(module, chip, prefetch="charged")
+  steps = _kernel_costs.Steps(((), (0, 1), (2,)), 1, (), (1, 2, 3))
+  owners = _kernel_costs._dot_steps(module, steps.params)
+  split = _kernel_costs._split(tl, steps, owners)
+  in_order = _kernel_costs._split(tl, steps)
+  assert sum(split.costs) == pytest.approx(tl.step_s)
+  assert sum(in_order.costs) == pytest.approx(tl.step_s)
+  # The paired step is the dearest (its dot has twice a single step's
+  # FLOPs), whatever order XLA runs the dots in.
+  assert max(split.costs) == split.costs[1]
+  pair_flops = 2 * m * 2 * k * f
+  assert split.costs[1] >= pair_flops / chip.bf16_flops
+  # XLA did run it last here: in schedule order it would land on step 2.
+  assert max(in_order.costs) == in_order.costs[2]
+
+
 @dataclasses.dataclass
 class _FakeIns:
   name: str = "ring_allgather_matmul"
