@@ -157,7 +157,11 @@ def _ag_twin(operands, results, attrs=""):
   )
   # Twin parameters: w, then step s's chunks (parameter s + 1).
   params = tuple(range(1, len(plan) + 1))
-  return fn, args, _kernel_costs.Steps(tuple(needs), blocks, tails, params)
+  return (
+    fn,
+    args,
+    _kernel_costs.Steps(tuple(needs), blocks, tails, params, plan),
+  )
 
 
 def _rs_twin(operands, results, attrs=""):

@@ -55,8 +55,10 @@ class Steps:
   blocks: int = 1
   tails: tuple[float, ...] = ()
   # Per step, the twin's parameter number of the chunk operand its dot
-  # reads (empty: the dots are taken in schedule order).
+  # reads (empty: the dots are taken in schedule order), and its chunks
+  # (empty: one, plus one per slot it waits for after the first step).
   params: tuple[int, ...] = ()
+  units: tuple[int, ...] = ()
 
 
 _TWINS: dict[str, Twin] = {}
@@ -130,17 +132,19 @@ class KernelCoster:
       tl = _timeline.simulate(_hlo.parse(text), self.chip, prefetch="charged")
       self.cache[key] = tl.step_s
       if steps:
-        owners = _dot_steps(_hlo.parse(text), steps[0].params)
-        self.cache[key] = _split(tl, steps[0], owners)
+        owners, reads = _dot_steps(_hlo.parse(text), steps[0].params)
+        self.cache[key] = _split(tl, steps[0], owners, reads)
     return self.cache[key]
 
 
-def _dot_steps(module: _hlo.Module, params: tuple[int, ...]) -> dict:
-  """Entry instruction name -> step, for each instruction that reads
-  exactly one step's chunk parameter (``params[s]``) directly or through
-  copies (a cross-program prefetch's copy-start / copy-done)."""
+def _dot_steps(module: _hlo.Module, params: tuple[int, ...]):
+  """``(owners, reads)``: entry instruction name -> step, for each
+  instruction that reads exactly one step's chunk parameter
+  (``params[s]``) directly or through copies (a cross-program prefetch's
+  copy-start / copy-done); and name -> its operands' names."""
+  reads = {i.name: set(i.operands) for i in module.computations[module.entry]}
   if not params:
-    return {}
+    return {}, reads
   step_of = {p: s for s, p in enumerate(params)}
   reach: dict[str, set] = {}
   owners = {}
@@ -154,40 +158,60 @@ def _dot_steps(module: _hlo.Module, params: tuple[int, ...]) -> dict:
     steps = {step_of[p] for p in came if p in step_of}
     if len(steps) == 1:
       owners[ins.name] = steps.pop()
-  return owners
+  return owners, reads
 
 
 def _split(
-  tl: _timeline.Timeline, steps: Steps, owners: dict | None = None
+  tl: _timeline.Timeline,
+  steps: Steps,
+  owners: dict | None = None,
+  reads: dict | None = None,
 ) -> _timeline.KernelSteps:
-  """The twin's modelled time step by step: each dot box is charged to
-  the step whose chunks it reads (``owners``, from the twin's HLO: XLA
-  may schedule the steps' dots in another order than the kernel runs
-  them, e.g. a paired step's dot last, fused with the accumulation), or
-  when that is not known to the steps in schedule order; each other
-  compute box joins the step of the next dot (boxes after the last dot,
-  the last step). If XLA did not keep one dot per step, the time is
-  split in proportion to each step's chunks (its slots; one for the first
+  """The twin's modelled time step by step.
+
+  Each dot box is charged to the step whose chunks it reads (``owners``,
+  from the twin's HLO: XLA may schedule the steps' dots in another order
+  than the kernel runs them, e.g. a paired step's dot last), or when that
+  is not known to the steps in schedule order; each other compute box
+  joins the step of the next dot. A dot box that also adds earlier dots'
+  results (``reads``: XLA fuses the accumulation into one step's dot)
+  keeps for its step at most what the dearest plain dot costs per chunk,
+  times its step's chunks; the rest (the accumulation and the final cast,
+  work the kernel finishes in its last step) and any box after the last
+  dot go to the last step, so a step's cost never carries work of the
+  steps after it. If XLA did not keep one dot per step, the time is split
+  in proportion to each step's chunks (its slots; one for the first
   step)."""
   n = len(steps.needs)
+  sizes = steps.units or tuple(max(len(nd), 1) for nd in steps.needs)
   costs = [0.0] * n
   boxes = [e for e in tl.events if e.track == "compute"]
   dots = [e for e in boxes if e.args.get("flops", 0) > 0]
-  owners = owners or {}
+  owners, reads = owners or {}, reads or {}
   order = [owners.get(e.name) for e in dots]
   if sorted(s for s in order if s is not None) != list(range(n)):
     order = list(range(len(dots)))  # schedule order
   if len(dots) == n:
-    i, pending = 0, 0.0
+    names = {e.name for e in dots}
+    charged, pending = [], 0.0
     for e in boxes:
       pending += e.dur
       if e.args.get("flops", 0) > 0:
-        costs[order[i]] += pending
-        i, pending = i + 1, 0.0
-    costs[-1] += pending  # the last step writes the result
+        charged.append((e, pending))
+        pending = 0.0
+    adds = [bool(reads.get(e.name, set()) & names) for e, _ in charged]
+    plain = [
+      c / sizes[order[i]] for i, (_, c) in enumerate(charged) if not adds[i]
+    ]
+    rest = pending  # the last step writes the result
+    for i, (_, c) in enumerate(charged):
+      st = order[i]
+      keep = min(c, max(plain) * sizes[st]) if adds[i] and plain else c
+      costs[st] += keep
+      rest += c - keep
+    costs[-1] += rest
     costs[-1] += tl.step_s - sum(costs)  # anything off the compute track
   else:
-    sizes = [max(len(nd), 1) for nd in steps.needs]
     costs = [tl.step_s * g / sum(sizes) for g in sizes]
   return _timeline.KernelSteps(
     tuple(costs), steps.needs, steps.blocks, steps.tails

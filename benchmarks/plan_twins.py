@@ -59,9 +59,9 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
     args = (w,) + tuple(sds((m, g * k), x_dtype) for g in plan)
     module, tl = _model(fn, args, chip)
     params = tuple(range(1, len(plan) + 1))
-    steps = _kernel_costs.Steps(((),) * len(plan), 1, (), params)
-    owners = _kernel_costs._dot_steps(module, params)
-    split = _kernel_costs._split(tl, steps, owners)
+    steps = _kernel_costs.Steps(((),) * len(plan), 1, (), params, plan)
+    owners, reads = _kernel_costs._dot_steps(module, params)
+    split = _kernel_costs._split(tl, steps, owners, reads)
     out[plan] = (tl.step_s, split.costs)
 
   def dot(x, w):
