@@ -155,7 +155,13 @@ def _ag_twin(operands, results, attrs=""):
   args = (_sds((n * k, f), _dt(w)),) + tuple(
     _sds((m, g * k), _dt(x)) for g in plan
   )
-  return fn, args, _kernel_costs.Steps(tuple(needs), blocks, tails)
+  # Twin parameters: w, then step s's chunks (parameter s + 1).
+  params = tuple(range(1, len(plan) + 1))
+  return (
+    fn,
+    args,
+    _kernel_costs.Steps(tuple(needs), blocks, tails, params, plan),
+  )
 
 
 def _rs_twin(operands, results, attrs=""):

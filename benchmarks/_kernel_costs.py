@@ -54,6 +54,11 @@ class Steps:
   needs: tuple[tuple[int, ...], ...]
   blocks: int = 1
   tails: tuple[float, ...] = ()
+  # Per step, the twin's parameter number of the chunk operand its dot
+  # reads (empty: the dots are taken in schedule order), and its chunks
+  # (empty: one, plus one per slot it waits for after the first step).
+  params: tuple[int, ...] = ()
+  units: tuple[int, ...] = ()
 
 
 _TWINS: dict[str, Twin] = {}
@@ -127,28 +132,86 @@ class KernelCoster:
       tl = _timeline.simulate(_hlo.parse(text), self.chip, prefetch="charged")
       self.cache[key] = tl.step_s
       if steps:
-        self.cache[key] = _split(tl, steps[0])
+        owners, reads = _dot_steps(_hlo.parse(text), steps[0].params)
+        self.cache[key] = _split(tl, steps[0], owners, reads)
     return self.cache[key]
 
 
-def _split(tl: _timeline.Timeline, steps: Steps) -> _timeline.KernelSteps:
-  """The twin's modelled time step by step: each compute box joins the
-  step of the next dot (boxes after the last dot join the last step). If
-  XLA did not keep one dot per step, the time is split in proportion to
-  each step's chunks (its slots; one for the first step)."""
+def _dot_steps(module: _hlo.Module, params: tuple[int, ...]):
+  """``(owners, reads)``: entry instruction name -> step, for each
+  instruction that reads exactly one step's chunk parameter
+  (``params[s]``) directly or through copies (a cross-program prefetch's
+  copy-start / copy-done); and name -> its operands' names."""
+  reads = {i.name: set(i.operands) for i in module.computations[module.entry]}
+  if not params:
+    return {}, reads
+  step_of = {p: s for s, p in enumerate(params)}
+  reach: dict[str, set] = {}
+  owners = {}
+  for ins in module.computations[module.entry]:
+    if ins.opcode == "parameter":
+      reach[ins.name] = {ins.parameter_number}
+      continue
+    came = set().union(*(reach.get(o, set()) for o in ins.operands))
+    if ins.opcode in ("copy-start", "copy-done", "copy", "bitcast"):
+      reach[ins.name] = came
+    steps = {step_of[p] for p in came if p in step_of}
+    if len(steps) == 1:
+      owners[ins.name] = steps.pop()
+  return owners, reads
+
+
+def _split(
+  tl: _timeline.Timeline,
+  steps: Steps,
+  owners: dict | None = None,
+  reads: dict | None = None,
+) -> _timeline.KernelSteps:
+  """The twin's modelled time step by step.
+
+  Each dot box is charged to the step whose chunks it reads (``owners``,
+  from the twin's HLO: XLA may schedule the steps' dots in another order
+  than the kernel runs them, e.g. a paired step's dot last), or when that
+  is not known to the steps in schedule order; each other compute box
+  joins the step of the next dot. A dot box that also adds earlier dots'
+  results (``reads``: XLA fuses the accumulation into one step's dot)
+  keeps for its step at most what the dearest plain dot costs per chunk,
+  times its step's chunks; the rest (the accumulation and the final cast,
+  work the kernel finishes in its last step) and any box after the last
+  dot go to the last step, so a step's cost never carries work of the
+  steps after it. If XLA did not keep one dot per step, the time is split
+  in proportion to each step's chunks (its slots; one for the first
+  step)."""
   n = len(steps.needs)
+  sizes = steps.units or tuple(max(len(nd), 1) for nd in steps.needs)
   costs = [0.0] * n
-  i = 0
   boxes = [e for e in tl.events if e.track == "compute"]
-  dots = sum(1 for e in boxes if e.args.get("flops", 0) > 0)
-  if dots == n:
+  dots = [e for e in boxes if e.args.get("flops", 0) > 0]
+  owners, reads = owners or {}, reads or {}
+  order = [owners.get(e.name) for e in dots]
+  if sorted(s for s in order if s is not None) != list(range(n)):
+    order = list(range(len(dots)))  # schedule order
+  if len(dots) == n:
+    names = {e.name for e in dots}
+    charged, pending = [], 0.0
     for e in boxes:
-      costs[min(i, n - 1)] += e.dur
+      pending += e.dur
       if e.args.get("flops", 0) > 0:
-        i += 1
+        charged.append((e, pending))
+        pending = 0.0
+    adds = [bool(reads.get(e.name, set()) & names) for e, _ in charged]
+    plain = [
+      c / sizes[order[i]] for i, (_, c) in enumerate(charged) if not adds[i]
+    ]
+    rest = pending  # the last step writes the result
+    for i, (_, c) in enumerate(charged):
+      st = order[i]
+      keep = min(c, max(plain) * sizes[st]) if adds[i] and plain else c
+      costs[st] += keep
+      rest += c - keep
+    costs[-1] += rest
     costs[-1] += tl.step_s - sum(costs)  # anything off the compute track
   else:
-    sizes = [max(len(nd), 1) for nd in steps.needs]
     costs = [tl.step_s * g / sum(sizes) for g in sizes]
   return _timeline.KernelSteps(
     tuple(costs), steps.needs, steps.blocks, steps.tails

@@ -380,6 +380,83 @@ def test_fused_kernel_with_a_tail_waits_before_its_last_iterations():
   assert tail == pytest.approx((9e-6, 2e-6))
 
 
+def _twin_split(topology, dims, plan):
+  import functools  # noqa: PLC0415
+
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
+  chip = _chips.chip_for(topology)
+  device = _measure.mesh_for(topology, "ring", 4).devices.flat[0]
+  s = jax.sharding.SingleDeviceSharding(device)
+  n, m, k, f = dims
+  args = [jax.ShapeDtypeStruct((n * k, f), jnp.bfloat16, sharding=s)] + [
+    jax.ShapeDtypeStruct((m, g * k), jnp.bfloat16, sharding=s) for g in plan
+  ]
+  fn = functools.partial(
+    _fused_variants.ring_steps, plan=plan, out_dtype=jnp.bfloat16
+  )
+  text = jax.jit(fn).trace(*args).lower().compile().as_text()
+  module = _hlo.parse(text)
+  tl = _timeline.simulate(module, chip, prefetch="charged")
+  params = tuple(range(1, len(plan) + 1))
+  steps = _kernel_costs.Steps(((),) * len(plan), 1, (), params, plan)
+  owners, reads = _kernel_costs._dot_steps(module, params)
+  boxes = {
+    e.name: e.dur
+    for e in tl.events
+    if e.track == "compute" and e.args.get("flops", 0) > 0
+  }
+  return chip, tl, steps, owners, reads, boxes
+
+
+def test_fused_kernel_steps_are_charged_by_the_chunks_their_dots_read():
+  """XLA schedules the twin's dots in its own order (for a ``(1, 2, 1)``
+  plan at the v6e prefill step it runs the paired step's dot last, fused
+  with the accumulation); each step is still charged the dot that reads
+  its chunks, so the paired step (twice the FLOPs) costs the most, in the
+  kernel's order."""
+  n, m, k, f, plan = 4, 1024, 2048, 7168, (1, 2, 1)
+  chip, tl, steps, owners, reads, boxes = _twin_split(
+    "v6e:2x4", (n, m, k, f), plan
+  )
+  split = _kernel_costs._split(tl, steps, owners, reads)
+  in_order = _kernel_costs._split(tl, steps)
+  assert sum(split.costs) == pytest.approx(tl.step_s)
+  assert sum(in_order.costs) == pytest.approx(tl.step_s)
+  assert sorted(owners[b] for b in boxes) == [0, 1, 2]
+  # The paired step is the dearest (its dot has twice a single step's
+  # FLOPs), whatever order XLA runs the dots in.
+  assert max(split.costs) == split.costs[1]
+  assert split.costs[1] >= 2 * m * 2 * k * f / chip.bf16_flops
+  # XLA did run it last here: in schedule order it would land on step 2.
+  assert max(in_order.costs) == in_order.costs[2]
+
+
+def test_fused_kernel_step_never_carries_the_accumulation():
+  """At the chapter's shape on v6e XLA runs the local chunk's dot last,
+  fused with the adds of every other step's product and the cast. The
+  local step (the kernel's first) keeps no more than the dearest plain
+  step dot; the accumulation goes to the last step, where the kernel
+  finishes it, so the first step is not made longer than it is (which
+  would hide the later steps' waits)."""
+  plan = (1, 1, 1, 1)
+  _, tl, steps, owners, reads, boxes = _twin_split(
+    "v6e:2x4", (4, 512, 512, 2048), plan
+  )
+  split = _kernel_costs._split(tl, steps, owners, reads)
+  names = set(boxes)
+  fused = [b for b in boxes if reads[b] & names]
+  assert fused and owners[fused[0]] == 0  # the local step's dot adds
+  plain = [boxes[b] for b in boxes if b not in fused]
+  assert split.costs[0] < boxes[fused[0]]
+  assert split.costs[0] <= max(split.costs[1:]) + 1e-12
+  # The last step's own dot is the cheapest plain one; it also carries
+  # what the fused box had beyond a plain step.
+  extra = boxes[fused[0]] - split.costs[0]
+  assert split.costs[-1] >= min(plain) + extra - 1e-12
+  assert sum(split.costs) == pytest.approx(tl.step_s)
+
+
 @dataclasses.dataclass
 class _FakeIns:
   name: str = "ring_allgather_matmul"
