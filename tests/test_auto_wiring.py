@@ -211,3 +211,39 @@ def test_v5p_cube_allgather_picks(m, method):
     wiring=wr,
   )
   assert c.method == method, str(c)
+
+
+@pytest.mark.parametrize(
+  "kind,n,m,method",
+  [
+    # tp 4 (a 2x2 cycle of a 2x4 slice or of the v5p cube), per device
+    # [M, 2048] @ [8192, 7168]. The model (design/benchmarks.md, the
+    # sweep): v6e M = 16 XLA 90.7 us, fused 97.3; M = 64 XLA in shard_map
+    # 98.7, fused 96.2; M = 256 XLA 132.4 (its all-gather 37 us
+    # exposed), fused 108.3; v5p M = 16 XLA 89.5, fused 87.0; M = 64 XLA
+    # 98.4, fused 82.1.
+    ("TPU v6 lite", 4, 16, "xla"),
+    ("TPU v6 lite", 4, 64, "fused"),
+    ("TPU v6 lite", 4, 256, "fused"),
+    ("TPU v6 lite", 4, 4096, "ring"),  # fused 4 panels; two-way ring
+    ("TPU v5p", 4, 16, "xla"),
+    ("TPU v5p", 4, 64, "fused"),
+    # tp 8, [M, 1024] @ [8192, 3584]: the fused kernel's fixed costs
+    # (v6e M = 64 64.1 against XLA's 46.8; v5p 70.2 against 62.7) are
+    # longer than XLA's all-gather (17 us against 8 steps of 2.5).
+    ("TPU v6 lite", 8, 64, "xla"),
+    ("TPU v5p", 8, 64, "xla"),
+    ("TPU v5 lite", 4, 64, "xla"),  # fused 206.4 against 188.1
+  ],
+)
+def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
+  """At decode sizes auto keeps XLA's program while its all-gather is
+  shorter than the fused kernel's fixed costs (``n`` steps of
+  ``CAL.ag_step_s``), and weighs the estimates once it is longer."""
+  k, f = 8192 // n, 28672 // n
+  c = _auto.explain_allgather(
+    m, k, f, n, jnp.bfloat16, precision="DEFAULT", device_kind=kind
+  )
+  assert c.method == method, str(c)
+  if method == "fused":
+    assert "fixed costs" in c.reason and c.fused_us < 0.97 * c.xla_us

@@ -74,10 +74,13 @@ The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
 program. For the all-gather, a matmul bound by reading ``w`` (``C < M /
 2``, decode sizes) keeps XLA's program (no extra kernels, no barrier) when
-XLA's all-gather takes less than the weight read ``W``: the step is about
-the weight read either way. When the all-gather is longer (small
-float32 shapes on v6e: 20 us of transfer beside a 10 us weight read at
-the chapter's shape) the estimates decide. The reduce-scatter has no such rule:
+XLA's all-gather takes less than the weight read ``W`` and than the fused
+kernel's fixed costs, ``n`` steps of ``CAL.ag_step_s`` (which its
+estimate leaves out): the step is about the weight read either way. When
+the all-gather is longer (small float32 shapes on v6e: 20 us of transfer
+beside a 10 us weight read at the chapter's shape; v6e and v5p at tp 4,
+M = 64 and 256 of the Llama shard, 11.5 and 37 us beside 10 us of fixed
+costs) the estimates decide. The reduce-scatter has no such rule:
 XLA's reduce-scatter waits for the whole matmul, the fused kernel sends
 partial sums as they are made, which the benchmark model finds faster at
 decode sizes too.
@@ -191,8 +194,9 @@ def _decide(
   """The fastest candidate by estimate; a ring or fused kernel must beat
   XLA's program by 3% (it adds kernels and barriers). With ``hbm_rule``,
   a matmul bound by reading the weights (``compute_s < hbm_s / 2``) whose
-  XLA collective takes less than that read (``xla_comm_s < w_s``) keeps
-  XLA's program."""
+  XLA collective takes less than ``w_s`` (the weight read, or for the
+  all-gather the fused kernel's fixed costs over the ring when shorter)
+  keeps XLA's program."""
 
   def us(v):
     return None if v is None else v * 1e6
@@ -231,7 +235,8 @@ def _decide(
     if compute_s < hbm_s / 2 and hbm_rule:
       why = (
         "bound by reading the weights from HBM, but XLA's blocking "
-        "all-gather takes longer than that read: the fused kernel hides it"
+        "all-gather takes longer than the fused kernel's fixed costs: the "
+        "fused kernel hides it"
       )
     elif compute_s < hbm_s / 2:
       why = (
@@ -459,7 +464,9 @@ def explain_allgather(
     ring_s=rings.get(1),
     ring_bidi_s=rings.get(2),
     xla_comm_s=xla_ring,
-    w_s=w_s,
+    # The decode rule yields once XLA's all-gather outlasts the fused
+    # kernel's fixed cost per step (``CAL.ag_step_s``) over the ring.
+    w_s=min(w_s, n * cal.ag_step_s),
   )
   if panels > 1 and choice.method == "fused":
     choice = dataclasses.replace(

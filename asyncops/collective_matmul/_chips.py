@@ -91,6 +91,16 @@ class Cal:
       863.3); the tp 8 sweep's ring at M = 4096, a quarter the column
       block, goes from 1724 to 1744 us (the model 1712). 0 elsewhere
       (v6e's picks are right without it).
+    ag_step_s: the fused all-gather's fixed cost per ring step at decode
+      sizes, beyond its weight read (barrier, sends, each step's dot and
+      accumulator pass), which its estimate leaves out: XLA's program is
+      kept at decode while its all-gather is shorter than ``n`` such
+      steps (and than the weight read). The model at 2315ee5, the fused
+      row over XLA's less its all-gather, per step: 6 to 13 us on v5e
+      (8), 2.3 to 4.3 on v6e and 3 on v5p at tp 8, under 1 at tp 4
+      (2.5 on both: v6e tp 4 M = 64 and 256 and v5p tp 4 M = 64, where
+      XLA's all-gather is 11.5 and 37 us and the fused kernel the faster,
+      leave the rule; tp 8 M = 64, 17 us against 20, keeps XLA).
   """
 
   ring_rho: float
@@ -102,6 +112,7 @@ class Cal:
   rs_panel_s: float
   fused_acc: float = 1.0
   rs_ring_w: float = 0.0
+  ag_step_s: float = float("inf")
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -112,8 +123,12 @@ class Cal:
 # estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
 # two-way ring of whole chunks, 2562.5); v4 takes v5e's.
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
-  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 2.4, 0.76, 2e-6),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75),
+  "v4": Cal(
+    0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25, ag_step_s=8e-6
+  ),
+  "v5e": Cal(
+    0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25, ag_step_s=8e-6
+  ),
+  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 2.4, 0.76, 2e-6, ag_step_s=2.5e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75, ag_step_s=2.5e-6),
 }
