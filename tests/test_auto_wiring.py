@@ -247,3 +247,31 @@ def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
   assert c.method == method, str(c)
   if method == "fused":
     assert "fixed costs" in c.reason and c.fused_us < 0.97 * c.xla_us
+
+
+@pytest.mark.parametrize(
+  "kind,m,method",
+  [
+    # v5p tp 4 (per device [M, 2048] @ [8192, 7168]), the model: M = 4096
+    # the one-way ring 1470.1 us, the two-way ring of whole chunks 1442.4;
+    # M = 16384 5527.8 against 5185.0; M = 1024 (halves) 332.4 against
+    # 405.1.
+    ("TPU v5p", 1024, "ring"),
+    ("TPU v5p", 4096, "ring_bidi"),
+    ("TPU v5p", 16384, "ring_bidi"),
+    # v5e and v6e keep the one-way ring (v5e M = 4096: 3070.0 against
+    # 3383.3; v6e M = 4096: 873.7 against 1122.2).
+    ("TPU v5 lite", 4096, "ring"),
+    ("TPU v6 lite", 4096, "ring"),
+  ],
+)
+def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):
+  """Once the float32 accumulator is large (the two-way ring moves whole
+  chunks), v5p's one-way ring is charged half a pass over it per step
+  beside its dot (``CAL.ag_ring_pass``)."""
+  c = _auto.explain_allgather(
+    m, 2048, 7168, 4, jnp.bfloat16, precision="DEFAULT", device_kind=kind
+  )
+  assert c.method == method, str(c)
+  if kind == "TPU v5p" and m > 1024:
+    assert c.ring_bidi_us < c.ring_us < 1.2 * c.ring_bidi_us

@@ -101,6 +101,16 @@ class Cal:
       (2.5 on both: v6e tp 4 M = 64 and 256 and v5p tp 4 M = 64, where
       XLA's all-gather is 11.5 and 37 us and the fused kernel the faster,
       leave the rule; tp 8 M = 64, 17 us against 20, keeps XLA).
+    ag_ring_pass: the share of a pass over the one-way all-gather ring's
+      float32 accumulator charged beside each step's dot once that
+      accumulator is large (``_gather_rings.whole_chunks``: the two-way
+      ring then moves whole chunks, whose estimate charges its passes).
+      v5p 0.5: the model's one-way ring steps there are the dot plus 0.73
+      to 0.87 of a pass at tp 4 (M = 4096 and 16384: 1470.1 and 5527.8
+      us against the two-way ring's 1442.4 and 5185.0; estimated 1174.4
+      and 4537.2 without it, 1344.4 and 5217.2 with), 0.22 at tp 8. 0 on
+      v5e and v6e, where the model hides more of it (the one-way ring is
+      the faster at v5e tp 8 M = 16384 and v6e tp 4 M = 4096).
   """
 
   ring_rho: float
@@ -113,6 +123,7 @@ class Cal:
   fused_acc: float = 1.0
   rs_ring_w: float = 0.0
   ag_step_s: float = float("inf")
+  ag_ring_pass: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -129,6 +140,8 @@ CAL = {
   "v5e": Cal(
     0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25, ag_step_s=8e-6
   ),
-  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 2.4, 0.76, 2e-6, ag_step_s=2.5e-6),
+  "v5p": Cal(
+    0.9, 13e-6, 5e-6, 0.5, 2.4, 0.76, 2e-6, ag_step_s=2.5e-6, ag_ring_pass=0.5
+  ),
   "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75, ag_step_s=2.5e-6),
 }
