@@ -68,7 +68,9 @@ to the benchmark model's figures (:data:`CAL`):
   ring's dot is never shorter than its own bytes (its column block of
   ``w``, its rows, its partial sums) at HBM bandwidth (float32 at the
   prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
-  its column block's read beside its FLOPs.
+  its column block's read beside its FLOPs. The one-way all-gather ring
+  with a float32 accumulator large enough for the two-way ring's whole
+  chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's

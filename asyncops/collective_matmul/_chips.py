@@ -108,7 +108,7 @@ class Cal:
       v5p 0.5: the model's one-way ring steps there are the dot plus 0.73
       to 0.87 of a pass at tp 4 (M = 4096 and 16384: 1470.1 and 5527.8
       us against the two-way ring's 1442.4 and 5185.0; estimated 1174.4
-      and 4537.2 without it, 1344.4 and 5217.2 with), 0.22 at tp 8. 0 on
+      and 4537.2 without it, 1344.2 and 5216.8 with), 0.22 at tp 8. 0 on
       v5e and v6e, where the model hides more of it (the one-way ring is
       the faster at v5e tp 8 M = 16384 and v6e tp 4 M = 4096).
   """
