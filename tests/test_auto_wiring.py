@@ -269,3 +269,67 @@ def test_long_prefill_picks_the_whole_chunk_ring(kind):
   if kind == "TPU v5 lite":
     assert abs(c.ring_bidi_us / two_way - 1) < 0.02, str(c)
   assert two_way < one_way
+
+
+@pytest.mark.parametrize(
+  "kind,n,m,method",
+  [
+    # tp 4 (a 2x2 cycle of a 2x4 slice or of the v5p cube), per device
+    # [M, 2048] @ [8192, 7168]. The model (design/benchmarks.md, the
+    # sweep): v6e M = 16 XLA 90.7 us, fused 97.3; M = 64 XLA in shard_map
+    # 98.7, fused 96.2; M = 256 XLA 132.4 (its all-gather 37 us
+    # exposed), fused 108.3; v5p M = 16 XLA 89.5, fused 87.0; M = 64 XLA
+    # 98.4, fused 82.1.
+    ("TPU v6 lite", 4, 16, "xla"),
+    ("TPU v6 lite", 4, 64, "fused"),
+    ("TPU v6 lite", 4, 256, "fused"),
+    ("TPU v6 lite", 4, 4096, "ring"),  # fused 4 panels; two-way ring
+    ("TPU v5p", 4, 16, "xla"),
+    ("TPU v5p", 4, 64, "fused"),
+    # tp 8, [M, 1024] @ [8192, 3584]: the fused kernel's fixed costs
+    # (v6e M = 64 64.1 against XLA's 46.8; v5p 70.2 against 62.7) are
+    # longer than XLA's all-gather (17 us against 8 steps of 2.5).
+    ("TPU v6 lite", 8, 64, "xla"),
+    ("TPU v5p", 8, 64, "xla"),
+    ("TPU v5 lite", 4, 64, "xla"),  # fused 206.4 against 188.1
+  ],
+)
+def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
+  """At decode sizes auto keeps XLA's program while its all-gather is
+  shorter than the fused kernel's fixed costs (``n`` steps of
+  ``CAL.ag_step_s``), and weighs the estimates once it is longer."""
+  k, f = 8192 // n, 28672 // n
+  c = _auto.explain_allgather(
+    m, k, f, n, jnp.bfloat16, precision="DEFAULT", device_kind=kind
+  )
+  assert c.method == method, str(c)
+  if method == "fused":
+    assert "fixed costs" in c.reason and c.fused_us < 0.97 * c.xla_us
+
+
+@pytest.mark.parametrize(
+  "kind,m,method",
+  [
+    # v5p tp 4 (per device [M, 2048] @ [8192, 7168]), the model: M = 4096
+    # the one-way ring 1470.1 us, the two-way ring of whole chunks 1442.4;
+    # M = 16384 5527.8 against 5185.0; M = 1024 (halves) 332.4 against
+    # 405.1.
+    ("TPU v5p", 1024, "ring"),
+    ("TPU v5p", 4096, "ring_bidi"),
+    ("TPU v5p", 16384, "ring_bidi"),
+    # v5e and v6e keep the one-way ring (v5e M = 4096: 3070.0 against
+    # 3383.3; v6e M = 4096: 873.7 against 1122.2).
+    ("TPU v5 lite", 4096, "ring"),
+    ("TPU v6 lite", 4096, "ring"),
+  ],
+)
+def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):
+  """Once the float32 accumulator is large (the two-way ring moves whole
+  chunks), v5p's one-way ring is charged half a pass over it per step
+  beside its dot (``CAL.ag_ring_pass``)."""
+  c = _auto.explain_allgather(
+    m, 2048, 7168, 4, jnp.bfloat16, precision="DEFAULT", device_kind=kind
+  )
+  assert c.method == method, str(c)
+  if kind == "TPU v5p" and m > 1024:
+    assert c.ring_bidi_us < c.ring_us < 1.2 * c.ring_bidi_us

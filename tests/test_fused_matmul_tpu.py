@@ -337,7 +337,7 @@ def test_auto_decisions_on_the_llama_sweep(family, chip, m, method):
     assert est[method] < 0.97 * c.xla_us
   fused_why = "partial sums" if m == 16 else "the ring transfers"
   if (family, chip, m) == ("allgather", "v6e", 256):
-    fused_why = "all-gather takes longer than that read"
+    fused_why = "blocking all-gather takes longer than"
   reasons = {
     "xla": "HBM",
     "fused": fused_why,

@@ -69,16 +69,21 @@ to the benchmark model's figures (:data:`CAL`):
   ring's dot is never shorter than its own bytes (its column block of
   ``w``, its rows, its partial sums) at HBM bandwidth (float32 at the
   prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
-  its column block's read beside its FLOPs.
+  its column block's read beside its FLOPs. The one-way all-gather ring
+  with a float32 accumulator large enough for the two-way ring's whole
+  chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
 program. For the all-gather, a matmul bound by reading ``w`` (``C < M /
 2``, decode sizes) keeps XLA's program (no extra kernels, no barrier) when
-XLA's all-gather takes less than the weight read ``W``: the step is about
-the weight read either way. When the all-gather is longer (small
-float32 shapes on v6e: 20 us of transfer beside a 10 us weight read at
-the chapter's shape) the estimates decide. The reduce-scatter has no such rule:
+XLA's all-gather takes less than the weight read ``W`` and than the fused
+kernel's fixed costs, ``n`` steps of ``CAL.ag_step_s`` (which its
+estimate leaves out): the step is about the weight read either way. When
+the all-gather is longer (small float32 shapes on v6e: 20 us of transfer
+beside a 10 us weight read at the chapter's shape; v6e and v5p at tp 4,
+M = 64 and 256 of the Llama shard, 11.5 and 37 us beside 10 us of fixed
+costs) the estimates decide. The reduce-scatter has no such rule:
 XLA's reduce-scatter waits for the whole matmul, the fused kernel sends
 partial sums as they are made, which the benchmark model finds faster at
 decode sizes too.
@@ -192,8 +197,9 @@ def _decide(
   """The fastest candidate by estimate; a ring or fused kernel must beat
   XLA's program by 3% (it adds kernels and barriers). With ``hbm_rule``,
   a matmul bound by reading the weights (``compute_s < hbm_s / 2``) whose
-  XLA collective takes less than that read (``xla_comm_s < w_s``) keeps
-  XLA's program."""
+  XLA collective takes less than ``w_s`` (the weight read, or for the
+  all-gather the fused kernel's fixed costs over the ring when shorter)
+  keeps XLA's program."""
 
   def us(v):
     return None if v is None else v * 1e6
@@ -232,7 +238,8 @@ def _decide(
     if compute_s < hbm_s / 2 and hbm_rule:
       why = (
         "bound by reading the weights from HBM, but XLA's blocking "
-        "all-gather takes longer than that read: the fused kernel hides it"
+        "all-gather takes longer than the fused kernel's fixed costs: the "
+        "fused kernel hides it"
       )
     elif compute_s < hbm_s / 2:
       why = (
@@ -457,6 +464,10 @@ def explain_allgather(
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
     extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
     rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
+    if d == 1 and _gather_rings.whole_chunks(m, f, jnp.float32, n):
+      # A float32 accumulator this large: a share of its pass per step
+      # (``CAL.ag_ring_pass``) does not hide under the step's dot.
+      rings[d] += n * cal.ag_ring_pass * acc / chip.hbm
     if d == 2 and _gather_rings.whole_chunks(m, f, jnp.float32, n):
       rings[d] = _whole_ring_s(
         n, compute, acc, m * k * b, out_bytes, k * f * b, chip
@@ -471,7 +482,9 @@ def explain_allgather(
     ring_s=rings.get(1),
     ring_bidi_s=rings.get(2),
     xla_comm_s=xla_ring,
-    w_s=w_s,
+    # The decode rule yields once XLA's all-gather outlasts the fused
+    # kernel's fixed cost per step (``CAL.ag_step_s``) over the ring.
+    w_s=min(w_s, n * cal.ag_step_s),
   )
   if panels > 1 and choice.method == "fused":
     choice = dataclasses.replace(

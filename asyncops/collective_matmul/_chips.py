@@ -97,6 +97,26 @@ class Cal:
       Llama-3-70B shard at M = 256 (the model 90.0 us; estimated 90.4,
       was 109.5 over XLA's program's 103.7, which auto ran at 118.8);
       0 elsewhere.
+    ag_step_s: the fused all-gather's fixed cost per ring step at decode
+      sizes, beyond its weight read (barrier, sends, each step's dot and
+      accumulator pass), which its estimate leaves out: XLA's program is
+      kept at decode while its all-gather is shorter than ``n`` such
+      steps (and than the weight read). The model at 2315ee5, the fused
+      row over XLA's less its all-gather, per step: 6 to 13 us on v5e
+      (8), 2.3 to 4.3 on v6e and 3 on v5p at tp 8, under 1 at tp 4
+      (2.5 on both: v6e tp 4 M = 64 and 256 and v5p tp 4 M = 64, where
+      XLA's all-gather is 11.5 and 37 us and the fused kernel the faster,
+      leave the rule; tp 8 M = 64, 17 us against 20, keeps XLA).
+    ag_ring_pass: the share of a pass over the one-way all-gather ring's
+      float32 accumulator charged beside each step's dot once that
+      accumulator is large (``_gather_rings.whole_chunks``: the two-way
+      ring then moves whole chunks, whose estimate charges its passes).
+      v5p 0.5: the model's one-way ring steps there are the dot plus 0.73
+      to 0.87 of a pass at tp 4 (M = 4096 and 16384: 1470.1 and 5527.8
+      us against the two-way ring's 1442.4 and 5185.0; estimated 1174.4
+      and 4537.2 without it, 1344.2 and 5216.8 with), 0.22 at tp 8. 0 on
+      v5e and v6e, where the model hides more of it (the one-way ring is
+      the faster at v5e tp 8 M = 16384 and v6e tp 4 M = 4096).
   """
 
   ring_rho: float
@@ -109,6 +129,8 @@ class Cal:
   fused_acc: float = 1.0
   rs_ring_w: float = 0.0
   rs_overlap: float = 0.0
+  ag_step_s: float = float("inf")
+  ag_ring_pass: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -119,8 +141,23 @@ class Cal:
 # estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
 # two-way ring of whole chunks, 2562.5); v4 takes v5e's.
 CAL = {
-  "v4": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
-  "v5e": Cal(0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25),
-  "v5p": Cal(0.9, 13e-6, 5e-6, 0.5, 2.4, 0.76, 12e-6, rs_overlap=0.45),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75),
+  "v4": Cal(
+    0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25, ag_step_s=8e-6
+  ),
+  "v5e": Cal(
+    0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25, ag_step_s=8e-6
+  ),
+  "v5p": Cal(
+    0.9,
+    13e-6,
+    5e-6,
+    0.5,
+    2.4,
+    0.76,
+    12e-6,
+    rs_overlap=0.45,
+    ag_step_s=2.5e-6,
+    ag_ring_pass=0.5,
+  ),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75, ag_step_s=2.5e-6),
 }
