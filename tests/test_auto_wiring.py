@@ -283,7 +283,9 @@ def test_long_prefill_picks_the_whole_chunk_ring(kind):
     ("TPU v6 lite", 4, 16, "xla"),
     ("TPU v6 lite", 4, 64, "fused"),
     ("TPU v6 lite", 4, 256, "fused"),
-    ("TPU v6 lite", 4, 4096, "ring"),  # fused 4 panels; two-way ring
+    # M = 4096: the two-way ring of whole chunks in two row pieces, 866.2
+    # us; the one-way ring 873.7; the fused kernel 4 panels.
+    ("TPU v6 lite", 4, 4096, "ring_bidi"),
     ("TPU v5p", 4, 16, "xla"),
     ("TPU v5p", 4, 64, "fused"),
     # tp 8, [M, 1024] @ [8192, 3584]: the fused kernel's fixed costs
@@ -311,16 +313,17 @@ def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
   "kind,m,method",
   [
     # v5p tp 4 (per device [M, 2048] @ [8192, 7168]), the model: M = 4096
-    # the one-way ring 1470.1 us, the two-way ring of whole chunks 1442.4;
-    # M = 16384 5527.8 against 5185.0; M = 1024 (halves) 332.4 against
-    # 405.1.
+    # the one-way ring 1470.1 us, the two-way ring of whole chunks 1436.6
+    # (in two row pieces; 1442.4 before); M = 16384 5527.8 against 5185.0;
+    # M = 1024 (halves) 332.4 against 405.1.
     ("TPU v5p", 1024, "ring"),
     ("TPU v5p", 4096, "ring_bidi"),
     ("TPU v5p", 16384, "ring_bidi"),
-    # v5e and v6e keep the one-way ring (v5e M = 4096: 3070.0 against
-    # 3383.3; v6e M = 4096: 873.7 against 1122.2).
+    # v5e keeps the one-way ring (M = 4096: 3070.0 against the two-way
+    # ring's 3152.1); v6e takes the two-way ring, which the row pieces
+    # made the faster (866.2 against 873.7; 1122.2 with a copy of x).
     ("TPU v5 lite", 4096, "ring"),
-    ("TPU v6 lite", 4096, "ring"),
+    ("TPU v6 lite", 4096, "ring_bidi"),
   ],
 )
 def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):
