@@ -114,9 +114,13 @@ class Cal:
       v5p 0.5: the model's one-way ring steps there are the dot plus 0.73
       to 0.87 of a pass at tp 4 (M = 4096 and 16384: 1470.1 and 5527.8
       us against the two-way ring's 1442.4 and 5185.0; estimated 1174.4
-      and 4537.2 without it, 1344.2 and 5216.8 with), 0.22 at tp 8. 0 on
-      v5e and v6e, where the model hides more of it (the one-way ring is
-      the faster at v5e tp 8 M = 16384 and v6e tp 4 M = 4096).
+      and 4537.2 without it, 1344.2 and 5216.8 with), 0.22 at tp 8. v5e
+      (and v4) 0.25: with the two-way ring of whole chunks in row pieces
+      the one-way ring loses at tp 4 M = 16384 (11919.4 us against
+      11552.6; estimated 10384.2 against 11130.5 without it, 11531.0
+      with) and still wins at M = 4096 (3070.0 against 3152.1; estimated
+      2908.0 against 2944.7): a window of 0.2 to 0.27. 0 on v6e, whose
+      picks are right without it.
   """
 
   ring_rho: float
@@ -142,10 +146,28 @@ class Cal:
 # two-way ring of whole chunks, 2562.5); v4 takes v5e's.
 CAL = {
   "v4": Cal(
-    0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25, ag_step_s=8e-6
+    0.65,
+    8e-6,
+    1.4e-6,
+    0.5,
+    4.2,
+    0.85,
+    74e-6,
+    rs_ring_w=0.25,
+    ag_step_s=8e-6,
+    ag_ring_pass=0.25,
   ),
   "v5e": Cal(
-    0.65, 8e-6, 1.4e-6, 0.5, 4.2, 0.85, 74e-6, rs_ring_w=0.25, ag_step_s=8e-6
+    0.65,
+    8e-6,
+    1.4e-6,
+    0.5,
+    4.2,
+    0.85,
+    74e-6,
+    rs_ring_w=0.25,
+    ag_step_s=8e-6,
+    ag_ring_pass=0.25,
   ),
   "v5p": Cal(
     0.9,
