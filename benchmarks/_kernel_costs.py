@@ -129,12 +129,20 @@ class KernelCoster:
     key = (prefix, tuple((a.shape, str(a.dtype)) for a in args), *steps)
     if key not in self.cache:
       text = jax.jit(fn).trace(*args).lower().compile().as_text()
-      tl = _timeline.simulate(_hlo.parse(text), self.chip, prefetch="charged")
-      self.cache[key] = tl.step_s
-      if steps:
-        owners, reads = _dot_steps(_hlo.parse(text), steps[0].params)
-        self.cache[key] = _split(tl, steps[0], owners, reads)
+      module = _hlo.parse(text)
+      tl = _timeline.simulate(module, self.chip, prefetch="charged")
+      self.cache[key] = step_costs(module, tl, steps[0]) if steps else tl.step_s
     return self.cache[key]
+
+
+def step_costs(
+  module: _hlo.Module, tl: _timeline.Timeline, steps: Steps
+) -> _timeline.KernelSteps:
+  """A twin's modelled time ``tl`` split by the kernel's ``steps``, each
+  dot charged to the step whose chunks it reads in ``module`` (the twin's
+  compiled HLO)."""
+  owners, reads = _dot_steps(module, steps.params)
+  return _split(tl, steps, owners, reads)
 
 
 def _dot_steps(module: _hlo.Module, params: tuple[int, ...]):

@@ -17,6 +17,8 @@ Usage::
 
 import argparse
 import functools
+import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +54,7 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
   w = sds((n * k, f), w_dtype)
   x_dtype = jnp.bfloat16 if jnp.dtype(w_dtype) == jnp.float32 else w_dtype
   out = {}
-  for plan in plans:
+  for plan in _measure.progress(plans, f"{topology} step plans"):
     fn = functools.partial(
       _fused_variants.ring_steps, plan=plan, out_dtype=out_dtype
     )
@@ -60,8 +62,7 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
     module, tl = _model(fn, args, chip)
     params = tuple(range(1, len(plan) + 1))
     steps = _kernel_costs.Steps(((),) * len(plan), 1, (), params, plan)
-    owners, reads = _kernel_costs._dot_steps(module, params)
-    split = _kernel_costs._split(tl, steps, owners, reads)
+    split = _kernel_costs.step_costs(module, tl, steps)
     out[plan] = (tl.step_s, split.costs)
 
   def dot(x, w):
@@ -72,16 +73,34 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
   return out, tl.step_s
 
 
-def main(argv=None):
+def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--topology", default="v6e:2x4")
   p.add_argument("--dims", default="4,1024,2048,7168", help="n,m,k,f")
   p.add_argument("--w-dtype", default="bfloat16")
   p.add_argument("--out-dtype", default=None, help="default: --w-dtype")
+  p.add_argument("--json", metavar="FILE", help="also write the rows here")
   a = p.parse_args(argv)
-  n, m, k, f = (int(v) for v in a.dims.split(","))
-  w_dtype = jnp.dtype(a.w_dtype)
-  out_dtype = jnp.dtype(a.out_dtype or a.w_dtype)
+  try:
+    n, m, k, f = (int(v) for v in a.dims.split(","))
+  except ValueError:
+    p.error(f"--dims {a.dims!r}: four integers n,m,k,f, e.g. 4,1024,2048,7168")
+  if min(n, m, k, f) < 1:
+    p.error(f"--dims {a.dims!r}: every dimension must be at least 1")
+  if n != sum(PLANS[0]):
+    p.error(
+      f"--dims {a.dims!r}: n = {n}, but the plans cover {sum(PLANS[0])} "
+      f"chunks; pass n = {sum(PLANS[0])}"
+    )
+  try:
+    w_dtype = jnp.dtype(a.w_dtype)
+    out_dtype = jnp.dtype(a.out_dtype or a.w_dtype)
+  except TypeError as e:
+    p.error(f"--w-dtype/--out-dtype: {e}; e.g. bfloat16 or float32")
+  try:
+    _chips.chip_for(a.topology)
+  except (KeyError, ValueError) as e:
+    p.error(str(e))
   costs, local = plan_costs(a.topology, n, m, k, f, w_dtype, out_dtype)
   print(
     f"{a.topology} (n, m, k, f) = ({n}, {m}, {k}, {f}), w {w_dtype.name}: "
@@ -89,10 +108,26 @@ def main(argv=None):
   )
   print("| plan | twin (us) | per step (us) |")
   print("|---|---:|---|")
+  rows = []
   for plan, (total, steps) in costs.items():
     per = ", ".join(f"{c * 1e6:.1f}" for c in steps)
     print(f"| {plan} | {total * 1e6:.1f} | {per} |")
+    rows.append(
+      {
+        "topology": a.topology,
+        "dims": [n, m, k, f],
+        "w_dtype": w_dtype.name,
+        "plan": list(plan),
+        "twin_us": total * 1e6,
+        "step_us": [c * 1e6 for c in steps],
+        "unsharded_us": local * 1e6,
+      }
+    )
+  if a.json:
+    with open(a.json, "w") as fh:
+      json.dump(rows, fh, indent=1)
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

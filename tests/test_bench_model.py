@@ -535,3 +535,27 @@ def test_compile_cache_is_keyed_on_the_lowered_program(tmp_path, monkeypatch):
   )
   _measure.compile_spec(options)
   assert len(list(tmp_path.glob("*.json.gz"))) == 3
+
+
+@pytest.mark.parametrize(
+  "argv",
+  [
+    ["--dims", "4,1024"],
+    ["--dims", "4,0,2048,7168"],
+    ["--dims", "8,1024,2048,7168"],
+    ["--w-dtype", "nope"],
+    ["--topology", "v9x:2x4"],
+  ],
+)
+def test_plan_twins_usage_errors(argv, capsys):
+  """``benchmarks.plan_twins``: a bad argument exits 2 with one line naming
+  it (no compile, no traceback)."""
+  from benchmarks import plan_twins
+
+  with pytest.raises(SystemExit) as e:
+    plan_twins.main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("plan_twins.py: error:") or "error:" in err[-1]
+  assert argv[0] in err[-1] or "v9x" in err[-1]
+  assert "Traceback" not in "\n".join(err)

@@ -453,6 +453,7 @@ def explain_allgather(
     + (panels - 1) * cal.fused_panel * w_s
   )
   rings = {}
+  whole = _gather_rings.whole_chunks(m, f, jnp.float32, n)
   for d in (1, 2):
     if d == 2 and m % 2:
       continue
@@ -464,11 +465,11 @@ def explain_allgather(
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
     extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
     rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
-    if d == 1 and _gather_rings.whole_chunks(m, f, jnp.float32, n):
+    if d == 1 and whole:
       # A float32 accumulator this large: a share of its pass per step
       # (``CAL.ag_ring_pass``) does not hide under the step's dot.
       rings[d] += n * cal.ag_ring_pass * acc / chip.hbm
-    if d == 2 and _gather_rings.whole_chunks(m, f, jnp.float32, n):
+    if d == 2 and whole:
       rings[d] = _whole_ring_s(
         n, compute, acc, m * k * b, out_bytes, k * f * b, chip
       )

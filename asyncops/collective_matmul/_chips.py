@@ -144,31 +144,22 @@ class Cal:
 # tp 8 points on the 2x2x2 cube's wiring: M = 4096 (4 panels, 903.8 us,
 # estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
 # two-way ring of whole chunks, 2562.5); v4 takes v5e's.
+_V5E = Cal(
+  0.65,
+  8e-6,
+  1.4e-6,
+  0.5,
+  4.2,
+  0.85,
+  74e-6,
+  rs_ring_w=0.25,
+  ag_step_s=8e-6,
+  ag_ring_pass=0.25,
+)
+
 CAL = {
-  "v4": Cal(
-    0.65,
-    8e-6,
-    1.4e-6,
-    0.5,
-    4.2,
-    0.85,
-    74e-6,
-    rs_ring_w=0.25,
-    ag_step_s=8e-6,
-    ag_ring_pass=0.25,
-  ),
-  "v5e": Cal(
-    0.65,
-    8e-6,
-    1.4e-6,
-    0.5,
-    4.2,
-    0.85,
-    74e-6,
-    rs_ring_w=0.25,
-    ag_step_s=8e-6,
-    ag_ring_pass=0.25,
-  ),
+  "v4": _V5E,
+  "v5e": _V5E,
   "v5p": Cal(
     0.9,
     13e-6,

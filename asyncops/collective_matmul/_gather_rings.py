@@ -269,7 +269,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
   outs = [_empty((p, h, w.shape[1]), x.dtype) for w in ws]
   stacks = {}
 
-  def dot(t, bufs, sent_key, sent):
+  def dot(t, ws, bufs, sent_key, sent):
     """Work item ``t`` on the buffers (``sent`` for the one in flight)."""
     s, j = work[t]
 
@@ -322,9 +322,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
         (fut, sent, state, ws, tuple(accs), tuple(outs))
       )
       accs[:], outs[:] = acc_in, out_in
-      ws_saved, ws = ws, wsb
-      dot(t, state, key, sent)
-      ws = ws_saved
+      dot(t, wsb, state, key, sent)
       acc_out, out_out, fut, state = jax.lax.optimization_barrier(
         (tuple(accs), tuple(outs), fut, state)
       )
@@ -342,7 +340,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
       state[f"p{j}"] = recv
   with jax.named_scope(f"chunk{last}"):
     for t in range(len(order), len(work)):
-      dot(t, state, None, None)
+      dot(t, ws, state, None, None)
   return tuple(o.reshape(m, o.shape[-1]) for o in outs)
 
 
