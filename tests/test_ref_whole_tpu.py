@@ -21,6 +21,7 @@ from asyncops import collective_matmul as _cm
 from asyncops.collective_matmul import _gather_rings, _ref_whole
 from asyncops.inspect import analyze, tpu_mesh
 from asyncops.testing import assert_copy_free
+from benchmarks._measure import peak_temp_bytes
 
 B, D, F = 1024, 2048, 8192
 MESH = (2, 4)
@@ -28,12 +29,12 @@ M, K = B // MESH[0], D // MESH[1]  # x per device
 MATMUL_OPS = ("fusion", "convolution", "dot")
 
 
-def _report(topology, api="ref"):
+def _report(topology, api="ref", b=B):
   mesh = tpu_mesh(topology, MESH, ("x", "y"))
   specs = (P("x", "y"), P(None, "y"))
   args = [
     jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, sp))
-    for s, sp in zip(((B, D), (D, F)), specs, strict=True)
+    for s, sp in zip(((b, D), (D, F)), specs, strict=True)
   ]
   body = functools.partial(
     _cm.allgather_matmul,
@@ -119,13 +120,15 @@ def test_structure(whole, topology):
 
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
 def test_peak_memory(whole, monkeypatch, topology):
-  """Temporary memory from the compiled memory analysis: below the former
-  Ref ring (forced back by turning this ring off) and at most the value
-  ring's plus one piece buffer."""
-  new = _report(topology).memory["temp_size_in_bytes"]
-  value = _report(topology, api="value").memory["temp_size_in_bytes"]
+  """Peak temporary memory (the compiled memory analysis, as the benchmark
+  tables report it) at 4x the chapter's rows (x [2048, 512] per device,
+  where the buffers no longer fit on chip): below the former Ref ring
+  (forced back by turning this ring off; v5e 48.0 MiB and a defensive
+  copy, this ring 45.4) and no more than the value ring's (53.4)."""
+  b = 4 * B
+  new = peak_temp_bytes(_report(topology, b=b).memory)
+  value = peak_temp_bytes(_report(topology, api="value", b=b).memory)
   monkeypatch.setattr(_ref_whole, "applies", lambda *a: False)
-  old = _report(topology).memory["temp_size_in_bytes"]
-  piece = 2 * (M // 2) * K * 2  # one [2, M/2, k] bf16 Ref
+  old = peak_temp_bytes(_report(topology, b=b).memory)
   assert new < old, (new, old)
-  assert new <= value + piece, (new, value)
+  assert new <= value, (new, value)
