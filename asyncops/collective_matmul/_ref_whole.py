@@ -116,9 +116,9 @@ def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
         y = jnp.dot(pair, _rows_of(w, cs[0], k), preferred_element_type=acc_dt)
       else:
         # Both pieces of step s meet the same stacked rows of w: stacked
-        # once, in the first piece's window.
-        if (s, i) not in stacks:
-          stacks[s, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
+        # once, before the first piece's window (stacked inside it, the
+        # second piece's dot read it through the window's barriers and XLA
+        # relayouted it there: v5e tp 8, M = 16384, 69.5 us a step).
         y = jax.lax.dot_general(
           pair,
           stacks[s, i],
@@ -131,8 +131,21 @@ def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
         accs[i] = accs[i].at[j].add(y)
 
   for t, (s, j) in enumerate(order):
+    ds = work[t][0]
+    if ds > 0 and 2 * ds != n and (ds, 0) not in stacks:
+      cs = _gather_rings.chunks(me, ds, n, True)
+      with jax.named_scope(f"chunk{ds}"):
+        for i, w in enumerate(ws):
+          stacks[ds, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
     src = held.get(j)
     dst = free.pop(0)
+    if t:
+      # Windows on different Refs share no data, so XLA may start one
+      # transfer before another's window (that window then empty): the
+      # free destination's buffer passes through a barrier with what the
+      # last transfer brought, so this window's starts follow its done.
+      v, _ = jax.lax.optimization_barrier((dst[...], arrived[t - 1][...]))
+      dst[...] = v
     # The antipode (n even, last transfer) travels one way only.
     dirs = ((0, 1),) if 2 * s == n else ((0, 1), (1, -1))
     with jax.named_scope(f"chunk{work[t][0]}"), jax.named_scope("ring_step"):
