@@ -28,6 +28,12 @@ Approach.
   its transfer is done (its dot ran in the window before), so the two
   pieces rotate through three ``[2, M/2, k]`` Refs (``jax.empty_ref``: no
   fill).
+- **Windows in order.** Consecutive windows touch different Refs, so
+  each window's free destination passes through a barrier with what the
+  last transfer brought (no copy): its starts follow that done, and no
+  window is left empty. A step's stacked rows of ``w`` are made before
+  its first window (inside it, the second window read them through the
+  barriers and XLA relayouted them).
 - **The antipode once.** On an even ring the last transfer's two
   directions carry the same chunk; the Ref API's permutes are separate, so
   only the ``+1`` one runs (``n / 2 - 1`` fewer half-chunk transfers per
