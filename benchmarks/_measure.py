@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -164,7 +165,7 @@ def compile_spec(spec: Spec) -> tuple[str, dict, float]:
   with _mesh.quiet_fd2():
     lowered = fn.trace(*args).lower()
   cache = _cache_dir()
-  path = cache / f"{_key(spec, lowered.as_text())}.json.gz" if cache else None
+  path = cache / f"{_key(spec, _key_text(lowered))}.json.gz" if cache else None
   if path is not None and path.exists():
     with gzip.open(path, "rt") as f:
       data = json.load(f)
@@ -183,6 +184,20 @@ def compile_spec(spec: Spec) -> tuple[str, dict, float]:
       json.dump({"text": text, "mem": mem, "compile_s": compile_s}, f)
     tmp.replace(path)
   return text, mem, compile_s
+
+
+def _key_text(lowered) -> str:
+  """The lowered text the cache keys on: without locations (an edit that
+  moves a line recompiles nothing), plus the op-name labels the model reads
+  that only locations hold: a stateful start's message
+  (``ref_message_dst_slot`` / ``_whole``, ``_timeline._ref_message``).
+  Programs without stateful starts keep their keys."""
+  text = lowered.as_text()
+  if "_ref_start" not in text:
+    return text
+  debug = lowered.as_text(debug_info=True)
+  labels = re.findall(r"ref_message_dst_\w+", debug)
+  return text + "\n// model labels: " + ",".join(labels)
 
 
 def peak_temp_bytes(mem) -> int:

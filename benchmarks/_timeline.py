@@ -313,6 +313,9 @@ def _colors(ins: Instr) -> int:
 
 _X_AXIS = "ring_axis_x/"
 _SHIFT = re.compile(r"ring_shift([+-]\d+)")
+# asyncops.stateful's op-name labels of a start's message (_ref_message).
+_REF_DST_SLOT = "/ref_message_dst_slot/"
+_REF_DST_WHOLE = "/ref_message_dst_whole/"
 _RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
 _HOPS = re.compile(r"ring_hops_([\d-]+)")
 
@@ -932,14 +935,19 @@ class _Sim:
 
     Its operands are the Ref buffers (one when source and destination are
     two slots of one Ref, else source then destination) and the slot
-    indices; its output is the whole destination buffer. One buffer: the
-    message is one slot (``dst_bytes / leading dim``). Two buffers: the
-    smaller of the two (a slot of one and the whole other); two slots of
-    equal-shape Refs are counted whole (not distinguishable here).
+    indices; its output is the whole destination buffer. The op name says
+    which the message is (``asyncops.stateful`` labels a start
+    ``ref_message_dst_slot`` or ``ref_message_dst_whole``): one slot
+    (``dst_bytes / leading dim``) or the whole destination. Unlabelled
+    (older HLO): one buffer, one slot; two buffers, the smaller of the two
+    (two slots of equal-shape Refs then count whole).
     """
     bufs = ins.operands[:-1]
-    if len(bufs) == 1 and ins.arrays and ins.arrays[0].dims:
+    slot = _REF_DST_SLOT in ins.attrs or len(bufs) == 1
+    if slot and ins.arrays and ins.arrays[0].dims:
       return dst_bytes / ins.arrays[0].dims[0]
+    if _REF_DST_WHOLE in ins.attrs:
+      return dst_bytes
     src = self._bytes_of(self._comp, bufs[:1]) or dst_bytes
     return min(src, dst_bytes)
 

@@ -304,12 +304,22 @@ def test_peak_temp_is_peak_minus_arguments_outputs_and_code():
   assert peak_temp_bytes(mem) == 60
 
 
-def _ref_kernel(operands: str, out: str, scope: str) -> _hlo.Module:
-  """A stateful (``*_ref_start``/``_done``) ppermute pair on ``operands``."""
-  shapes = {"a": "bf16[2,512,512]", "h": "bf16[512,512]", "g": "bf16[512,512]"}
+def _ref_kernel(
+  operands: str, out: str, scope: str, shapes=None, label=None
+) -> _hlo.Module:
+  """A stateful (``*_ref_start``/``_done``) ppermute pair on ``operands``
+  (``label``: the stateful API's message scope, none if None)."""
+  shapes = shapes or {
+    "a": "bf16[2,512,512]",
+    "h": "bf16[512,512]",
+    "g": "bf16[512,512]",
+  }
   names = [n.strip("%") for n in operands.split(", ")]
   start, done = "asyncops_ppermute_ref_start", "asyncops_ppermute_ref_done"
-  meta = f'metadata={{op_name="jit(f)/{scope}/asyncops.ppermute_ref_start"}}'
+  tail = f"/{label}/asyncops_ppermute_ref_start" if label else ""
+  meta = (
+    f'metadata={{op_name="jit(f)/{scope}/asyncops.ppermute_ref_start{tail}"}}'
+  )
   call = 'custom_call_target="tpu_custom_call"'
   lines = [f"  %{n} = {shapes[n]} parameter({i})" for i, n in enumerate(names)]
   lines += [
@@ -336,6 +346,25 @@ def test_stateful_kernel_moves_one_message(operands, out):
   tl = _timeline.simulate(m, CHIP, coords=SQUARE, rings=[[0, 1, 2, 3]])
   (e,) = [e for e in tl.events if e.track == "ici"]
   assert e.dur == pytest.approx(_transfer_s(512 * 512 * 2, hops=1))
+
+
+@pytest.mark.parametrize(
+  "label, slots",
+  [("ref_message_dst_slot", 1), ("ref_message_dst_whole", 2)],
+)
+def test_stateful_kernel_message_label(label, slots):
+  """Two Refs of one shape (``[2, 512, 512]``): unlabelled the model cannot
+  tell a slot-to-slot transfer from a whole one; the stateful API's
+  op-name label says which (one slot: the Ref whole-chunk ring's pieces)."""
+  shapes = {"a": "bf16[2,512,512]", "b": "bf16[2,512,512]"}
+  m = _ref_kernel("%a, %b", "bf16[2,512,512]", "ring_shift+1", shapes)
+  m_label = _ref_kernel(
+    "%a, %b", "bf16[2,512,512]", "ring_shift+1", shapes, label
+  )
+  for mod, n in ((m, 2), (m_label, slots)):
+    tl = _timeline.simulate(mod, CHIP, coords=SQUARE, rings=[[0, 1, 2, 3]])
+    (e,) = [e for e in tl.events if e.track == "ici"]
+    assert e.dur == pytest.approx(_transfer_s(n * 512 * 512 * 2, hops=1))
 
 
 def test_stateful_kernel_follows_its_ring_shift_label():

@@ -68,6 +68,7 @@ from asyncops.collective_matmul import (
   _gather_rings,
   _layout,
   _linear,
+  _ref_whole,
   _scatter_rings,
 )
 
@@ -133,6 +134,10 @@ def _gathered_zeros(rows_form, x_shape, sent, n):
 
 
 def _raw_gather(rows_form, x, ws, axis_name, options, stash=None):
+  if _ref_whole.applies(rows_form, x, ws, options):
+    n = dict(options)["n"]
+    outs = _ref_whole.contracting(x, tuple(ws), axis_name, n=n, stash=stash)
+    return outs, None
   ring = _gather_rings.rows if rows_form else _gather_rings.contracting
   return ring(x, tuple(ws), axis_name, stash=stash, **dict(options))
 
