@@ -1,0 +1,130 @@
+"""The two-way all-gather ring of whole chunks in row panels (CPU).
+
+``_gather_rings._whole_pieces`` runs the long-prefill ring once per row
+panel (``_gather_rings.whole_panels``) so that its float32 accumulator
+holds one panel's rows. Forced here at small shapes (every accumulator
+takes the ring of whole chunks, the panel count is set): the result and
+its gradient against ``jnp``, for panel counts that divide the rows and
+that do not (odd panels run one piece), both dtypes and ring sizes 4 and
+8. The compiled TPU program is checked in ``test_gather_panels_tpu.py``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncops import collective_matmul as _cm
+from asyncops.collective_matmul import _gather_rings
+
+MESHES = {"2x4": (2, 4), "1x8": (1, 8)}
+
+
+def _mesh(name):
+  return jax.make_mesh(
+    MESHES[name], ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+  )
+
+
+def _force(monkeypatch, panels):
+  monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
+  monkeypatch.setattr(
+    _gather_rings, "whole_panels", lambda m, k, f, dtype: panels
+  )
+
+
+def _run(mesh_name, b, d, f, dtype):
+  mesh = _mesh(mesh_name)
+  a = jax.random.normal(jax.random.key(0), (b, d), jnp.float32).astype(dtype)
+  w = jax.random.normal(jax.random.key(1), (d, f), jnp.float32).astype(dtype)
+  specs = (P("x", "y"), P(None, "y"))
+  a = jax.device_put(a, NamedSharding(mesh, specs[0]))
+  w = jax.device_put(w, NamedSharding(mesh, specs[1]))
+  body = functools.partial(
+    _cm.allgather_matmul, axis_name="y", bidirectional=True, method="ring"
+  )
+  ours = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x", "y"))
+  )
+  return mesh, a, w, ours
+
+
+# (mesh, global (B, D, F), panels): rows per device M = B / mesh rows.
+CASES = [
+  ("2x4", (32, 64, 32), 2),  # M = 16: two panels of 8 (two pieces each)
+  ("2x4", (32, 64, 32), 4),  # four panels of 4
+  ("2x4", (48, 64, 32), 5),  # M = 24: panels of 4 and 5 rows (odd: one piece)
+  ("1x8", (24, 64, 48), 3),  # M = 24 on a ring of 8: panels of 8
+  ("1x8", (14, 64, 48), 7),  # M = 14, panels of 2 rows (pieces of one row)
+  ("2x4", (30, 64, 32), 15),  # M = 15, one row a panel (one piece each)
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mesh_name,shape,panels", CASES)
+def test_panels_match_jnp(monkeypatch, mesh_name, shape, panels, dtype):
+  _force(monkeypatch, panels)
+  b, d, f = shape
+  if (b // MESHES[mesh_name][0]) % 2:
+    # The two-way ring halves rows at its public entry (all its forms).
+    _, a, w, ours = _run(mesh_name, b, d, f, dtype)
+    with pytest.raises(ValueError, match="even"):
+      ours(a, w)
+    return
+  _, a, w, ours = _run(mesh_name, b, d, f, dtype)
+  got = np.asarray(ours(a, w).astype(jnp.float32))
+  want = np.asarray(a, np.float32) @ np.asarray(w, np.float32)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  else:
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.sqrt(d))
+
+
+@pytest.mark.parametrize("mesh_name,shape,panels", CASES[:2] + CASES[3:5])
+def test_panels_gradient(monkeypatch, mesh_name, shape, panels):
+  """The gradient through the panelled ring (its backward reads ``x`` as
+  the last panel's transfer returned it) equals ``jnp``'s."""
+  _force(monkeypatch, panels)
+  mesh, a, w, ours = _run(mesh_name, *shape, jnp.float32)
+
+  def ref(a, w):
+    return a @ w
+
+  def loss(fn):
+    return lambda a, w: jnp.sum(jnp.sin(fn(a, w)))
+
+  with jax.set_mesh(mesh):
+    got = jax.grad(loss(ours), (0, 1))(a, w)
+    want = jax.grad(loss(ref), (0, 1))(a, w)
+  for g, r in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), 2e-4, 2e-4)
+
+
+@pytest.mark.parametrize(
+  "m,k,f,dtype,want",
+  [
+    # The Llama-3-70B shard, bf16: ceil(f / k) = ceil(3.5).
+    (16384, 2048, 7168, jnp.bfloat16, 4),  # tp 4
+    (16384, 1024, 3584, jnp.bfloat16, 4),  # tp 8
+    (4096, 2048, 7168, jnp.bfloat16, 4),
+    # float32: the accumulator is x's dtype, ceil(f / (2 k)).
+    (4096, 1024, 3584, jnp.float32, 2),
+    # k >= f: one panel.
+    (4096, 4096, 1024, jnp.bfloat16, 1),
+    # At most M / 2 panels (two rows each).
+    (6, 8, 1024, jnp.bfloat16, 3),
+  ],
+)
+def test_whole_panels_rule(m, k, f, dtype, want):
+  """The fewest panels whose float32 accumulator is at most one chunk's
+  send and receive buffers (``2 M k`` elements of ``x``)."""
+  got = _gather_rings.whole_panels(m, k, f, dtype)
+  assert got == want
+  acc = _gather_rings.accumulator_dtype(dtype).itemsize
+  b = jnp.dtype(dtype).itemsize
+  if got < m // 2:
+    assert -(-m // got) * f * acc <= 2 * m * k * b
