@@ -33,7 +33,7 @@ def _mesh(name):
 def _force(monkeypatch, panels):
   monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
   monkeypatch.setattr(
-    _gather_rings, "whole_panels", lambda m, k, f, dtype: panels
+    _gather_rings, "whole_panels", lambda m, f, acc_dtype: panels
   )
 
 
@@ -105,26 +105,25 @@ def test_panels_gradient(monkeypatch, mesh_name, shape, panels):
 
 
 @pytest.mark.parametrize(
-  "m,k,f,dtype,want",
+  "m,f,want",
   [
-    # The Llama-3-70B shard, bf16: ceil(f / k) = ceil(3.5).
-    (16384, 2048, 7168, jnp.bfloat16, 4),  # tp 4
-    (16384, 1024, 3584, jnp.bfloat16, 4),  # tp 8
-    (4096, 2048, 7168, jnp.bfloat16, 4),
-    # float32: the accumulator is x's dtype, ceil(f / (2 k)).
-    (4096, 1024, 3584, jnp.float32, 2),
-    # k >= f: one panel.
-    (4096, 4096, 1024, jnp.bfloat16, 1),
+    # The Llama-3-70B shard at M = 16384: tp 4 (448 MiB), tp 8 (224).
+    (16384, 7168, 4),
+    (16384, 3584, 2),
+    # tp 4, M = 4096 (112 MiB), and exactly at the cap: one panel.
+    (4096, 7168, 1),
+    (8192, 4096, 1),
     # At most M / 2 panels (two rows each).
-    (6, 8, 1024, jnp.bfloat16, 3),
+    (4, 1 << 24, 2),
+    (2, 1 << 26, 1),
   ],
 )
-def test_whole_panels_rule(m, k, f, dtype, want):
-  """The fewest panels whose float32 accumulator is at most one chunk's
-  send and receive buffers (``2 M k`` elements of ``x``)."""
-  got = _gather_rings.whole_panels(m, k, f, dtype)
+def test_whole_panels_rule(m, f, want):
+  """The fewest panels whose float32 accumulator is at most
+  ``PANEL_ACC_BYTES`` (128 MiB), two rows a panel at least."""
+  got = _gather_rings.whole_panels(m, f, jnp.float32)
   assert got == want
-  acc = _gather_rings.accumulator_dtype(dtype).itemsize
-  b = jnp.dtype(dtype).itemsize
   if got < m // 2:
-    assert -(-m // got) * f * acc <= 2 * m * k * b
+    assert -(-m // got) * f * 4 <= _gather_rings.PANEL_ACC_BYTES
+  if got > 1:
+    assert -(-m // (got - 1)) * f * 4 > _gather_rings.PANEL_ACC_BYTES

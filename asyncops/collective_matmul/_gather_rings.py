@@ -225,7 +225,7 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   last = n // 2  # transfers: ceil((n - 1) / 2)
   if api == "value":
     f = sum(w.shape[1] for w in ws)
-    panels = whole_panels(m, k, f, x.dtype)
+    panels = whole_panels(m, f, acc_dt)
     return _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels)
   if stash is not None:
     # x itself is no transfer's source here: readable later at no copy.
@@ -241,23 +241,29 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   return tuple(a.astype(x.dtype) for a in accs)
 
 
-def whole_panels(m: int, k: int, f: int, dtype) -> int:
+# The largest float32 accumulator one row panel of the ring of whole
+# chunks holds (see :func:`whole_panels`).
+PANEL_ACC_BYTES = 128 << 20
+
+
+def whole_panels(m: int, f: int, acc_dtype) -> int:
   """Row panels of the value ring of whole chunks (:func:`_whole_pieces`).
 
-  The ring's float32 accumulator ``[M, f]`` is what holds its peak
-  temporary memory over jit's (tp 4, M = 16384: 448 MiB against jit's
-  192). Run per panel of rows, the accumulator is one panel's; each panel
-  is a ring of its own (its first transfer under its local dot, so
-  nothing more is exposed) and reads all of ``w`` again. The rule: the
-  fewest panels whose accumulator is at most one chunk's send and receive
-  buffers (``2 M k`` elements of ``x``), i.e. ``ceil(f acc / (2 k b))``
-  (bf16: ``ceil(f / k)``, 4 on the Llama-3-70B shard at tp 4 and 8), at
-  most ``M / 2`` (each panel two rows or more).
+  The ring's float32 accumulator ``[M, f]`` is what puts its peak
+  temporary memory over jit's (Llama-3-70B shard, M = 16384: 448 MiB at
+  tp 4, 224 at tp 8, against jit's 192 to 240). Run per row panel, the
+  accumulator is one panel's; each panel is a ring of its own (its first
+  transfer under its local dot, so nothing more is exposed) and reads
+  ``w`` again. The rule: the fewest panels whose accumulator is at most
+  ``PANEL_ACC_BYTES`` (128 MiB), at most ``M / 2`` (two rows a panel).
+  On the sweep's points that is the fewest panels under jit's plus one
+  chunk's send and receive buffers (v5e: tp 4, 4 panels, 256.6 MiB
+  against 320.2, 2 panels would hold about 440; tp 8, 2 panels, 235.1
+  against 272.2), and the fastest (v5e tp 8: 5917.1 us in 2 panels,
+  6004.0 in 1, 7025.7 in 4).
   """
-  acc = accumulator_dtype(dtype).itemsize
-  b = jnp.dtype(dtype).itemsize
-  want = -(-(f * acc) // (2 * k * b))
-  return max(1, min(want, m // 2))
+  acc = m * f * jnp.dtype(acc_dtype).itemsize
+  return max(1, min(-(-acc // PANEL_ACC_BYTES), m // 2))
 
 
 def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
@@ -288,7 +294,11 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
   """
   (m, k) = x.shape
   bounds = [q * m // panels for q in range(panels + 1)]
-  outs = [_empty((m, w.shape[1]), x.dtype) for w in ws]
+  # Pieces of equal rows write blocks of [pieces, h, f] (a free reshape
+  # of [M, f]; as fast as before panels at one panel), else rows of [M, f].
+  even = m % (2 * panels) == 0
+  shape = (2 * panels, m // panels // 2) if even else (m,)
+  outs = [_empty((*shape, w.shape[1]), x.dtype) for w in ws]
   xs = x
   # A step's stacked rows of w, shared by every panel: with panels,
   # stacked once up front and materialized (a barrier), else XLA fuses
@@ -312,7 +322,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
       )
   if stash is not None:
     stash.append((xs,))
-  return tuple(outs)
+  return tuple(o.reshape(m, o.shape[-1]) for o in outs)
 
 
 def _whole_panel(x, ws, axis_name, n, acc_dt, me, last, outs, stacks, rows):
@@ -366,9 +376,13 @@ def _whole_panel(x, ws, axis_name, n, acc_dt, me, last, outs, stacks, rows):
           preferred_element_type=acc_dt,
         )
       if s == last:
-        outs[i] = jax.lax.dynamic_update_slice_in_dim(
-          outs[i], (accs[i][j] + y).astype(x.dtype), lo + j * h, axis=0
-        )
+        out = (accs[i][j] + y).astype(x.dtype)
+        if outs[i].ndim == 3:  # block lo // h + j of [pieces, h, f]
+          outs[i] = outs[i].at[lo // h + j].set(out)
+        else:
+          outs[i] = jax.lax.dynamic_update_slice_in_dim(
+            outs[i], out, lo + j * h, axis=0
+          )
       else:
         accs[i] = accs[i].at[j].add(y)
 
