@@ -32,9 +32,7 @@ def _mesh(name):
 
 def _force(monkeypatch, panels):
   monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
-  monkeypatch.setattr(
-    _gather_rings, "whole_panels", lambda m, f, acc_dtype: panels
-  )
+  monkeypatch.setattr(_gather_rings, "whole_panels", lambda *args: panels)
 
 
 def _run(mesh_name, b, d, f, dtype):
@@ -127,3 +125,13 @@ def test_whole_panels_rule(m, f, want):
     assert -(-m // got) * f * 4 <= _gather_rings.PANEL_ACC_BYTES
   if got > 1:
     assert -(-m // (got - 1)) * f * 4 > _gather_rings.PANEL_ACC_BYTES
+
+
+@pytest.mark.parametrize("n,chip,want", [(4, "v5p", 1), (8, "v5p", 2)])
+def test_whole_panels_one_panel_chips(n, chip, want):
+  """v5p at tp 4 keeps one panel (``ONE_PANEL``: panels cost it more than
+  its margin under xla_best); at tp 8 the rule applies."""
+  assert _gather_rings.whole_panels(16384, 7168 * 4 // n, jnp.float32, n, chip)
+  assert (
+    _gather_rings.whole_panels(16384, 28672 // n, jnp.float32, n, chip) == want
+  )

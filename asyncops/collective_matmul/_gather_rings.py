@@ -53,7 +53,8 @@ from contextlib import nullcontext
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _layout, _ring
+from asyncops import _jax_compat as jc
+from asyncops.collective_matmul import _chips, _layout, _ring
 from asyncops.futures import _api as futures
 
 
@@ -225,7 +226,8 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   last = n // 2  # transfers: ceil((n - 1) / 2)
   if api == "value":
     f = sum(w.shape[1] for w in ws)
-    panels = whole_panels(m, f, acc_dt)
+    chip = _chips.chip_for(jc.trace_device_kind()).name
+    panels = whole_panels(m, f, acc_dt, n, chip)
     return _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels)
   if stash is not None:
     # x itself is no transfer's source here: readable later at no copy.
@@ -246,7 +248,16 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
 PANEL_ACC_BYTES = 128 << 20
 
 
-def whole_panels(m: int, f: int, acc_dtype) -> int:
+# (chip, ring size) where the value ring of whole chunks keeps one panel:
+# v5p at tp 4, M = 16384, steps 6222.0 us in 4 panels (376.5 MiB) and
+# 5985.5 in 2 (568.3), over xla_best's 5484.3, where one panel is 5292.8
+# (796.2 MiB): panels there cost more than the time it has to spare.
+ONE_PANEL = frozenset({("v5p", 4)})
+
+
+def whole_panels(
+  m: int, f: int, acc_dtype, n: int | None = None, chip: str | None = None
+) -> int:
   """Row panels of the value ring of whole chunks (:func:`_whole_pieces`).
 
   The ring's float32 accumulator ``[M, f]`` is what puts its peak
@@ -260,8 +271,11 @@ def whole_panels(m: int, f: int, acc_dtype) -> int:
   chunk's send and receive buffers (v5e: tp 4, 4 panels, 256.6 MiB
   against 320.2, 2 panels would hold about 440; tp 8, 2 panels, 235.1
   against 272.2), and the fastest (v5e tp 8: 5917.1 us in 2 panels,
-  6004.0 in 1, 7025.7 in 4).
+  6004.0 in 1, 7025.7 in 4). One panel on the ``(chip, n)`` of
+  ``ONE_PANEL`` (v5p at tp 4).
   """
+  if (chip, n) in ONE_PANEL:
+    return 1
   acc = m * f * jnp.dtype(acc_dtype).itemsize
   return max(1, min(-(-acc // PANEL_ACC_BYTES), m // 2))
 
