@@ -39,7 +39,9 @@ instead of halves, and adds the two chunks it holds with one dot per step
 (:func:`whole_chunks`): the accumulator's pass through HBM, not the dot,
 is then what each step costs, and it runs ``n / 2 + 1`` times, not ``n``.
 The value API sends ``x`` itself (no buffer of two copies) and moves the
-chunks in two row pieces whose transfers alternate (:func:`_whole_pieces`).
+chunks in two row pieces whose transfers alternate (:func:`_whole_pieces`),
+in row panels run one after another so that the float32 accumulator holds
+one panel's rows (:func:`whole_panels`).
 
 ``return_gathered``: each chunk is also written into the gathered ``x``
 (read from the transfer's source, which a transfer may read while in
@@ -270,7 +272,7 @@ def whole_panels(
   On the sweep's points that is the fewest panels under jit's plus one
   chunk's send and receive buffers (v5e: tp 4, 4 panels, 256.6 MiB
   against 320.2, 2 panels would hold about 440; tp 8, 2 panels, 235.1
-  against 272.2), and the fastest (v5e tp 8: 5917.1 us in 2 panels,
+  against 272.2), and the fastest (v5e tp 8: 5912.3 us in 2 panels,
   6004.0 in 1, 7025.7 in 4). One panel on the ``(chip, n)`` of
   ``ONE_PANEL`` (v5p at tp 4).
   """
