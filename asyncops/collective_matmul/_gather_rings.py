@@ -39,7 +39,9 @@ instead of halves, and adds the two chunks it holds with one dot per step
 (:func:`whole_chunks`): the accumulator's pass through HBM, not the dot,
 is then what each step costs, and it runs ``n / 2 + 1`` times, not ``n``.
 The value API sends ``x`` itself (no buffer of two copies) and moves the
-chunks in two row pieces whose transfers alternate (:func:`_whole_pieces`).
+chunks in two row pieces whose transfers alternate (:func:`_whole_pieces`),
+in row panels run one after another so that the float32 accumulator holds
+one panel's rows (:func:`whole_panels`).
 
 ``return_gathered``: each chunk is also written into the gathered ``x``
 (read from the transfer's source, which a transfer may read while in
@@ -48,10 +50,13 @@ flight), so the caller gets ``all_gather(x)`` without a second gather.
 Limits. One mesh axis; ``n`` static (the loop is unrolled).
 """
 
+from contextlib import nullcontext
+
 import jax
 import jax.numpy as jnp
 
-from asyncops.collective_matmul import _layout, _ring
+from asyncops import _jax_compat as jc
+from asyncops.collective_matmul import _chips, _layout, _ring
 from asyncops.futures import _api as futures
 
 
@@ -222,8 +227,10 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   accs = tuple(None for _ in ws)
   last = n // 2  # transfers: ceil((n - 1) / 2)
   if api == "value":
-    out = _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last)
-    return tuple(a.astype(x.dtype) for a in out)
+    f = sum(w.shape[1] for w in ws)
+    chip = _chips.chip_for(jc.trace_device_kind()).name
+    panels = whole_panels(m, f, acc_dt, n, chip)
+    return _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels)
   if stash is not None:
     # x itself is no transfer's source here: readable later at no copy.
     stash.append((x[: m // 2], x[m // 2 :]))
@@ -238,36 +245,116 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   return tuple(a.astype(x.dtype) for a in accs)
 
 
-def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
-  """The value API's ring of whole chunks, in two row pieces.
+# The largest float32 accumulator one row panel of the ring of whole
+# chunks holds (see :func:`whole_panels`).
+PANEL_ACC_BYTES = 128 << 20
 
-  Each transfer moves one piece (half of ``x``'s rows, or all of them when
-  ``M`` is odd) of the two chunks it carries, and the pieces' transfers
-  alternate: the window of piece 1's transfer at step ``s`` holds the dot
-  of piece 0's chunks that arrived at step ``s``, and the window of piece
-  0's transfer at step ``s + 1`` the dot of piece 1's. So every transfer
-  is half a chunk each way, and the first one (``x``'s first rows, sent
-  with ``bidirectional_start(whole=True, rows=...)`` straight from ``x``)
-  hides under the local chunk's dot, where a whole chunk each way did
-  not (v5e, v6e: 102 and 132 us exposed at tp 8, M = 16384). A buffer a
-  dot reads that a later transfer sends passes through optimization
-  barriers after that dot, so the transfer's in-place start is ordered
-  after it (no copy).
+
+# (chip, ring size) where the value ring of whole chunks keeps one panel:
+# v5p at tp 4, M = 16384, steps 6222.0 us in 4 panels (376.5 MiB) and
+# 5985.5 in 2 (568.3), over xla_best's 5484.3, where one panel is 5292.8
+# (796.2 MiB): panels there cost more than the time it has to spare.
+ONE_PANEL = frozenset({("v5p", 4)})
+
+
+def whole_panels(
+  m: int, f: int, acc_dtype, n: int | None = None, chip: str | None = None
+) -> int:
+  """Row panels of the value ring of whole chunks (:func:`_whole_pieces`).
+
+  The ring's float32 accumulator ``[M, f]`` is what puts its peak
+  temporary memory over jit's (Llama-3-70B shard, M = 16384: 448 MiB at
+  tp 4, 224 at tp 8, against jit's 192 to 240). Run per row panel, the
+  accumulator is one panel's; each panel is a ring of its own (its first
+  transfer under its local dot, so nothing more is exposed) and reads
+  ``w`` again. The rule: the fewest panels whose accumulator is at most
+  ``PANEL_ACC_BYTES`` (128 MiB), at most ``M / 2`` (two rows a panel).
+  On the sweep's points that is the fewest panels under jit's plus one
+  chunk's send and receive buffers (v5e: tp 4, 4 panels, 256.6 MiB
+  against 320.2, 2 panels would hold about 440; tp 8, 2 panels, 235.1
+  against 272.2), and the fastest (v5e tp 8: 5912.3 us in 2 panels,
+  6004.0 in 1, 7025.7 in 4). One panel on the ``(chip, n)`` of
+  ``ONE_PANEL`` (v5p at tp 4).
+  """
+  if (chip, n) in ONE_PANEL:
+    return 1
+  acc = m * f * jnp.dtype(acc_dtype).itemsize
+  return max(1, min(-(-acc // PANEL_ACC_BYTES), m // 2))
+
+
+def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
+  """The value API's ring of whole chunks, in row panels of two pieces.
+
+  ``x``'s rows are cut into ``panels`` row panels (:func:`whole_panels`),
+  run one after the other (each starts after the last one's output is
+  written, so their buffers never coexist); each is the ring below on
+  its rows, its float32 accumulator holds only its rows, and each
+  piece's last product is added and rounded straight into its rows of
+  the one ``[M, f]`` output.
+
+  In a panel each transfer moves one piece (half of the panel's rows, or
+  all of them when odd) of the two chunks it carries, and the pieces'
+  transfers alternate: the window of piece 1's transfer at step ``s``
+  holds the dot of piece 0's chunks that arrived at step ``s``, and the
+  window of piece 0's transfer at step ``s + 1`` the dot of piece 1's.
+  So every transfer is half a chunk each way, and the first one (the
+  piece's rows of ``x``, sent with ``bidirectional_start(whole=True,
+  rows=...)`` straight from ``x``) hides under the local chunk's dot,
+  where a whole chunk each way did not (v5e, v6e: 102 and 132 us exposed
+  at tp 8, M = 16384). A buffer a dot reads that a later transfer sends
+  passes through optimization barriers after that dot, so the transfer's
+  in-place start is ordered after it (no copy).
 
   Returns:
     The outputs ``[M, f_i]``, in ``x.dtype``.
   """
   (m, k) = x.shape
-  p = 2 if m % 2 == 0 else 1
-  h = m // p
+  bounds = [q * m // panels for q in range(panels + 1)]
+  # Pieces of equal rows write blocks of [pieces, h, f] (a free reshape
+  # of [M, f]; as fast as before panels at one panel), else rows of [M, f].
+  even = m % (2 * panels) == 0
+  shape = (2 * panels, m // panels // 2) if even else (m,)
+  outs = [_empty((*shape, w.shape[1]), x.dtype) for w in ws]
+  xs = x
+  # A step's stacked rows of w, shared by every panel: with panels,
+  # stacked once up front and materialized (a barrier), else XLA fuses
+  # the stacking into each panel's first dot of the step (819 us against
+  # 635 on v5e, tp 4, M = 16384 in 4 panels).
+  stacks = {}
+  if panels > 1:
+    for s in range(1, last + 1):
+      if 2 * s != n:
+        for i, w in enumerate(ws):
+          cs = chunks(me, s, n, True)
+          stacks[s, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
+    stacks = jax.lax.optimization_barrier(stacks)
+  for q in range(panels):
+    if q:
+      # Panel q starts after panel q - 1's output is written.
+      xs, outs = jax.lax.optimization_barrier((xs, outs))
+    with jax.named_scope(f"panel{q}") if panels > 1 else nullcontext():
+      xs, outs = _whole_panel(
+        xs, ws, axis_name, n, acc_dt, me, last, outs, stacks, bounds[q : q + 2]
+      )
+  if stash is not None:
+    stash.append((xs,))
+  return tuple(o.reshape(m, o.shape[-1]) for o in outs)
+
+
+def _whole_panel(x, ws, axis_name, n, acc_dt, me, last, outs, stacks, rows):
+  """One row panel ``x[lo:hi]`` of :func:`_whole_pieces`: returns ``x``
+  as its last transfer returned it, and ``outs`` with the panel's rows."""
+  k = x.shape[1]
+  lo, hi = rows
+  r = hi - lo
+  p = 2 if r % 2 == 0 else 1
+  h = r // p
   order = [(s, j) for s in range(1, last + 1) for j in range(p)]
   work = [(0, None), *order]  # the local chunk, then each arrived piece
   state = {"x": x}  # buffers to send later: x's chain, then each piece's
   accs = [None] * len(ws)
-  # Each piece's last product is added and rounded straight into its rows
-  # of the output (one fusion, no separate pass to round the accumulator).
-  outs = [_empty((p, h, w.shape[1]), x.dtype) for w in ws]
-  stacks = {}
+  outs = list(outs)
+  xs_out = [x]
 
   def dot(t, ws, bufs, sent_key, sent):
     """Work item ``t`` on the buffers (``sent`` for the one in flight)."""
@@ -278,6 +365,8 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
 
     if s == 0:
       xs = src("x")
+      if r != xs.shape[0]:
+        xs = jax.lax.slice_in_dim(xs, lo, hi, axis=0)
       for i, w in enumerate(ws):
         y = jnp.dot(xs, _rows_of(w, me, k), preferred_element_type=acc_dt)
         accs[i] = y.reshape(p, h, y.shape[-1])
@@ -303,7 +392,13 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
           preferred_element_type=acc_dt,
         )
       if s == last:
-        outs[i] = outs[i].at[j].set((accs[i][j] + y).astype(x.dtype))
+        out = (accs[i][j] + y).astype(x.dtype)
+        if outs[i].ndim == 3:  # block lo // h + j of [pieces, h, f]
+          outs[i] = outs[i].at[lo // h + j].set(out)
+        else:
+          outs[i] = jax.lax.dynamic_update_slice_in_dim(
+            outs[i], out, lo + j * h, axis=0
+          )
       else:
         accs[i] = accs[i].at[j].add(y)
 
@@ -312,9 +407,8 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
     src = state.pop(key)
     with jax.named_scope(f"chunk{work[t][0]}"), jax.named_scope("ring_step"):
       if s == 1:
-        rows = (j * h, (j + 1) * h) if p == 2 else None
         sent, fut = futures.bidirectional_start(
-          src, axis_name, whole=True, rows=rows
+          src, axis_name, whole=True, rows=(lo + j * h, lo + (j + 1) * h)
         )
       else:
         sent, fut = futures.bidirectional_start(src, axis_name)
@@ -329,11 +423,10 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
       accs[:], outs[:] = acc_out, out_out
       recv = futures.done(fut)
       # The aliased x goes on to x's next piece (its last alias is what
-      # the first transfer saw, readable later at no copy).
+      # the panel's last first transfer saw, readable later at no copy).
       if key == "x":
-        if s == 1 and j == p - 1:
-          if stash is not None:
-            stash.append((sent,))
+        if j == p - 1:
+          xs_out[0] = sent
         else:
           state["x"] = sent
       state, recv = jax.lax.optimization_barrier((state, recv))
@@ -341,7 +434,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last):
   with jax.named_scope(f"chunk{last}"):
     for t in range(len(order), len(work)):
       dot(t, ws, state, None, None)
-  return tuple(o.reshape(m, o.shape[-1]) for o in outs)
+  return xs_out[0], tuple(outs)
 
 
 def contracting(
