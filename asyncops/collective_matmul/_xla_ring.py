@@ -29,6 +29,15 @@ keeps the library's precision; ``acc="output"`` is XLA's numerics, for
 measurement only (``tests/test_xla_ring.py`` bounds its error: at
 ``n = 8`` a few bfloat16 ulps of the result beyond the reference's).
 
+Status: not an ``method="auto"`` candidate. In the benchmark model
+(``design/benchmarks.md``, "XLA's flagged decompositions, emitted with
+``jax.lax``") the float32 two-way program reaches ``xla_best`` only at
+the Llama-3-70B shard, v5p tp 8 M = 1024 (214.4 us against 216.1), 1.9%
+under the fused kernel, inside auto's margin for it; elsewhere XLA's
+default scheduler may run the ``ppermute``s back to back (v5p tp 8
+M = 4096: 272.5 us exposed), which no estimate from the shape sees.
+``benchmarks/xla_ring.py`` models it.
+
 Limits. The contracting form with one weight; ``n`` static (the loop is
 unrolled); the two-way form needs an even number of rows when ``n`` is
 even (the antipode's halves). Differentiates and vmaps as ``jax.lax``
