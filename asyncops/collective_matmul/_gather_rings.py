@@ -109,7 +109,6 @@ def run(
   def go(operands, carry):
     ring = _ring.Ring(bufs, shifts, axis_name, api, keep=stash is not None)
     for s in range(n - 1):
-
       # ``operands`` (the weights) are closed over, not passed through
       # the step's barrier: ``consume`` reads ``sent``, so it runs after
       # the start anyway, and an entry parameter that is an operand of an
