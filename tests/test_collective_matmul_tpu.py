@@ -332,8 +332,9 @@ _PREFETCH = re.compile(
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v5p:2x2x2"])
 def test_weight_is_cross_program_prefetched(topology):
   """The one-way value ring at the chapter's shape (per device w
-  [2048, 2048]): XLA prefetches the weight into VMEM (``S(1)``) before the program (a ``copy-start`` with
-  ``cross_program_prefetch_index``) and every chunk's dot fusion reads
+  [2048, 2048]): XLA prefetches the weight into VMEM (``S(1)``) before
+  the program (a ``copy-start`` with ``cross_program_prefetch_index``)
+  and every chunk's dot fusion reads
   that copy, as in a plain ``jax.lax`` program. It did not while the
   weight passed through the ring step's optimization barrier (an entry
   parameter used by a barrier is no prefetch candidate): then XLA brought
