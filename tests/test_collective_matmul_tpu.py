@@ -334,8 +334,8 @@ def test_weight_is_cross_program_prefetched(topology):
   """The one-way value ring at the chapter's shape (per device w
   [2048, 2048]): XLA prefetches the weight into VMEM (``S(1)``) before
   the program (a ``copy-start`` with ``cross_program_prefetch_index``)
-  and every chunk's dot fusion reads
-  that copy, as in a plain ``jax.lax`` program. It did not while the
+  and every chunk's dot fusion reads that copy, as in a plain
+  ``jax.lax`` program. It did not while the
   weight passed through the ring step's optimization barrier (an entry
   parameter used by a barrier is no prefetch candidate): then XLA brought
   it to VMEM late, and at the Llama-3-70B shard (v5e tp 4, M = 4096)
