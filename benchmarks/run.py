@@ -434,6 +434,7 @@ def _print_sweep(family, topology, tp, summary) -> None:
   )
   print("|---:|---:|" + "---:|" * len(kinds) + "---:|---:|---|")
   pays = []
+  ran_ours = False
   for m, rows in summary:
     by = {r["variant"]: r for r in rows}
     ours = [
@@ -444,8 +445,9 @@ def _print_sweep(family, topology, tp, summary) -> None:
       .startswith(("allgather_matmul", "asyncops"))
     ]
     best = by[_name(family, "xla_best")]["step_us"]
-    ratio = min(ours) / best if ours else float("nan")
-    if ours and ratio < 1.0:
+    ran_ours |= bool(ours)
+    ratio = f"{min(ours) / best:.3f}" if ours else "n/a"
+    if ours and min(ours) < best:
       pays.append(m)
     cells = " | ".join(f"{by[k]['step_us']:.1f}" for k in kinds)
     auto = next((r for r in rows if "auto_choice" in r), None)
@@ -455,9 +457,12 @@ def _print_sweep(family, topology, tp, summary) -> None:
       else "n/a | n/a"
     )
     print(
-      f"| {m} | {rows[0]['roofline_us']:.1f} | {cells} | {ratio:.3f} | "
+      f"| {m} | {rows[0]['roofline_us']:.1f} | {cells} | {ratio} | "
       f"{auto_cells} |"
     )
+  if not ran_ours:
+    print("\n(no variant of ours in this run)\n", flush=True)
+    return
   where = ", ".join(map(str, pays)) if pays else "no M of the sweep"
   print(f"\nours (best variant) beats xla_best at M = {where}\n", flush=True)
 

@@ -559,3 +559,52 @@ def test_plan_twins_usage_errors(argv, capsys):
   assert err[-1].startswith("plan_twins.py: error:") or "error:" in err[-1]
   assert argv[0] in err[-1] or "v9x" in err[-1]
   assert "Traceback" not in "\n".join(err)
+
+
+def _sweep_rows(m, **steps):
+  return (
+    m,
+    [
+      {"variant": v, "step_us": s, "roofline_us": 10.0}
+      for v, s in steps.items()
+    ],
+  )
+
+
+def test_sweep_summary_without_our_variants(capsys):
+  """A sweep of the baselines alone (``--variants ppermute``) prints n/a,
+  not nan, and does not claim that none of ours beats ``xla_best``."""
+  bench_run._print_sweep(
+    "allgather",
+    "v5e:2x4",
+    8,
+    [_sweep_rows(16, jit=30.0, xla_best=20.0, ppermute=15.0)],
+  )
+  out = capsys.readouterr().out
+  assert "nan" not in out
+  assert "| 16 | 10.0 | 30.0 | 20.0 | 15.0 | n/a | n/a | n/a |" in out
+  assert "no variant of ours in this run" in out
+  assert "beats xla_best" not in out
+
+
+def test_sweep_summary_names_where_ours_pays(capsys):
+  """With one of ours in the rows, the M where it is under ``xla_best``."""
+  bench_run._print_sweep(
+    "reducescatter",
+    "v5e:2x4",
+    8,
+    [
+      _sweep_rows(
+        16,
+        **{"reducescatter:xla_best": 20.0, "reducescatter:asyncops": 25.0},
+      ),
+      _sweep_rows(
+        64,
+        **{"reducescatter:xla_best": 20.0, "reducescatter:asyncops": 15.0},
+      ),
+    ],
+  )
+  out = capsys.readouterr().out
+  assert "| 16 | 10.0 | 20.0 | 25.0 | 1.250 |" in out
+  assert "| 64 | 10.0 | 20.0 | 15.0 | 0.750 |" in out
+  assert "beats xla_best at M = 64\n" in out
