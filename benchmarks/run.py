@@ -150,6 +150,21 @@ def family_variants(family: str, ref: bool, extra: list[str]) -> list[str]:
   return [n for n in names if not n.endswith((":unsharded", ":jit"))]
 
 
+def fused_refuses(name: str, dtype) -> str | None:
+  """Why the library's fused kernels refuse ``dtype`` in variant ``name``
+  (the reason ``asyncops.collective_matmul._fused`` raises), or None."""
+  if "_fused" not in name:
+    return None
+  d = jnp.dtype(dtype)
+  if any(q in name for q in ("_int8", "_fp8")) and not jnp.issubdtype(
+    d, jnp.floating
+  ):
+    return "int8 transfers quantize floating inputs only"
+  if d not in (jnp.dtype(t) for t in (jnp.bfloat16, jnp.float32, jnp.int8)):
+    return f"dtype {d.name} has no MXU path"
+  return None
+
+
 def auto_choice(variant, mesh, shape, config):
   """What ``method="auto"`` runs in ``variant`` on ``mesh``'s chip, and
   why: ``(methods, reasons)``, one per collective matmul (an MLP has two),
@@ -256,6 +271,14 @@ class Bench:
     rows = [(bound, None), (jit, None), (best, best_name)]
     rows += [(r, n) for n, r in per]
     names = variants or family_variants(family, a.ref, a.extra)
+    # The default rows leave out what the fused kernels refuse (they
+    # raise); a variant asked for by name still runs, and fails.
+    left_out = (
+      {}
+      if variants
+      else {v: why for v in names if (why := fused_refuses(v, dtype))}
+    )
+    names = [v for v in names if v not in left_out]
     for v in _measure.progress(names, f"{topology} {family} {config}"):
       res = _measure.measure(self.spec(v, topology, tp, shape, config))
       if v.endswith("_auto"):
@@ -333,6 +356,13 @@ class Bench:
     self.print_table(
       family, topology, mesh, shape, config, roof, out, best_name
     )
+    if left_out:
+      print(
+        "left out (the fused kernels refuse them): "
+        + "; ".join(f"{v} ({why})" for v, why in left_out.items())
+        + "\n",
+        flush=True,
+      )
     return out
 
   def print_table(

@@ -19,6 +19,7 @@ from benchmarks import (
   _mesh,
   _roofline,
   _timeline,
+  _variants,
   xla_configs,
 )
 from benchmarks import run as bench_run
@@ -608,3 +609,25 @@ def test_sweep_summary_names_where_ours_pays(capsys):
   assert "| 16 | 10.0 | 20.0 | 25.0 | 1.250 |" in out
   assert "| 64 | 10.0 | 20.0 | 15.0 | 0.750 |" in out
   assert "beats xla_best at M = 64\n" in out
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bfloat16])
+def test_default_rows_leave_out_what_the_fused_kernels_refuse(dtype):
+  """``--configs int32`` ran every default variant and crashed on the fused
+  ones (the library raises "no MXU path" when lowering for the TPU); the
+  default rows now leave out exactly the variants whose lowering raises
+  that reason."""
+  mesh = _measure.mesh_for("v5e:2x4", "ring", 4)
+  shape = (1024, 2048, 8192)
+  for v in bench_run.family_variants("allgather", False, []):
+    why = bench_run.fused_refuses(v, dtype)
+    if "_fused" not in v:
+      assert why is None
+      continue
+    fn = _variants.build(v, mesh)
+    args = _variants.abstract_args(v, mesh, shape, jnp.dtype(dtype))
+    if why is None:
+      fn.trace(*args).lower()
+    else:
+      with pytest.raises(ValueError, match=why):
+        fn.trace(*args).lower()
