@@ -19,6 +19,7 @@ from benchmarks import (
   _mesh,
   _roofline,
   _timeline,
+  _variants,
   xla_configs,
 )
 from benchmarks import run as bench_run
@@ -559,3 +560,74 @@ def test_plan_twins_usage_errors(argv, capsys):
   assert err[-1].startswith("plan_twins.py: error:") or "error:" in err[-1]
   assert argv[0] in err[-1] or "v9x" in err[-1]
   assert "Traceback" not in "\n".join(err)
+
+
+def _sweep_rows(m, **steps):
+  return (
+    m,
+    [
+      {"variant": v, "step_us": s, "roofline_us": 10.0}
+      for v, s in steps.items()
+    ],
+  )
+
+
+def test_sweep_summary_without_our_variants(capsys):
+  """A sweep of the baselines alone (``--variants ppermute``) prints n/a,
+  not nan, and does not claim that none of ours beats ``xla_best``."""
+  bench_run._print_sweep(
+    "allgather",
+    "v5e:2x4",
+    8,
+    [_sweep_rows(16, jit=30.0, xla_best=20.0, ppermute=15.0)],
+  )
+  out = capsys.readouterr().out
+  assert "nan" not in out
+  assert "| 16 | 10.0 | 30.0 | 20.0 | 15.0 | n/a | n/a | n/a |" in out
+  assert "no variant of ours in this run" in out
+  assert "beats xla_best" not in out
+
+
+def test_sweep_summary_names_where_ours_pays(capsys):
+  """With one of ours in the rows, the M where it is under ``xla_best``."""
+  bench_run._print_sweep(
+    "reducescatter",
+    "v5e:2x4",
+    8,
+    [
+      _sweep_rows(
+        16,
+        **{"reducescatter:xla_best": 20.0, "reducescatter:asyncops": 25.0},
+      ),
+      _sweep_rows(
+        64,
+        **{"reducescatter:xla_best": 20.0, "reducescatter:asyncops": 15.0},
+      ),
+    ],
+  )
+  out = capsys.readouterr().out
+  assert "| 16 | 10.0 | 20.0 | 25.0 | 1.250 |" in out
+  assert "| 64 | 10.0 | 20.0 | 15.0 | 0.750 |" in out
+  assert "beats xla_best at M = 64\n" in out
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bfloat16])
+def test_default_rows_leave_out_what_the_fused_kernels_refuse(dtype):
+  """``--configs int32`` ran every default variant and crashed on the fused
+  ones (the library raises "no MXU path" when lowering for the TPU); the
+  default rows now leave out exactly the variants whose lowering raises
+  that reason."""
+  mesh = _measure.mesh_for("v5e:2x4", "ring", 4)
+  shape = (1024, 2048, 8192)
+  for v in bench_run.family_variants("allgather", False, []):
+    why = bench_run.fused_refuses(v, dtype)
+    if "_fused" not in v:
+      assert why is None
+      continue
+    fn = _variants.build(v, mesh)
+    args = _variants.abstract_args(v, mesh, shape, jnp.dtype(dtype))
+    if why is None:
+      fn.trace(*args).lower()
+    else:
+      with pytest.raises(ValueError, match=why):
+        fn.trace(*args).lower()
