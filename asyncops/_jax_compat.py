@@ -506,6 +506,15 @@ def is_ref(x: Any) -> bool:
   )
 
 
+# ``jax.empty_ref`` (a Ref with no fill) is new in jax 0.10; on 0.9 a Ref of
+# zeros stands in (one fill of the buffer, same values never read).
+def empty_ref(like: Any) -> Any:
+  """A ``jax.Ref`` of ``like``'s shape and dtype whose contents are unset."""
+  if hasattr(jax, "empty_ref"):
+    return jax.empty_ref(like)
+  return jax.new_ref(jax.numpy.zeros(like.shape, like.dtype))
+
+
 def ref_inner_aval(ref: Any) -> Any:
   """The array aval a Ref holds."""
   return _core.typeof(ref).inner_aval

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
 from asyncops import stateful
 from asyncops.collective_matmul import _gather_rings, _ref_whole
@@ -177,7 +178,7 @@ def _first_step(bad):
 
   def body(x):
     xr = jax.new_ref(x.reshape(2, x.shape[0] // 2, x.shape[1]))
-    dst = jax.empty_ref(jax.ShapeDtypeStruct(xr.shape, x.dtype))
+    dst = jc.empty_ref(jax.ShapeDtypeStruct(xr.shape, x.dtype))
     f1 = stateful.ppermute_start(xr.at[0], dst.at[0], "y", shift=1)
     f2 = stateful.ppermute_start(xr.at[0], dst.at[1], "y", shift=-1)
     y = bad(xr, dst)

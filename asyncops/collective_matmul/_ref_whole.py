@@ -52,6 +52,7 @@ transfer is done.
 import jax
 import jax.numpy as jnp
 
+from asyncops import _jax_compat as jc
 from asyncops import stateful
 from asyncops.collective_matmul import _gather_rings
 
@@ -99,7 +100,7 @@ def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
     # x is only ever a transfer's source (never aliased): readable later.
     stash.append((x[:h], x[h:]))
   xr = jax.new_ref(x.reshape(p, h, k))
-  free = [jax.empty_ref(jax.ShapeDtypeStruct((2, h, k), dt)) for _ in "abc"]
+  free = [jc.empty_ref(jax.ShapeDtypeStruct((2, h, k), dt)) for _ in "abc"]
   held = {}  # piece j -> the Ref holding it (chunks i - s, i + s)
   arrived = []  # transfer t -> the Ref it filled
   accs = [None] * len(ws)
