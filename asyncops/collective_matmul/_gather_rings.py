@@ -160,8 +160,17 @@ def accumulate(acc, y, s: int, j: int, bidirectional: bool):
   return acc.at[j].add(y)
 
 
-def _rows_of(w, c, k: int):
+def rows_of(w, c, k: int):
+  """Chunk ``c``'s ``k`` rows of ``w``."""
   return jax.lax.dynamic_slice_in_dim(w, c * k, k, axis=0)
+
+
+def pair_dot(pair, stack, acc_dt):
+  """A step's two row pieces ``[2, h, k]`` against its two chunks' rows of
+  ``w`` stacked ``[2, k, f]``: one dot contracting both, ``[h, f]``."""
+  return jax.lax.dot_general(
+    pair, stack, (((0, 2), (0, 1)), ((), ())), preferred_element_type=acc_dt
+  )
 
 
 # A two-way ring whose float32 accumulator is at least this large moves
@@ -224,16 +233,11 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
     use = 1 if s == 0 or 2 * s == n else 2
     out = []
     for w, acc in zip(ws, accs, strict=True):
-      rows = [_rows_of(w, c, k) for c in cs[:use]]
+      rows = [rows_of(w, c, k) for c in cs[:use]]
       if use == 1:
         y = jnp.dot(local, rows[0], preferred_element_type=acc_dt)
       else:
-        y = jax.lax.dot_general(
-          pair,
-          jnp.stack(rows),
-          (((0, 2), (0, 1)), ((), ())),
-          preferred_element_type=acc_dt,
-        )
+        y = pair_dot(pair, jnp.stack(rows), acc_dt)
       out.append(y if acc is None else acc + y)
     return tuple(out)
 
@@ -339,7 +343,7 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
       if 2 * s != n:
         for i, w in enumerate(ws):
           cs = chunks(me, s, n, True)
-          stacks[s, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
+          stacks[s, i] = jnp.stack([rows_of(w, c, k) for c in cs])
     stacks = jax.lax.optimization_barrier(stacks)
   for q in range(panels):
     if q:
@@ -381,7 +385,7 @@ def _whole_panel(x, ws, axis_name, n, acc_dt, me, last, outs, stacks, rows):
       if r != xs.shape[0]:
         xs = jax.lax.slice_in_dim(xs, lo, hi, axis=0)
       for i, w in enumerate(ws):
-        y = jnp.dot(xs, _rows_of(w, me, k), preferred_element_type=acc_dt)
+        y = jnp.dot(xs, rows_of(w, me, k), preferred_element_type=acc_dt)
         accs[i] = y.reshape(p, h, y.shape[-1])
       return
     pair = src(f"p{j}").reshape(2, h, k)
@@ -390,20 +394,15 @@ def _whole_panel(x, ws, axis_name, n, acc_dt, me, last, outs, stacks, rows):
     for i, w in enumerate(ws):
       if use == 1:
         y = jnp.dot(
-          pair[0], _rows_of(w, cs[0], k), preferred_element_type=acc_dt
+          pair[0], rows_of(w, cs[0], k), preferred_element_type=acc_dt
         )
       else:
         # Both pieces of step s meet the same stacked rows of w: stacked
         # once, in the first piece's window (not carried through the
         # barriers: that cost the second piece's dot a relayout).
         if (s, i) not in stacks:
-          stacks[s, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
-        y = jax.lax.dot_general(
-          pair,
-          stacks[s, i],
-          (((0, 2), (0, 1)), ((), ())),
-          preferred_element_type=acc_dt,
-        )
+          stacks[s, i] = jnp.stack([rows_of(w, c, k) for c in cs])
+        y = pair_dot(pair, stacks[s, i], acc_dt)
       if s == last:
         out = (accs[i][j] + y).astype(x.dtype)
         if outs[i].ndim == 3:  # block lo // h + j of [pieces, h, f]
@@ -505,7 +504,7 @@ def contracting(
       zip(sent, chunks(me, s, n, bidirectional), strict=True)
     ):
       for i, w in enumerate(ws):
-        y = jnp.dot(xj, _rows_of(w, c, k), preferred_element_type=acc_dt)
+        y = jnp.dot(xj, rows_of(w, c, k), preferred_element_type=acc_dt)
         accs[i] = accumulate(accs[i], y, s, j, bidirectional)
       if g is not None:
         if bidirectional:

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from asyncops import _jax_compat as jc
 from asyncops import stateful
 from asyncops.collective_matmul import _gather_rings
+from asyncops.collective_matmul._gather_rings import pair_dot, rows_of
 
 
 def applies(rows_form: bool, x, ws, options) -> bool:
@@ -68,10 +69,6 @@ def applies(rows_form: bool, x, ws, options) -> bool:
   acc_dt = _gather_rings.accumulator_dtype(x.dtype)
   f = sum(w.shape[1] for w in ws)
   return _gather_rings.whole_chunks(x.shape[0], f, acc_dt, o["n"])
-
-
-def _rows_of(w, c, k: int):
-  return jax.lax.dynamic_slice_in_dim(w, c * k, k, axis=0)
 
 
 def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
@@ -111,7 +108,7 @@ def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
     s, j = work[t]
     if s == 0:
       for i, w in enumerate(ws):
-        y = jnp.dot(x, _rows_of(w, me, k), preferred_element_type=acc_dt)
+        y = jnp.dot(x, rows_of(w, me, k), preferred_element_type=acc_dt)
         accs[i] = y.reshape(p, h, y.shape[-1])
       return
     cs = _gather_rings.chunks(me, s, n, True)
@@ -120,18 +117,17 @@ def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
     pair = buf[0] if antipode else buf[...]
     for i, w in enumerate(ws):
       if antipode:
-        y = jnp.dot(pair, _rows_of(w, cs[0], k), preferred_element_type=acc_dt)
+        y = jnp.dot(
+          pair,
+          rows_of(w, cs[0], k),
+          preferred_element_type=acc_dt,
+        )
       else:
         # Both pieces of step s meet the same stacked rows of w: stacked
         # once, before the first piece's window (stacked inside it, the
         # second piece's dot read it through the window's barriers and XLA
         # relayouted it there: v5e tp 8, M = 16384, 69.5 us a step).
-        y = jax.lax.dot_general(
-          pair,
-          stacks[s, i],
-          (((0, 2), (0, 1)), ((), ())),
-          preferred_element_type=acc_dt,
-        )
+        y = pair_dot(pair, stacks[s, i], acc_dt)
       if s == last:
         outs[i] = outs[i].at[j].set((accs[i][j] + y).astype(dt))
       else:
@@ -143,7 +139,7 @@ def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
       cs = _gather_rings.chunks(me, ds, n, True)
       with jax.named_scope(f"chunk{ds}"):
         for i, w in enumerate(ws):
-          stacks[ds, i] = jnp.stack([_rows_of(w, c, k) for c in cs])
+          stacks[ds, i] = jnp.stack([rows_of(w, c, k) for c in cs])
     src = held.get(j)
     dst = free.pop(0)
     if t:
