@@ -71,11 +71,27 @@ to the benchmark model's figures (:data:`CAL`):
   prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
   its column block's read beside its FLOPs. The one-way all-gather ring
   with a float32 accumulator large enough for the two-way ring's whole
-  chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step.
+  chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step; the
+  two-way ring of whole chunks counts its row panels; the two-way
+  reduce-scatter ring with float32 partial sums of 128 MiB or more is
+  charged ``CAL.bidi_rs_acc`` of a pass over them per step. A 32-bit
+  integer matmul runs off the MXU (``CAL.int32_flops`` of the bf16
+  peak), and a ring step's other traffic hides under its dots.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
-program. For the all-gather, a matmul bound by reading ``w`` (``C < M /
+program. Memory (the issue's target: peak temporary memory within jit's
+plus one chunk's send and receive buffers) is a constraint of the pick in
+one place: where the two-way all-gather ring of whole chunks runs in row
+panels (``_gather_rings.whole_panels``, which cuts its float32 accumulator
+to a panel's rows to meet the target), the one-way ring, which holds the
+whole accumulator ``[M, f]``, is no candidate (v5e tp 4, M = 16384 of the
+Llama shard: 10814.3 us at 640.1 MiB against the two-way ring's 11602.3
+at 256.6, jit 192.2 plus 128). Elsewhere no candidate within the target
+is near the fastest (v5e tp 4 M = 4096: the one-way ring at 160.1 MiB
+against jit's 110.7 plus 32, 2742.8 us; XLA's program 3540 us by its
+estimate, the fused kernel in 4 panels 3271.8), and the pick is by time
+alone. For the all-gather, a matmul bound by reading ``w`` (``C < M /
 2``, decode sizes) keeps XLA's program (no extra kernels, no barrier) when
 XLA's all-gather takes less than the weight read ``W`` and than the fused
 kernel's fixed costs, ``n`` steps of ``CAL.ag_step_s`` (which its
