@@ -573,11 +573,12 @@ def explain_allgather(
   )
   if held:
     why = choice.reason
-    if rings[1] < min(rings[2], fused):
+    if rings[1] < min(rings[2], fused) and choice.method == "ring_bidi":
       why = (
-        f"{why}; the one-way ring (est. {rings[1] * 1e6:.1f} us) holds its "
-        f"whole float32 accumulator, over the memory target the two-way "
-        f"ring meets in {whole_panels} row panels"
+        f"the two-way value ring of whole chunks meets the memory target "
+        f"in {whole_panels} row panels; the one-way ring, estimated "
+        f"faster, holds its whole float32 accumulator "
+        f"({m * f * 4 / 2**20:.0f} MiB)"
       )
     choice = dataclasses.replace(choice, ring_us=rings[1] * 1e6, reason=why)
   if panels > 1 and choice.method == "fused":
