@@ -413,13 +413,13 @@ def _whole_ring_s(
   the output; the stacked rows of ``w`` are made once, before the first
   panel, and each panel's dots read them again. The model (bf16, M =
   16384): v5e tp 4 11552.6 us in 1 panel, 11602.3 in 4 (this estimate
-  11130.5 and 11345.6); tp 8 6004.0 and 5912.3 in 2 (5906.3 and
-  5960.4); v6e tp 4 3983.6 and 3688.2 in 4 (2777.3, 2885.0); v5p tp 8
-  2507.3 and 2618.1 in 2 (2399.6, 2415.5). Panels cost the re-read of
-  the stacked rows and each panel's exposed first step; the model's
-  differences beyond that (-7% to +4% at these points, up to +17% in 4
-  panels at v5e tp 8 and v5p tp 4) are XLA's tiling of the smaller
-  dots, which this estimate does not follow."""
+  11130.5 and 11348.6); tp 8 6004.0 and 5912.3 in 2 (5906.3 and
+  5961.1); v6e tp 4 3983.6 and 3688.2 in 4 (2777.3, 2887.7); v5p tp 8
+  2507.3 and 2618.1 in 2 (2399.6, 2416.6). Panels cost the re-read of
+  the stacked rows and each panel's exposed first step (here 1% to 4%);
+  the model's differences (-7% to +4% at these points, up to +17% in 4
+  panels at v5e tp 8 and v5p tp 4) are mostly XLA's tiling of the
+  smaller dots, which this estimate does not follow."""
   p = panels
   c = compute / n / p
   a = acc / chip.hbm / p

@@ -122,8 +122,8 @@ class Cal:
       2908.0 against 2944.7): a window of 0.2 to 0.27. Since a3192d2
       the one-way ring's weight is prefetched to VMEM on v5e and its
       steps are faster (M = 4096 and 16384: 2742.8 and 10814.3 us):
-      v5e (and v4) 0.1, which puts the estimates at 2735.7 and 10843.0
-      (0.25: 2907.9 and 11531.4; 0: 2621.0 and 10384.2). 0 on v6e,
+      v5e (and v4) 0.1, which puts the estimates at 2735.8 and 10843.1
+      (0.25: 2907.9 and 11531.4; 0: 2621.1 and 10384.2). 0 on v6e,
       whose picks are right without it.
     bidi_rs_acc: the share of a pass over the two-way reduce-scatter
       ring's float32 partial sums ``[M, c]`` (read and written) charged
@@ -133,8 +133,8 @@ class Cal:
       us, v5e 11905.8 against 11783.3, v5p 5027.8 against 4946.7, where
       the two-way estimates without it (3075.1, 11269.8, 4891.9) were
       under the one-way ring's; 1.0 (at ``ring_rho``, as the rest of
-      the step's traffic beside its dots) gives 3664.6, 12121.1 and
-      5241.3. Below that size (tp 4, M = 4096; tp 8) the two-way ring's
+      the step's traffic beside its dots) gives 3664.4, 12121.9 and
+      5241.4. Below that size (tp 4, M = 4096; tp 8) the two-way ring's
       estimates fit without it.
     int32_flops: the share of the bf16 peak an int32 matmul is charged
       at (it does not run on the MXU). XLA's estimate, which the model
