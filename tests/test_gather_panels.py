@@ -114,17 +114,28 @@ def test_panels_gradient(monkeypatch, mesh_name, shape, panels):
     # At most M / 2 panels (two rows each).
     (4, 1 << 24, 2),
     (2, 1 << 26, 1),
+    # 3 panels' accumulator (320 MiB): 4 panels, each a multiple of 16
+    # rows (3 would cut pieces of 2730 rows, 5 of 1638: not 8-aligned).
+    (16384, 5120, 4),
+    (16384, 7168 * 5 // 4, 8),
+    # M not a multiple of 16: the fewest panels, as before.
+    (16394, 5120, 3),
   ],
 )
 def test_whole_panels_rule(m, f, want):
   """The fewest panels whose float32 accumulator is at most
-  ``PANEL_ACC_BYTES`` (128 MiB), two rows a panel at least."""
+  ``PANEL_ACC_BYTES`` (128 MiB), two rows a panel at least; when ``M`` is
+  a multiple of 16, the fewest of those whose panels are too."""
   got = _gather_rings.whole_panels(m, f, jnp.float32)
   assert got == want
   if got < m // 2:
     assert -(-m // got) * f * 4 <= _gather_rings.PANEL_ACC_BYTES
-  if got > 1:
-    assert -(-m // (got - 1)) * f * 4 > _gather_rings.PANEL_ACC_BYTES
+  aligned = m % 16 == 0
+  if aligned:
+    assert m // got % 16 == 0
+  smaller = [q for q in range(1, got) if not aligned or (m // 16) % q == 0]
+  for q in smaller:
+    assert -(-m // q) * f * 4 > _gather_rings.PANEL_ACC_BYTES
 
 
 @pytest.mark.parametrize("n,chip,want", [(4, "v5p", 1), (8, "v5p", 2)])

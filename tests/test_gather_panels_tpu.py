@@ -132,3 +132,24 @@ def test_one_panel_is_over_the_limit(monkeypatch):
   r = analyze(_ours(mesh), *_args(mesh))
   assert len(r.pairs_for("asyncops.bidirectional")) == N
   assert _temp(r) > _jit_temp(mesh) + 2 * CHUNK
+
+
+def test_panel_count_is_tile_aligned():
+  """A 320 MiB accumulator (per device ``w [4096, 5120]``) needs 3 panels
+  by size; 3 panels of 16384 rows cut pieces of 2730 rows, which the start
+  kernel's slice of ``x`` cannot take on TPU (Mosaic: "Slice sizes along
+  tiled dimensions must be aligned to tiles"; the rule before compiled
+  to that error). ``whole_panels`` rounds up to 4 panels of 4096 rows,
+  and the program compiles, copy-free."""
+  f = 5120
+  assert _gather_rings.whole_panels(M, f, jnp.float32) == 4
+  mesh = tpu_mesh("v5e:2x4", (2, N), ("x", "y"))
+  args = (
+    _args(mesh)[0],
+    jax.ShapeDtypeStruct(
+      (D, N * f), jnp.bfloat16, sharding=NamedSharding(mesh, SPECS[1])
+    ),
+  )
+  r = analyze(_ours(mesh), *args)
+  assert_copy_free(r)
+  assert len(r.pairs_for("asyncops.bidirectional")) == N * 4

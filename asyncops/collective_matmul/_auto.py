@@ -71,11 +71,27 @@ to the benchmark model's figures (:data:`CAL`):
   prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
   its column block's read beside its FLOPs. The one-way all-gather ring
   with a float32 accumulator large enough for the two-way ring's whole
-  chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step.
+  chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step; the
+  two-way ring of whole chunks counts its row panels; the two-way
+  reduce-scatter ring with float32 partial sums of 128 MiB or more is
+  charged ``CAL.bidi_rs_acc`` of a pass over them per step. A 32-bit
+  integer matmul runs off the MXU (``CAL.int32_flops`` of the bf16
+  peak), and a ring step's other traffic hides under its dots.
 
 The fastest estimate wins; the fused kernel is kept over a ring within 3%
 (it holds less memory), and a ring or fused kernel must be 3% under XLA's
-program. For the all-gather, a matmul bound by reading ``w`` (``C < M /
+program. Memory (the issue's target: peak temporary memory within jit's
+plus one chunk's send and receive buffers) is a constraint of the pick in
+one place: where the two-way all-gather ring of whole chunks runs in row
+panels (``_gather_rings.whole_panels``, which cuts its float32 accumulator
+to a panel's rows to meet the target), the one-way ring, which holds the
+whole accumulator ``[M, f]``, is no candidate (v5e tp 4, M = 16384 of the
+Llama shard: 10814.3 us at 640.1 MiB against the two-way ring's 11602.3
+at 256.6, jit 192.2 plus 128). Elsewhere no candidate within the target
+is near the fastest (v5e tp 4 M = 4096: the one-way ring at 160.1 MiB
+against jit's 110.7 plus 32, 2742.8 us; XLA's program 3540 us by its
+estimate, the fused kernel in 4 panels 3271.8), and the pick is by time
+alone. For the all-gather, a matmul bound by reading ``w`` (``C < M /
 2``, decode sizes) keeps XLA's program (no extra kernels, no barrier) when
 XLA's all-gather takes less than the weight read ``W`` and than the fused
 kernel's fixed costs, ``n`` steps of ``CAL.ag_step_s`` (which its
@@ -174,9 +190,21 @@ class Choice:
     )
 
 
+def _off_mxu(dtype) -> bool:
+  """A 32-bit integer matmul (XLA runs it off the MXU)."""
+  dt = jnp.dtype(dtype)
+  return bool(jnp.issubdtype(dt, jnp.integer) and dt.itemsize >= 4)
+
+
 def _flops_rate(chip: Chip, dtype, precision: str) -> float:
-  if jnp.dtype(dtype) == jnp.float32 and precision == "HIGHEST":
+  """Float32 at ``HIGHEST`` is six bf16 passes; a 32-bit integer matmul
+  does not run on the MXU (``CAL.int32_flops`` of the bf16 peak, XLA's
+  estimate); the rest at the bf16 peak."""
+  dt = jnp.dtype(dtype)
+  if dt == jnp.float32 and precision == "HIGHEST":
     return chip.bf16_flops / 6
+  if _off_mxu(dt):
+    return chip.bf16_flops * CAL[chip.name].int32_flops
   return chip.bf16_flops
 
 
@@ -322,6 +350,7 @@ def _ring_s(
   *,
   w_share=0.0,
   dot_bytes=0.0,
+  off_mxu=False,
 ) -> float:
   """The value ring over ``d`` directions: ``n`` steps, each its dots
   (``compute / n``, or the HBM time of the ``hidden`` bytes a step reads
@@ -334,13 +363,22 @@ def _ring_s(
   bytes' HBM time is charged beside the dots (the part of a lone dot's
   weight read its MXU work does not cover); no step's ``d`` dots are shorter
   than ``d`` times ``dot_bytes`` (one dot's own operands and result) at
-  HBM bandwidth."""
+  HBM bandwidth. With ``off_mxu`` (a 32-bit integer matmul, about ten
+  times longer than at the MXU) the ``extra`` bytes and the ``w_share``
+  read stream under the dots rather than beside them (the model, v5e,
+  the chapter's int32 reduce-scatter: the one-way ring 245.8 us, 16 over
+  the unsharded matmul)."""
+  lone = w_share * hidden / chip.hbm
   dots = max(
-    compute / n + w_share * hidden / chip.hbm,
+    compute / n + (0.0 if off_mxu else lone),
+    lone,
     cal.ring_rho * hidden / chip.hbm,
     d * dot_bytes / chip.hbm,
   )
-  dots += cal.ring_rho * extra / chip.hbm
+  if off_mxu:
+    dots = max(dots, cal.ring_rho * extra / chip.hbm)
+  else:
+    dots += cal.ring_rho * extra / chip.hbm
   load, hops = (
     (wiring.shift_load, wiring.shift_hops)
     if d == 1
@@ -352,28 +390,47 @@ def _ring_s(
   return _XLA_OVERHEAD_S + n * step
 
 
-def _whole_ring_s(n, compute, acc, chunk, out_bytes, w_rows, chip) -> float:
+def _whole_ring_s(
+  n, compute, acc, chunk, out_bytes, w_rows, chip, panels=1
+) -> float:
   """The two-way ring of whole chunks (``_gather_rings.whole_chunks``) in
   two row pieces: every transfer is half a chunk each way, the first two
   straight from ``x`` (no copy); step 0 the local dot; then one window per
   piece of each two-chunk step: a dot over half the rows of two chunks
   (one chunk's FLOPs) overlapped with its rows' accumulator pass in one
   fusion, plus the stacked rows of ``w`` (``w_rows`` bytes per chunk,
-  written and read, once per step for both pieces); then the antipode's
-  pieces, a pass and the output. The model at tp 8, M = 16384: a
-  two-chunk piece 681 us on v5e (610 of FLOPs, a 287 us half pass) and
-  48 us of stacking per step, 212 and 24 on v6e (131, 143); the
-  antipode's pieces 1021 and 471; in all 6004.0 and 2153.6 us (this
-  estimate: 5905 and 1682, so v6e's is kind: the two-way ring is far
-  ahead there)."""
-  c = compute / n
-  a = acc / chip.hbm
-  half = chunk / 2 / chip.link + _HOP_S  # a piece: half a chunk each way
-  stack = 3 * 2 * w_rows / chip.hbm
-  piece = max(max(c, a / 2) + a / 8 + stack / 2, half)
+  read from ``w`` and written once, read by each step's dots); then the
+  antipode's pieces, a pass and the output. The model at tp 8, M = 16384
+  in one panel: a two-chunk piece 681 us on v5e (610 of FLOPs, a 287 us
+  half pass) and 48 us of stacking per step, 212 and 24 on v6e (131,
+  143); the antipode's pieces 1021 and 471; in all 6004.0 and 2153.6 us
+  (this estimate: 5905 and 1682, so v6e's is kind: the two-way ring is
+  far ahead there).
+
+  In ``panels`` row panels (``_gather_rings.whole_panels``) the ring runs
+  once per panel on its rows, one panel after the other: each panel's
+  local dot and first transfer, its steps, its antipode and its rows of
+  the output; the stacked rows of ``w`` are made once, before the first
+  panel, and each panel's dots read them again. The model (bf16, M =
+  16384): v5e tp 4 11552.6 us in 1 panel, 11602.3 in 4 (this estimate
+  11130.5 and 11348.6); tp 8 6004.0 and 5912.3 in 2 (5906.3 and
+  5961.1); v6e tp 4 3983.6 and 3688.2 in 4 (2777.3, 2887.7); v5p tp 8
+  2507.3 and 2618.1 in 2 (2399.6, 2416.6). Panels cost the re-read of
+  the stacked rows and each panel's exposed first step (here 1% to 4%);
+  the model's differences (-7% to +4% at these points, up to +17% in 4
+  panels at v5e tp 8 and v5p tp 4) are mostly XLA's tiling of the
+  smaller dots, which this estimate does not follow."""
+  p = panels
+  c = compute / n / p
+  a = acc / chip.hbm / p
+  half = chunk / p / 2 / chip.link + _HOP_S  # a piece: half a chunk each way
+  make = 2 * 2 * w_rows / chip.hbm  # a step's rows of w read and stacked
+  read = 2 * w_rows / chip.hbm  # and read back by its dots
+  piece = max(max(c, a / 2) + a / 8 + read / 2, half)
   two = n // 2 - (1 - n % 2)  # steps carrying two chunks
-  tail = (c + a / 2 if n % 2 == 0 else 0.0) + out_bytes / chip.hbm
-  return _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + tail
+  tail = (c + a / 2 if n % 2 == 0 else 0.0) + out_bytes / p / chip.hbm
+  panel = _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + tail
+  return two * make + p * panel
 
 
 def explain_allgather(
@@ -454,6 +511,9 @@ def explain_allgather(
   )
   rings = {}
   whole = _gather_rings.whole_chunks(m, f, jnp.float32, n)
+  whole_panels = (
+    _gather_rings.whole_panels(m, f, jnp.float32, n, chip.name) if whole else 1
+  )
   for d in (1, 2):
     if d == 2 and m % 2:
       continue
@@ -464,15 +524,39 @@ def explain_allgather(
     # within 4% of this estimate without it at M <= 4096, 1.35x and 2.0x
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
     extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
-    rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
+    rings[d] = _ring_s(
+      n,
+      d,
+      compute,
+      hidden,
+      extra,
+      chip,
+      m * k * b,
+      cal,
+      wr,
+      off_mxu=_off_mxu(dtype),
+    )
     if d == 1 and whole:
       # A float32 accumulator this large: a share of its pass per step
       # (``CAL.ag_ring_pass``) does not hide under the step's dot.
       rings[d] += n * cal.ag_ring_pass * acc / chip.hbm
     if d == 2 and whole:
       rings[d] = _whole_ring_s(
-        n, compute, acc, m * k * b, out_bytes, k * f * b, chip
+        n,
+        compute,
+        acc,
+        m * k * b,
+        out_bytes,
+        k * f * b,
+        chip,
+        whole_panels,
       )
+  # The memory target (peak temporary memory within jit's plus one chunk's
+  # buffers): where the two-way ring of whole chunks runs in row panels to
+  # hold its float32 accumulator to one panel's rows, the one-way ring,
+  # which holds all of it ([M, f]: 448 MiB at tp 4, M = 16384 of the
+  # Llama shard), is no candidate.
+  held = whole_panels > 1 and 2 in rings and 1 in rings
   choice = _decide(
     reason,
     fused,
@@ -480,13 +564,23 @@ def explain_allgather(
     compute,
     hbm,
     chip,
-    ring_s=rings.get(1),
+    ring_s=None if held else rings.get(1),
     ring_bidi_s=rings.get(2),
     xla_comm_s=xla_ring,
     # The decode rule yields once XLA's all-gather outlasts the fused
     # kernel's fixed cost per step (``CAL.ag_step_s``) over the ring.
     w_s=min(w_s, n * cal.ag_step_s),
   )
+  if held:
+    why = choice.reason
+    if rings[1] < min(rings[2], fused) and choice.method == "ring_bidi":
+      why = (
+        f"the two-way value ring of whole chunks meets the memory target "
+        f"in {whole_panels} row panels; the one-way ring, estimated "
+        f"faster, holds its whole float32 accumulator "
+        f"({m * f * 4 / 2**20:.0f} MiB)"
+      )
+    choice = dataclasses.replace(choice, ring_us=rings[1] * 1e6, reason=why)
   if panels > 1 and choice.method == "fused":
     choice = dataclasses.replace(
       choice, reason=f"{choice.reason} ({panels} row panels)"
@@ -567,6 +661,12 @@ def explain_reducescatter(
     if d == 2 and m % 2:
       continue
     extra = m * k * b + 2 * m * c * b
+    # The two-way ring's float32 partial sums, once large, are charged a
+    # pass beside its dots (``CAL.bidi_rs_acc``; the model at tp 4, M =
+    # 16384: 3724.9 us on v6e against the one-way ring's 3368.4).
+    sums = m * c * (4 if jnp.issubdtype(dtype, jnp.floating) else b)
+    if d == 2 and sums >= _BIDI_ACC_BYTES:
+      extra += cal.bidi_rs_acc * 2 * sums
     # Each of a step's d dots reads its whole column block of w, its rows
     # of x and writes its partial sums: HBM-bound in float32 at the prefill
     # shape on v5e (tp 4: 95 us of bytes against 76 us of FLOPs per
@@ -586,6 +686,7 @@ def explain_reducescatter(
       # (the two-way ring's second dot covers the first's weight read)
       w_share=cal.rs_ring_w if d == 1 else 0.0,
       dot_bytes=one_dot,
+      off_mxu=_off_mxu(dtype),
     )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it

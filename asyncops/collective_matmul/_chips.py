@@ -119,8 +119,28 @@ class Cal:
       the one-way ring loses at tp 4 M = 16384 (11919.4 us against
       11552.6; estimated 10384.2 against 11130.5 without it, 11531.0
       with) and still wins at M = 4096 (3070.0 against 3152.1; estimated
-      2908.0 against 2944.7): a window of 0.2 to 0.27. 0 on v6e, whose
-      picks are right without it.
+      2908.0 against 2944.7): a window of 0.2 to 0.27. Since a3192d2
+      the one-way ring's weight is prefetched to VMEM on v5e and its
+      steps are faster (M = 4096 and 16384: 2742.8 and 10814.3 us):
+      v5e (and v4) 0.1, which puts the estimates at 2735.8 and 10843.1
+      (0.25: 2907.9 and 11531.4; 0: 2621.1 and 10384.2). 0 on v6e,
+      whose picks are right without it.
+    bidi_rs_acc: the share of a pass over the two-way reduce-scatter
+      ring's float32 partial sums ``[M, c]`` (read and written) charged
+      beside each step's dots once they are over ``_BIDI_ACC_BYTES``
+      (128 MiB; of the sweep only tp 4, M = 16384). The model there, the
+      two-way ring against the one-way ring: v6e 3724.9 against 3368.4
+      us, v5e 11905.8 against 11783.3, v5p 5027.8 against 4946.7, where
+      the two-way estimates without it (3075.1, 11269.8, 4891.9) were
+      under the one-way ring's; 1.0 (at ``ring_rho``, as the rest of
+      the step's traffic beside its dots) gives 3664.4, 12121.9 and
+      5241.4. Below that size (tp 4, M = 4096; tp 8) the two-way ring's
+      estimates fit without it.
+    int32_flops: the share of the bf16 peak an int32 matmul is charged
+      at (it does not run on the MXU). XLA's estimate, which the model
+      charges: 229.9 us for the chapter's per-device int32 matmul on v5e
+      (4.3 GFLOP, 21.8 us at the bf16 peak), 1 / 10.5. No public figure;
+      every chip takes v5e's.
   """
 
   ring_rho: float
@@ -135,6 +155,8 @@ class Cal:
   rs_overlap: float = 0.0
   ag_step_s: float = float("inf")
   ag_ring_pass: float = 0.0
+  bidi_rs_acc: float = 1.0
+  int32_flops: float = 1 / 10.5
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -154,7 +176,7 @@ _V5E = Cal(
   74e-6,
   rs_ring_w=0.25,
   ag_step_s=8e-6,
-  ag_ring_pass=0.25,
+  ag_ring_pass=0.1,
 )
 
 CAL = {

@@ -292,11 +292,23 @@ def whole_panels(
   against 272.2), and the fastest (v5e tp 8: 5912.3 us in 2 panels,
   6004.0 in 1, 7025.7 in 4). One panel on the ``(chip, n)`` of
   ``ONE_PANEL`` (v5p at tp 4).
+
+  When ``M`` is a multiple of 16 the count is rounded up to one whose
+  panels are too (each piece a multiple of 8 rows): the start kernel's
+  slice of ``x`` (``bidirectional_start(whole=True, rows=...)``) must be
+  a multiple of 8 rows on TPU, and 5 panels of 16384 rows (pieces of
+  1638) fail to compile ("Slice sizes along tiled dimensions must be
+  aligned to tiles"). M = 16384 and an accumulator of 3 panels' size
+  runs 4.
   """
   if (chip, n) in ONE_PANEL:
     return 1
   acc = m * f * jnp.dtype(acc_dtype).itemsize
-  return max(1, min(-(-acc // PANEL_ACC_BYTES), m // 2))
+  p = max(1, min(-(-acc // PANEL_ACC_BYTES), m // 2))
+  if p > 1 and m % 16 == 0:
+    tiles = m // 16
+    p = next(q for q in range(p, tiles + 1) if tiles % q == 0)
+  return p
 
 
 def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
