@@ -437,7 +437,8 @@ def test_x_is_copied_only_when_an_entry_parameter_is_sent(topology):
     x_copies = [c for c in r.copies if c.shape.startswith(x_shape)]
     if how == "produced":
       assert not x_copies, (how, x_copies)
-      producer = re.search(rf"%{re.escape(first.group(1))} = (\S+) (\w+)\(", entry)
+      src = re.escape(first.group(1))
+      producer = re.search(rf"%{src} = (\S+) (\w+)\(", entry)
       assert producer and producer.group(2) == "fusion", (how, producer)
     else:
       assert len(x_copies) == 1, (how, x_copies)
