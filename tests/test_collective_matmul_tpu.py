@@ -396,7 +396,7 @@ def _ring_with_x(mesh, how):
   return jax.jit(body, donate_argnums=(0,) if how == "donated" else ())
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x4", "v5p:2x2x2"])
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v5p:2x2x2", "v6e:2x4"])
 def test_x_is_copied_only_when_an_entry_parameter_is_sent(topology):
   """The one-way ring's first start aliases its source ``x``
   (``output_to_operand_aliasing={{0}: (0, {})}``, so the done keeps the
