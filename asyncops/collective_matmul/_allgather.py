@@ -107,7 +107,7 @@ def allgather_matmul(
       the buffer it sends; donating does not help): 16 MiB, 41 us of a
       2743 us step at the Llama-3-70B MLP shard (v5e, ring of 4, 4096
       rows). A computed ``lhs`` (a model's activation) is sent in place;
-      the fused kernel and ``"xla"`` never copy it.
+      the fused kernel and ``"xla"`` do not copy it.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by
