@@ -281,6 +281,7 @@ def measure(spec: Spec, chip: _chips.Chip | None = None) -> Result:
     "compile_s": compile_s,
     "floored_us": tl.floored_s * 1e6,
     "flags": list(tl.flags),
+    "x_input": _variants.X_INPUT,
   }
   return Result(spec, row, tl, text, hlo_key(text))
 

@@ -118,6 +118,18 @@ def _library(name: str):
 # name -> (build(mesh, precision) -> jitted fn, args(mesh, shape, dtype)).
 _REGISTERED: dict[str, tuple[Callable, Callable]] = {}
 
+# How every variant's first operand (the activation ``x`` the collective
+# moves) enters the program (``run.py --x-input``):
+# - ``"parameter"`` (default): an entry parameter, as before;
+# - ``"donated"``: the same parameter, donated (``donate_argnums=0``);
+# - ``"produced"``: computed inside the program, ``x * 2`` of the
+#   parameter, as a model's activation is (the output of a previous op).
+# A start kernel aliases the buffer it sends, so XLA copies an entry
+# parameter the program sends first (``design/benchmarks.md``, "The copy
+# of ``x`` before the first transfer"); every variant gets the same input.
+X_INPUTS = ("parameter", "donated", "produced")
+X_INPUT = "parameter"
+
 
 def register(name: str, build_fn: Callable, args_fn: Callable) -> None:
   """Adds variant ``name`` (``<family>:<kind>``, or a bare all-gather name).
@@ -491,11 +503,31 @@ def _grad(fn):
 
 
 def build(name: str, mesh, *, precision=None):
-  """The jitted function for variant ``name`` on ``mesh`` (axes x, y).
+  """The jitted function for variant ``name`` on ``mesh`` (axes x, y), its
+  first operand entered as :data:`X_INPUT` says.
 
   Raises:
     ValueError: unknown variant; lists the available ones.
   """
+  return with_x_input(_build(name, mesh, precision=precision), X_INPUT)
+
+
+def with_x_input(fn, how: str):
+  """``fn`` with its first operand entered ``how`` (:data:`X_INPUTS`).
+
+  Raises:
+    ValueError: ``how`` is not one of :data:`X_INPUTS`.
+  """
+  if how == "parameter":
+    return fn
+  if how == "donated":
+    return jax.jit(lambda x, *rest: fn(x, *rest), donate_argnums=0)
+  if how == "produced":
+    return jax.jit(lambda x, *rest: fn(x * 2, *rest))
+  raise ValueError(f"x input {how!r}: choose from {', '.join(X_INPUTS)}.")
+
+
+def _build(name: str, mesh, *, precision=None):
   if name in _REGISTERED:
     return _REGISTERED[name][0](mesh, precision)
   if ":" in name:

@@ -632,6 +632,13 @@ def _parser() -> argparse.ArgumentParser:
     action="store_true",
     help="write a trace and a PNG per row to --out",
   )
+  p.add_argument(
+    "--x-input",
+    default="parameter",
+    choices=_variants.X_INPUTS,
+    help="how every variant's x enters the program: an entry parameter, "
+    "donated, or produced in the program (x * 2, as a model's activation)",
+  )
   p.add_argument("--out", default="out/bench")
   return p
 
@@ -686,6 +693,7 @@ def main(argv=None) -> int:
     except ValueError as e:
       p.error(f"--topology: {e}")
   _measure.MODEL["collectives"] = a.collectives
+  _variants.X_INPUT = a.x_input
   bench = Bench(a)
   sink = sys.stderr if a.json == "-" else sys.stdout
   t0 = time.perf_counter()

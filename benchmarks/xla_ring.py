@@ -67,7 +67,14 @@ def main(argv=None) -> int:
     help="also model jit with this xla_configs.CONFIGS entry",
   )
   p.add_argument("--dtype", default="bfloat16")
+  p.add_argument(
+    "--x-input",
+    default="parameter",
+    choices=_variants.X_INPUTS,
+    help="how x enters every program (benchmarks.run --x-input)",
+  )
   a = p.parse_args(argv)
+  _variants.X_INPUT = a.x_input
   tp = None if a.tp == "mesh" else int(a.tp)
   mesh = _measure.mesh_for(a.topology, "ring", tp)
   if a.m == "chapter":

@@ -631,3 +631,23 @@ def test_default_rows_leave_out_what_the_fused_kernels_refuse(dtype):
     else:
       with pytest.raises(ValueError, match=why):
         fn.trace(*args).lower()
+
+
+def test_x_input_enters_every_variant_alike():
+  """``--x-input``: ``produced`` computes ``x * 2`` in the program,
+  ``donated`` donates the parameter, ``parameter`` leaves the variant as
+  built; an unknown choice is refused with the choices."""
+
+  def f(x, w):
+    return x @ w
+
+  x, w = jnp.ones((4, 8), jnp.float32), jnp.eye(8)
+  assert _variants.with_x_input(f, "parameter") is f
+  got = _variants.with_x_input(f, "produced")(x, w)
+  assert float(got.sum()) == 2 * float(f(x, w).sum())
+  text = _variants.with_x_input(f, "donated").trace(x, w).lower().as_text()
+  assert "jax.buffer_donor" in text or "tf.aliasing_output" in text
+  text = _variants.with_x_input(f, "produced").trace(x, w).lower().as_text()
+  assert "multiply" in text
+  with pytest.raises(ValueError, match="parameter, donated, produced"):
+    _variants.with_x_input(f, "copied")

@@ -380,3 +380,68 @@ def test_weight_is_cross_program_prefetched(topology):
   r = analyze(jitted, *args)
   r.assert_no_defensive_copies()
   r.assert_no_inflight_copies()
+
+
+# The copy of x before the first transfer: the start's alias of a parameter -
+
+
+def _ring_with_x(mesh, how):
+  """The one-way ring's program with its ``x`` entered ``how``."""
+  body = jax.shard_map(
+    lambda a, w: allgather_matmul(a * 2 if how == "produced" else a, w, "y"),
+    mesh=mesh,
+    in_specs=(P("x", "y"), P(None, "y")),
+    out_specs=P("x", "y"),
+  )
+  return jax.jit(body, donate_argnums=(0,) if how == "donated" else ())
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v5p:2x2x2", "v6e:2x4"])
+def test_x_is_copied_only_when_an_entry_parameter_is_sent(topology):
+  """The one-way ring's first start aliases its source ``x``
+  (``output_to_operand_aliasing={{0}: (0, {})}``, so the done keeps the
+  buffer the DMA reads alive). XLA may not let a kernel write a parameter
+  the caller owns, so when ``x`` is the program's parameter it copies it
+  once before the first start (16 MiB, 41.0 us modelled at the
+  Llama-3-70B shard, v5e tp 4 M = 4096). Donating ``x`` does not remove
+  the copy (no output has its shape, and a communicating kernel's buffers
+  are XLA's own: ``design/scheduling.md`` section 4). When the program
+  computes ``x`` (a model's activation), the start takes the producing
+  fusion's buffer and no buffer of ``x``'s shape is copied.
+  ``benchmarks.run --x-input`` enters every variant's ``x`` these three
+  ways (``design/benchmarks.md``, "The copy of x before the first
+  transfer")."""
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+  args = (
+    jax.ShapeDtypeStruct(
+      (B, D), jnp.bfloat16, sharding=NamedSharding(mesh, P("x", "y"))
+    ),
+    jax.ShapeDtypeStruct(
+      (D, F), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "y"))
+    ),
+  )
+  x_shape = f"bf16[{B // 2},{D // 4}]"
+  for how in ("parameter", "donated", "produced"):
+    jitted = _ring_with_x(mesh, how)
+    text = jitted.trace(*args).lower().compile().as_text()
+    entry = text[text.index("\nENTRY") :]
+    x_param = re.search(rf"%(param\S*) = {re.escape(x_shape)}\{{", entry)
+    assert x_param, (how, entry[:500])
+    first = re.search(
+      r"%asyncops_ppermute_start\S* = .* custom-call\(%([^),]+)\)", entry
+    )
+    assert first, how
+    r = analyze(jitted, *args)
+    r.assert_no_defensive_copies()
+    r.assert_no_inflight_copies()
+    x_copies = [c for c in r.copies if c.shape.startswith(x_shape)]
+    if how == "produced":
+      assert not x_copies, (how, x_copies)
+      src = re.escape(first.group(1))
+      producer = re.search(rf"%{src} = (\S+) (\w+)\(", entry)
+      assert producer and producer.group(2) == "fusion", (how, producer)
+    else:
+      assert len(x_copies) == 1, (how, x_copies)
+      (c,) = x_copies
+      assert c.operand == x_param.group(1), (how, c)
+      assert first.group(1) == c.name, (how, first.group(1), c)

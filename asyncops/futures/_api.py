@@ -123,6 +123,12 @@ def ppermute_start(x, axis_name: str, perm=None, *, shift: int | None = None):
     the original, for any compute before the done**) and the future to
     pass to :func:`ppermute_done`.
 
+    **An entry parameter is copied once**: the start aliases ``x``, so
+    when ``x`` is a parameter of the jitted function XLA copies it before
+    the start (donated or not; ``asyncops.inspect`` calls it a
+    ``boundary`` copy, or ``memory_space`` when the copy lands in VMEM). A
+    computed ``x`` is sent in place.
+
   Raises:
     NameError: ``axis_name`` is not bound by an enclosing ``shard_map``.
     TypeError: both or neither of ``perm``/``shift``; a dtype a DMA cannot
