@@ -190,9 +190,13 @@ def matmul_reducescatter(
       return jax.lax.psum_scatter(
         _auto.dot(lhs, rhs), axis_name, scatter_dimension=dim, tiled=True
       )
-  if run == "fused":
-    with jax.named_scope(fn), jax.named_scope("method_fused"):
-      out = _vjp.fused_reducescatter(fold.fold(lhs), rhs, axis_name, n)
+  if run in ("fused", "fused_uni"):  # auto's one-way kernel: fused_uni
+    kernel = {
+      "fused": _vjp.fused_reducescatter,
+      "fused_uni": _vjp.fused_reducescatter_uni,
+    }[run]
+    with jax.named_scope(fn), jax.named_scope(f"method_{run}"):
+      out = kernel(fold.fold(lhs), rhs, axis_name, n)
       return fold.unfold(out, out.shape[-1])
   with jax.named_scope(fn):
     out = canonical(
