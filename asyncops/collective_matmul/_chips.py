@@ -150,6 +150,15 @@ class Cal:
       for it (206.3 us), the one-way kernel (97.75 MiB) has none (198.3
       us); at the chapter's shape both have it (2 MiB, 0.3 us exposed).
       v5e has no such copy at the prefill shape (806.6 us both ways).
+    bidi_rs_acc_from: the size of the two-way reduce-scatter ring's
+      float32 partial sums from which ``bidi_rs_acc`` applies, when under
+      ``_BIDI_ACC_BYTES`` (128 MiB). v5p 32 MiB: the model at tp 4, M =
+      4096 (32 MiB) has the two-way ring 1294.6 us against the one-way
+      ring's 1259.6 (estimated 1278.0 and 1294.5; with the pass 1365.4);
+      at tp 8 only M = 16384 (64 MiB) has as much, where the fused kernel
+      is picked either way (the two-way ring 2868.3 -> 3217.8, the model
+      2928.9). v5e and v6e none: their tp 8 two-way rings at M = 4096 and
+      16384 (16 and 64 MiB) are the model's fastest.
   """
 
   ring_rho: float
@@ -167,6 +176,7 @@ class Cal:
   bidi_rs_acc: float = 1.0
   int32_flops: float = 1 / 10.5
   rs_x_vmem: float = 0.0
+  bidi_rs_acc_from: float = float("inf")
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -203,6 +213,7 @@ CAL = {
     rs_overlap=0.45,
     ag_step_s=2.5e-6,
     ag_ring_pass=0.5,
+    bidi_rs_acc_from=32 * 2**20,
   ),
   "v6e": Cal(
     0.9,
