@@ -328,11 +328,11 @@ def test_auto_decisions_on_the_llama_sweep(family, chip, m, method):
     "ring_bidi": c.ring_bidi_us,
   }
   if method != "xla":
-    # Chosen by estimate: the least (the fused kernel within 3% of a
+    # Chosen by estimate: the least (the fused kernel within 2% of a
     # ring: it holds less memory), and 3% under XLA's program.
     least = min(v for v in est.values() if v is not None)
     assert est[method] == least or (
-      method == "fused" and 0.97 * c.fused_us < least
+      method == "fused" and 0.98 * c.fused_us < least
     )
     assert est[method] < 0.97 * c.xla_us
   fused_why = "partial sums" if m == 16 else "the ring transfers"
