@@ -74,7 +74,11 @@ def matmul_reducescatter(
       made, the accumulator in VMEM), XLA's matmul then
       ``psum_scatter`` (``"xla"``) and, for the row form, the ring of
       ``start``/``done`` futures (``"ring"``); see
-      :func:`allgather_matmul`. **``api="ref"`` and
+      :func:`allgather_matmul`. ``"auto"`` may also run the fused kernel
+      with its partial sums sent one way round the ring (where it is
+      estimated faster: v6e at the prefill shape, where XLA prefetches
+      ``x`` into VMEM before the two-way kernel only) or the one- or
+      two-way ring. **``api="ref"`` and
       ``bidirectional=True`` configure the ring** (``"auto"`` then runs
       it). Every method differentiates.
 
