@@ -446,3 +446,30 @@ def test_transfer_argument_is_checked():
     _fused.allgather_matmul(
       jnp.ones((8, 8)), jnp.ones((8, 8)), "y", transfer="fp8"
     )
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8)])
+def test_auto_runs_the_one_way_fused_reducescatter_it_picks(
+  monkeypatch, mesh_shape
+):
+  """Where auto picks the one-way fused reduce-scatter (``"fused_uni"``;
+  v6e's prefill shape, forced here), the public function runs the fused
+  kernel with ``directions=1`` and equals ``psum_scatter(a @ w)``."""
+  pick = _auto.Choice("fused_uni", "forced", 1.0, 2.0, "v6e", fused_uni_us=0.9)
+  monkeypatch.setattr(_auto, "explain_reducescatter", lambda *a, **k: pick)
+  a, w = (
+    _ints((64, 32 * 8), jnp.float32, 4),
+    _ints((32 * 8, 16 * 8), jnp.float32, 5),
+  )
+
+  def body(x, y):
+    return cm.matmul_reducescatter(x, y, "y")
+
+  mesh = u.cpu_mesh(mesh_shape)
+  with _auto.recording() as choices:
+    got = u.run_sharded(body, mesh, *_RS.values(), a, w)
+    jaxpr = str(_traced(cm.matmul_reducescatter, a.shape, w.shape, **_RS).jaxpr)
+  assert {c.method for _, c in choices} == {"fused_uni"}
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(a @ w))
+  assert "asyncops_fused_reducescatter_matmul" in jaxpr
+  assert "directions=1" in jaxpr and "directions=2" not in jaxpr

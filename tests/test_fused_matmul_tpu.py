@@ -328,11 +328,11 @@ def test_auto_decisions_on_the_llama_sweep(family, chip, m, method):
     "ring_bidi": c.ring_bidi_us,
   }
   if method != "xla":
-    # Chosen by estimate: the least (the fused kernel within 3% of a
+    # Chosen by estimate: the least (the fused kernel within 2% of a
     # ring: it holds less memory), and 3% under XLA's program.
     least = min(v for v in est.values() if v is not None)
     assert est[method] == least or (
-      method == "fused" and 0.97 * c.fused_us < least
+      method == "fused" and 0.98 * c.fused_us < least
     )
     assert est[method] < 0.97 * c.xla_us
   fused_why = "partial sums" if m == 16 else "the ring transfers"
@@ -410,3 +410,99 @@ def test_auto_under_grad_runs_fused_forward_and_ring_backward():
   ]
   assert len(ring) >= 2 and all(p.overlapped for p in ring), ring
   assert not report.defensive_copies and not report.inflight_copies
+
+
+def _one_way_pick(monkeypatch):
+  pick = _auto.Choice("fused_uni", "forced", 1.0, 2.0, "v6e", fused_uni_us=0.9)
+  monkeypatch.setattr(_auto, "explain_reducescatter", lambda *a, **k: pick)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_auto_one_way_fused_reducescatter_program(monkeypatch, topology):
+  """Auto's one-way fused reduce-scatter (``"fused_uni"``, forced here at
+  the chapter's shape) through the public function: the fused kernels in
+  order, whole blocks one way (the start's send buffers ``[1, n - 1, m,
+  c]``), the result written in place and no defensive copy."""
+  _one_way_pick(monkeypatch)
+
+  def f(h, w):
+    return cm.matmul_reducescatter(h, w, "y")
+
+  text = _compile(*_reducescatter(topology, f))
+  assert "method_fused_uni" in text
+  assert _entry_order(text) == [
+    "asyncops_ring_reducescatter_start",
+    "ring_reducescatter_matmul",
+    "ring_reducescatter_finish",
+    "asyncops_ring_reducescatter_done",
+  ]
+  (start,) = _calls(text, "asyncops_ring_reducescatter_start")
+  assert start.leaves[0].dims == (1, 3, B // 2, D // 4)
+  assert not analyze(text).defensive_copies
+  (finish,) = _calls(text, "ring_reducescatter_finish")
+  _assert_result_written_in_place(text, finish)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_auto_one_way_fused_reducescatter_under_grad(monkeypatch, topology):
+  """``jit(grad)`` through auto's one-way fused reduce-scatter (forced):
+  the forward is the one-way fused kernel, the backward the one-way
+  ring's start/done pairs, overlapped; nothing copied."""
+  _one_way_pick(monkeypatch)
+
+  def loss(h, w):
+    y = cm.matmul_reducescatter(h, w, "y")
+    return jax.lax.psum(jnp.sum(y.astype(jnp.float32) ** 2), ("x", "y"))
+
+  mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
+  specs = (P("x", "y"), P("y", None))
+  f = jax.jit(
+    jax.grad(
+      jax.shard_map(loss, mesh=mesh, in_specs=specs, out_specs=P()), (0, 1)
+    )
+  )
+  args = (
+    u.sharded_sds(mesh, (B, F), specs[0], jnp.bfloat16),
+    u.sharded_sds(mesh, (F, D), specs[1], jnp.bfloat16),
+  )
+  report = analyze(f, *args)
+  text = report.hlo_text
+  assert "ring_reducescatter_matmul" in _kernels(text)
+  assert "method_fused_uni" in text
+  (start,) = _calls(text, "asyncops_ring_reducescatter_start")
+  assert start.leaves[0].dims[0] == 1  # one direction
+  ring = [
+    p for p in report.kernel_pairs if not p.start.startswith("asyncops_ring_")
+  ]
+  assert len(ring) >= 2 and all(p.overlapped for p in ring), ring
+  assert not report.defensive_copies and not report.inflight_copies
+
+
+def test_auto_picks_the_one_way_fused_reducescatter_on_v6e_prefill():
+  """Unforced, on the benchmark's v6e mesh (``y`` rings whose every hop
+  is one link) at the prefill shape: auto compiles the one-way fused
+  kernel, with no prefetch of ``x`` into VMEM before it (the two-way
+  kernel's, 8 us exposed in the benchmark model) and no defensive copy.
+  (On ``tpu_mesh``'s 2x2 squares, two hops of 2 links, auto estimates the
+  one-way value ring fastest instead.)"""
+  from benchmarks import _mesh  # noqa: PLC0415
+
+  def f(h, w):
+    return cm.matmul_reducescatter(h, w, "y")
+
+  mesh = _mesh.make_mesh("v6e:2x4", "ring", 4)
+  specs = (P("x", "y"), P("y", None))
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=specs[0]))
+  args = (
+    u.sharded_sds(mesh, (2048, 28672), specs[0], jnp.bfloat16),
+    u.sharded_sds(mesh, (28672, 8192), specs[1], jnp.bfloat16),
+  )
+  with _auto.recording() as choices:
+    text = _compile(g, args)
+  assert [c.method for _, c in choices] == ["fused_uni"], choices
+  assert "method_fused_uni" in text
+  (start,) = _calls(text, "asyncops_ring_reducescatter_start")
+  assert start.leaves[0].dims == (1, 3, 1024, 2048)
+  entry = text[text.index("\nENTRY ") :]
+  assert not re.search(r"= \S+ copy(-start)?\(", entry)
+  assert not analyze(text).defensive_copies

@@ -196,6 +196,44 @@ def test_auto_picks_fused_and_differentiates(name):
   assert choices and {c.method for _, c in choices} == {"fused"}
 
 
+def test_one_way_fused_reducescatter_differentiates(monkeypatch):
+  """Auto's one-way fused reduce-scatter (``"fused_uni"``, forced here:
+  off TPU auto assumes a v5e, where it is never picked) differentiates
+  like the two-way kernel: the same one-way ring backward, against
+  ``jax.grad`` of ``psum_scatter(x @ w)``; forward mode runs the one-way
+  kernel on the tangents (``jax.jvp``)."""
+  from asyncops.collective_matmul import _auto  # noqa: PLC0415
+
+  pick = _auto.Choice("fused_uni", "forced", 1.0, 2.0, "v6e", fused_uni_us=0.9)
+  monkeypatch.setattr(_auto, "explain_reducescatter", lambda *a, **k: pick)
+  shapes, specs, ref = _METHOD_CASES["matmul_reducescatter"]
+
+  def ours(x, w):
+    return _cm.matmul_reducescatter(x, w, "y")
+
+  with _auto.recording() as choices:
+    _check(ours, ref, shapes, specs, "float32", shapes[0][1])
+    _check(ours, ref, shapes, specs, "bfloat16", shapes[0][1])
+  assert choices and {c.method for _, c in choices} == {"fused_uni"}
+  mesh = _mesh()
+  args = [
+    _put(mesh, s, a)
+    for s, a in zip(specs, u.ring_args(shapes, "float32"), strict=True)
+  ]
+
+  def jvp(f):
+    g = jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P("x", "y"))
+    return jax.jit(lambda x, w: jax.jvp(g, (x, w), (x + 1, w * 2)))(*args)
+
+  (out, tan), (out_r, tan_r) = jvp(ours), jvp(ref)
+  np.testing.assert_allclose(
+    np.asarray(out), np.asarray(out_r), rtol=1e-5, atol=1e-4
+  )
+  np.testing.assert_allclose(
+    np.asarray(tan), np.asarray(tan_r), rtol=1e-5, atol=1e-4
+  )
+
+
 # mlp_block -------------------------------------------------------------------
 
 

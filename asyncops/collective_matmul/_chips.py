@@ -141,6 +141,24 @@ class Cal:
       charges: 229.9 us for the chapter's per-device int32 matmul on v5e
       (4.3 GFLOP, 21.8 us at the bf16 peak), 1 / 10.5. No public figure;
       every chip takes v5e's.
+    rs_x_vmem: XLA prefetches a fused reduce-scatter panel's ``x`` into
+      VMEM (a ``copy-start``/``copy-done`` the kernel waits for) where
+      it fits beside the kernel's scoped VMEM limit within this share of
+      VMEM; the estimate charges its read then (0: never). v6e 0.8, fit
+      to the model at the prefill shape (tp 4, ``x`` [1024, 7168] bf16,
+      14 MiB): the two-way kernel (limit 85.25 MiB of 128) waits 8.0 us
+      for it (206.3 us), the one-way kernel (97.75 MiB) has none (198.3
+      us); at the chapter's shape both have it (2 MiB, 0.3 us exposed).
+      v5e has no such copy at the prefill shape (806.6 us both ways).
+    bidi_rs_acc_from: the size of the two-way reduce-scatter ring's
+      float32 partial sums from which ``bidi_rs_acc`` applies, when under
+      ``_BIDI_ACC_BYTES`` (128 MiB). v5p 32 MiB: the model at tp 4, M =
+      4096 (32 MiB) has the two-way ring 1294.6 us against the one-way
+      ring's 1259.6 (estimated 1278.0 and 1294.5; with the pass 1365.4);
+      at tp 8 only M = 16384 (64 MiB) has as much, where the fused kernel
+      is picked either way (the two-way ring 2868.3 -> 3217.8, the model
+      2928.9). v5e and v6e none: their tp 8 two-way rings at M = 4096 and
+      16384 (16 and 64 MiB) are the model's fastest.
   """
 
   ring_rho: float
@@ -157,6 +175,8 @@ class Cal:
   ag_ring_pass: float = 0.0
   bidi_rs_acc: float = 1.0
   int32_flops: float = 1 / 10.5
+  rs_x_vmem: float = 0.0
+  bidi_rs_acc_from: float = float("inf")
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -193,6 +213,18 @@ CAL = {
     rs_overlap=0.45,
     ag_step_s=2.5e-6,
     ag_ring_pass=0.5,
+    bidi_rs_acc_from=32 * 2**20,
   ),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75, ag_step_s=2.5e-6),
+  "v6e": Cal(
+    0.9,
+    4e-6,
+    1.4e-6,
+    0.5,
+    4.8,
+    0.76,
+    15e-6,
+    0.75,
+    ag_step_s=2.5e-6,
+    rs_x_vmem=0.8,
+  ),
 }

@@ -74,7 +74,11 @@ def matmul_reducescatter(
       made, the accumulator in VMEM), XLA's matmul then
       ``psum_scatter`` (``"xla"``) and, for the row form, the ring of
       ``start``/``done`` futures (``"ring"``); see
-      :func:`allgather_matmul`. **``api="ref"`` and
+      :func:`allgather_matmul`. ``"auto"`` may also run the fused kernel
+      with its partial sums sent one way round the ring (where it is
+      estimated faster: v6e at the prefill shape, where XLA prefetches
+      ``x`` into VMEM before the two-way kernel only) or the one- or
+      two-way ring. **``api="ref"`` and
       ``bidirectional=True`` configure the ring** (``"auto"`` then runs
       it). Every method differentiates.
 
@@ -190,9 +194,13 @@ def matmul_reducescatter(
       return jax.lax.psum_scatter(
         _auto.dot(lhs, rhs), axis_name, scatter_dimension=dim, tiled=True
       )
-  if run == "fused":
-    with jax.named_scope(fn), jax.named_scope("method_fused"):
-      out = _vjp.fused_reducescatter(fold.fold(lhs), rhs, axis_name, n)
+  if run in ("fused", "fused_uni"):  # auto's one-way kernel: fused_uni
+    kernel = {
+      "fused": _vjp.fused_reducescatter,
+      "fused_uni": _vjp.fused_reducescatter_uni,
+    }[run]
+    with jax.named_scope(fn), jax.named_scope(f"method_{run}"):
+      out = kernel(fold.fold(lhs), rhs, axis_name, n)
       return fold.unfold(out, out.shape[-1])
   with jax.named_scope(fn):
     out = canonical(

@@ -497,6 +497,17 @@ fused_reducescatter = _fused_custom_jvp(
   forward mode runs the fused kernel on the tangents; the backward is the
   scatter-columns ring backward (``_bwd_rings``).""",
 )
+fused_reducescatter_uni = _fused_custom_jvp(
+  "fused_reducescatter_uni",
+  lambda x, w, axis_name: _fused.matmul_reducescatter(
+    x, w, axis_name, directions=1
+  ),
+  _fused_reducescatter_bwd,
+  """``fused_reducescatter`` with the partial sums sent one way round the
+  ring (``directions=1``: whole blocks, ``n - 1`` hops), differentiable
+  the same way (forward mode runs this kernel on the tangents; the
+  backward is the same one-way scatter-columns ring backward).""",
+)
 
 
 # XLA's collective ---------------------------------------------------------
