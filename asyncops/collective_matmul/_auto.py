@@ -386,6 +386,7 @@ def explain_allgather(
   precision: str,
   device_kind,
   wiring: _wiring.Wiring | None = None,
+  accumulation: str = "float32",
 ) -> Choice:
   """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices.
 
@@ -395,7 +396,8 @@ def explain_allgather(
   exposed at M = 16, 5113 us at M = 16384, v5e, tp 8). The value rings
   (one- and two-way) read their rows of ``w`` at every step (the two-way
   ring twice: its halves meet different rows) and their float32
-  accumulator.
+  accumulator (``accumulation="output"``: one of ``dtype``, as the rings
+  then hold; the fused kernel's stays float32 in VMEM).
   """
   chip = chip_for(device_kind)
   cal = CAL[chip.name]
@@ -427,6 +429,9 @@ def explain_allgather(
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
   acc = 2 * m * f * 4 if jnp.issubdtype(dtype, jnp.floating) else 2 * m * f * b
+  # The value rings' accumulator (the fused kernel's is float32 in VMEM).
+  ring_acc_dt = _gather_rings.accumulator_dtype(dtype, accumulation)
+  ring_acc = 2 * m * f * jnp.dtype(ring_acc_dt).itemsize
   # The kernel's charge, XLA's estimate of its n chunk dots, reads and
   # writes their float32 accumulator at every step (in its panel's rows).
   plan_steps = _fused.choose_steps(
@@ -453,25 +458,27 @@ def explain_allgather(
     + (panels - 1) * cal.fused_panel * w_s
   )
   rings = {}
-  whole = _gather_rings.whole_chunks(m, f, jnp.float32, n)
+  whole = _gather_rings.whole_chunks(
+    m, f, jnp.float32 if accumulation == "float32" else ring_acc_dt, n
+  )
   for d in (1, 2):
     if d == 2 and m % 2:
       continue
     # The value ring moves x as it is (``chunk`` is the fused kernel's).
-    hidden = d * k * f * b + m * k * b + cal.ring_acc * acc
+    hidden = d * k * f * b + m * k * b + cal.ring_acc * ring_acc
     # The two-way ring's two half accumulators ([2, m/2, f]) are charged
     # their traffic beside the dots once they are large (the model, tp 8:
     # within 4% of this estimate without it at M <= 4096, 1.35x and 2.0x
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
-    extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
+    extra = ring_acc if d == 2 and ring_acc // 2 > _BIDI_ACC_BYTES else 0
     rings[d] = _ring_s(n, d, compute, hidden, extra, chip, m * k * b, cal, wr)
     if d == 1 and whole:
       # A float32 accumulator this large: a share of its pass per step
       # (``CAL.ag_ring_pass``) does not hide under the step's dot.
-      rings[d] += n * cal.ag_ring_pass * acc / chip.hbm
+      rings[d] += n * cal.ag_ring_pass * ring_acc / chip.hbm
     if d == 2 and whole:
       rings[d] = _whole_ring_s(
-        n, compute, acc, m * k * b, out_bytes, k * f * b, chip
+        n, compute, ring_acc, m * k * b, out_bytes, k * f * b, chip
       )
   choice = _decide(
     reason,
