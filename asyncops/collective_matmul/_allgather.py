@@ -116,8 +116,8 @@ def allgather_matmul(
       error that grows with the ring size (a few bfloat16 ulps at 8).
       It permits, does not require, that rounding: the fused kernel
       (its accumulator stays in VMEM in float32) and ``method="xla"``
-      (one dot) still round once, and ``method="auto"``'s estimates
-      charge the value rings the narrower accumulator. float32 and
+      (one dot) still round once, and ``method="auto"``'s estimate of
+      the one-way value ring charges the narrower accumulator. float32 and
       integer ``lhs`` are unchanged (their accumulator is already
       ``lhs.dtype``: integers add exactly, wrapping as ``jnp.dot``
       does); quantized ``transfer`` and the backward pass (gradients)
