@@ -262,3 +262,17 @@ def test_auto_charges_the_narrower_accumulator():
   assert _auto.explain_allgather(
     *f32, **kw, accumulation="output"
   ) == _auto.explain_allgather(*f32, **kw)
+
+
+def test_bench_variants_are_opt_in():
+  """The benchmark rows with ``accumulation="output"`` run only when named
+  (``--variants``): the default tables keep the library's numerics."""
+  from benchmarks import _variants
+
+  names = _variants.library_outacc()
+  assert names == [
+    "allgather_matmul_outacc",
+    "allgather_matmul_bidi_outacc",
+    "allgather_matmul_auto_outacc",
+  ]
+  assert not set(names) & set(_variants.available())
