@@ -276,3 +276,25 @@ def test_bench_variants_are_opt_in():
     "allgather_matmul_auto_outacc",
   ]
   assert not set(names) & set(_variants.available())
+
+
+def test_auto_two_way_ring_keeps_float32(monkeypatch):
+  """Where auto picks the two-way ring, ``"output"`` does not narrow its
+  accumulator (slower there at some shapes): the result is the default's
+  bit for bit, and an explicit ``method="ring"`` two-way ring differs."""
+  pick = _auto.Choice("ring_bidi", "forced", None, 1.0, "v5e")
+  monkeypatch.setattr(_auto, "explain_allgather", lambda *a, **k: pick)
+  mesh = _mesh(8)
+  a, w = _operands(mesh, jnp.bfloat16, seed=5)
+
+  def auto(accumulation):
+    body = functools.partial(
+      _cm.allgather_matmul, axis_name="y", accumulation=accumulation
+    )
+    return np.asarray(_shmap(mesh, body)(a, w), np.float32)
+
+  default = np.asarray(_ours(mesh, "float32", True)(a, w), np.float32)
+  np.testing.assert_array_equal(auto("output"), default)
+  np.testing.assert_array_equal(auto("float32"), default)
+  ring = np.asarray(_ours(mesh, "output", True)(a, w), np.float32)
+  assert np.any(ring != default)

@@ -115,13 +115,15 @@ def allgather_matmul(
       that pass is what a step costs) and **rounds at every step**: an
       error that grows with the ring size (a few bfloat16 ulps at 8).
       It permits, does not require, that rounding: the fused kernel
-      (its accumulator stays in VMEM in float32) and ``method="xla"``
-      (one dot) still round once, and ``method="auto"``'s estimate of
-      the one-way value ring charges the narrower accumulator. float32 and
-      integer ``lhs`` are unchanged (their accumulator is already
-      ``lhs.dtype``: integers add exactly, wrapping as ``jnp.dot``
-      does); quantized ``transfer`` and the backward pass (gradients)
-      keep float32.
+      (its accumulator stays in VMEM in float32), ``method="xla"`` (one
+      dot) and the two-way ring when ``method="auto"`` picks it (it was
+      slower with a bfloat16 accumulator at some shapes) still round
+      once; ``method="ring"`` rings (one- or two-way) and auto's one-way
+      ring, whose estimate then charges the narrower accumulator, use
+      it. float32 and integer ``lhs`` are unchanged (their accumulator
+      is already ``lhs.dtype``: integers add exactly, wrapping as
+      ``jnp.dot`` does); quantized ``transfer`` and the backward pass
+      (gradients) keep float32.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by
@@ -228,6 +230,12 @@ def allgather_matmul(
   )
   if run == "ring_bidi":  # auto's two-way ring (even rows, checked)
     run, bidirectional = "ring", True
+    # Auto's two-way ring keeps float32: with a bfloat16 accumulator it
+    # was slower at points auto takes it (v5e tp 8, M = 1024: 437.8 us
+    # against 362.0; v6e tp 8, M = 4096: 738.2 against 444.7;
+    # design/benchmarks.md). "output" permits the rounding, it does not
+    # require it; method="ring" runs the two-way ring as asked.
+    accumulation = "float32"
   if n == 1:
     outs = tuple(jnp.dot(lhs, w, preferred_element_type=lhs.dtype) for w in ws)
     gathered = lhs
