@@ -16,7 +16,9 @@ jitted function. ``precision`` is passed to every matmul.
   ``allgather_matmul_ref_bidi``: ``api="ref"``; ``allgather_matmul_auto``:
   the library's default, ``method="auto"``;
   ``allgather_matmul_int8[_bidi]`` / ``allgather_matmul_fp8[_bidi]``:
-  ``transfer="int8"`` / ``"float8_e4m3fn"`` (opt-in with ``--variants``).
+  ``transfer="int8"`` / ``"float8_e4m3fn"`` (opt-in with ``--variants``);
+  ``allgather_matmul[_bidi|_auto]_outacc``: ``accumulation="output"``
+  (opt-in with ``--variants``).
 
 The rest of the family is named ``<family>:<kind>`` (see
 :data:`FAMILIES`), e.g. ``reducescatter:jit``; kinds are ``unsharded``
@@ -187,6 +189,24 @@ def library_quantized() -> list[str]:
     "allgather_matmul_int8_bidi",
     "allgather_matmul_fp8",
     "allgather_matmul_fp8_bidi",
+  ]
+
+
+def library_outacc() -> list[str]:
+  """The flagship with ``accumulation="output"`` (the chunk products added
+  in the output dtype, XLA's windowed einsum's numerics): the one- and
+  two-way rings and auto. Opt-in (``--variants``): they round at every
+  step, so they are not the default tables' numerics."""
+  fn = _library("allgather_matmul")
+  try:
+    if fn is None or "accumulation" not in inspect.signature(fn).parameters:
+      return []
+  except (TypeError, ValueError):
+    return []
+  return [
+    "allgather_matmul_outacc",
+    "allgather_matmul_bidi_outacc",
+    "allgather_matmul_auto_outacc",
   ]
 
 
@@ -561,6 +581,17 @@ def _build(name: str, mesh, *, precision=None):
       _lib, api="ref", bidirectional=True
     )
     fns["allgather_matmul_auto"] = functools.partial(_lib, method="auto")
+    outacc = functools.partial(_lib, accumulation="output")
+    for v in library_outacc():
+      fns[v] = {
+        "allgather_matmul_outacc": outacc,
+        "allgather_matmul_bidi_outacc": functools.partial(
+          outacc, bidirectional=True
+        ),
+        "allgather_matmul_auto_outacc": functools.partial(
+          outacc, method="auto"
+        ),
+      }[v]
     for q in library_quantized():
       fns[q] = functools.partial(
         _lib,

@@ -281,7 +281,7 @@ class Bench:
     names = [v for v in names if v not in left_out]
     for v in _measure.progress(names, f"{topology} {family} {config}"):
       res = _measure.measure(self.spec(v, topology, tp, shape, config))
-      if v.endswith("_auto"):
+      if v.endswith(("_auto", "_auto_outacc")):
         methods, reasons = auto_choice(v, mesh, shape, config)
         res.row["auto_choice"] = methods
         res.row["auto_reason"] = reasons
@@ -678,6 +678,7 @@ def main(argv=None) -> int:
       )
   known = set(_variants.available()) | set(_variants.library_ref())
   known |= set(_variants.library_quantized()) | set(_variants.TORUS)
+  known |= set(_variants.library_outacc())
   for fam in _variants.FAMILIES:
     known |= set(_variants.family_variants(fam, ref=True))
     known |= set(_variants.family_quantized(fam))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from asyncops.collective_matmul import (
   _auto,
   _fused,
+  _gather_rings,
   _layout,
   _quantized,
   _validate,
@@ -34,6 +35,7 @@ def allgather_matmul(
   bidirectional: bool = False,
   transfer: _quantized.Transfer = "native",
   method: _auto.Method = "auto",
+  accumulation: _validate.Accumulation = "float32",
 ):
   """All-gathers ``lhs`` along ``gather_dim`` and multiplies by ``rhs``.
 
@@ -108,6 +110,26 @@ def allgather_matmul(
       2743 us step at the Llama-3-70B MLP shard (v5e, ring of 4, 4096
       rows). A computed ``lhs`` (a model's activation) is sent in place;
       the fused kernel and ``"xla"`` do not copy it.
+    accumulation: what the chunk products add up in (the contracting
+      form, ``gather_dim=-1``; a row form has nothing to accumulate).
+      ``"float32"`` (default): a float32 accumulator for floating
+      ``lhs``, rounded once to ``lhs.dtype`` at the end. ``"output"``:
+      XLA's windowed einsum's numerics, opt-in: each chunk's dot
+      produces ``lhs.dtype`` and is added into an accumulator of
+      ``lhs.dtype``, so with bfloat16 ``lhs`` the ring's accumulator is
+      bfloat16 (half the bytes through HBM at every step, faster where
+      that pass is what a step costs) and **rounds at every step**: an
+      error that grows with the ring size (a few bfloat16 ulps at 8).
+      It permits, does not require, that rounding: the fused kernel
+      (its accumulator stays in VMEM in float32), ``method="xla"`` (one
+      dot) and the two-way ring when ``method="auto"`` picks it (it was
+      slower with a bfloat16 accumulator at some shapes) still round
+      once; ``method="ring"`` rings (one- or two-way) and auto's one-way
+      ring, whose estimate then charges the narrower accumulator, use
+      it. float32 and integer ``lhs`` are unchanged (their accumulator
+      is already ``lhs.dtype``: integers add exactly, wrapping as
+      ``jnp.dot`` does); quantized ``transfer`` and the backward pass
+      (gradients) keep float32.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by
@@ -121,7 +143,7 @@ def allgather_matmul(
       message says which form ``gather_dim`` selected), ``gather_dim`` is
       not an axis of ``lhs``, the halves are impossible with
       ``bidirectional=True``, an empty ``rhs`` list, an unknown ``api``,
-      ``method`` or ``transfer``; ring options with
+      ``method``, ``transfer`` or ``accumulation``; ring options with
       ``method="fused"``/``"xla"``, ``method="fused"`` for a form it does
       not run; a quantized ``transfer`` with ``return_gathered`` or
       ``method="fused"``/``"xla"``.
@@ -150,7 +172,12 @@ def allgather_matmul(
   """
   fn = "allgather_matmul"
   _validate.api(api, fn)
+  accumulation = _validate.accumulation(accumulation, fn)
   _validate.operand(lhs, fn, "lhs", matrix=False)
+  if _gather_rings.accumulator_dtype(
+    lhs.dtype, accumulation
+  ) == _gather_rings.accumulator_dtype(lhs.dtype):
+    accumulation = "float32"  # float32, integers: the same accumulator
   ws, names, single = _validate.weights(rhs, lhs, fn)
   n = _validate.axis(axis_name, fn)
   rank = len(lhs.shape)
@@ -196,6 +223,7 @@ def allgather_matmul(
       precision=_fused.precision_name(),
       device_kind=_auto.device_kind(),
       wiring=_auto.wiring(axis_name),
+      accumulation=accumulation,
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * n * lhs.size * sum(w.shape[1] for w in ws),
@@ -208,6 +236,12 @@ def allgather_matmul(
   )
   if run == "ring_bidi":  # auto's two-way ring (even rows, checked)
     run, bidirectional = "ring", True
+    # Auto's two-way ring keeps float32: with a bfloat16 accumulator it
+    # was slower at points auto takes it (v5e tp 8, M = 1024: 437.8 us
+    # against 362.0; v6e tp 8, M = 4096: 738.2 against 444.7;
+    # design/benchmarks.md). "output" permits the rounding, it does not
+    # require it; method="ring" runs the two-way ring as asked.
+    accumulation = "float32"
   if n == 1:
     outs = tuple(jnp.dot(lhs, w, preferred_element_type=lhs.dtype) for w in ws)
     gathered = lhs
@@ -237,6 +271,7 @@ def allgather_matmul(
         api=api,
         bidirectional=bidirectional,
         return_gathered=return_gathered,
+        accumulation=accumulation,
       )
       outs = tuple(
         fold.unfold(o, w.shape[1]) for o, w in zip(outs, ws, strict=True)
@@ -283,8 +318,9 @@ def canonical(rows_form: bool, x, ws: tuple, axis_name: str, **options):
   """Runs the canonical ring: ``x [P, R, k]`` (rows) or ``[M, k]``.
 
   The seam between the public function (validation, folding) and the
-  implementations: ``options`` are ``n``, ``api``, ``bidirectional`` and
-  ``return_gathered``; returns ``(outs, gathered)`` as the rings do.
+  implementations: ``options`` are ``n``, ``api``, ``bidirectional``,
+  ``return_gathered`` and ``accumulation``; returns ``(outs, gathered)``
+  as the rings do.
   """
   # Differentiable with the backward on our own rings (``_vjp``).
   return _vjp.gather(
@@ -296,6 +332,7 @@ def canonical(rows_form: bool, x, ws: tuple, axis_name: str, **options):
     options["bidirectional"],
     options["n"],
     options.get("return_gathered", False),
+    options.get("accumulation", "float32"),
   )
 
 

@@ -515,6 +515,7 @@ def explain_allgather(
   precision: str,
   device_kind,
   wiring: _wiring.Wiring | None = None,
+  accumulation: str = "float32",
 ) -> Choice:
   """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices.
 
@@ -524,7 +525,9 @@ def explain_allgather(
   exposed at M = 16, 5113 us at M = 16384, v5e, tp 8). The value rings
   (one- and two-way) read their rows of ``w`` at every step (the two-way
   ring twice: its halves meet different rows) and their float32
-  accumulator.
+  accumulator (``accumulation="output"``: the one-way ring's is of
+  ``dtype``, as that ring then holds; the two-way ring keeps its float32
+  estimate, the fused kernel its float32 accumulator in VMEM).
   """
   chip = chip_for(device_kind)
   cal = CAL[chip.name]
@@ -556,6 +559,15 @@ def explain_allgather(
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
   acc = 2 * m * f * 4 if jnp.issubdtype(dtype, jnp.floating) else 2 * m * f * b
+  # The one-way value ring's accumulator with ``accumulation`` (``acc``
+  # by default; the fused kernel's is float32 in VMEM). The two-way
+  # ring keeps its float32 estimate: charged a bfloat16 accumulator it
+  # was kind (v5e tp 4, M = 4096 of the Llama-3-70B shard: 2553.8 us
+  # against 2930.5 modelled, over the one-way ring's 2596.0).
+  one_dt = jnp.float32
+  if accumulation != "float32":
+    one_dt = _gather_rings.accumulator_dtype(dtype, accumulation)
+  one_acc = acc if one_dt == jnp.float32 else 2 * m * f * one_dt.itemsize
   # The kernel's charge, XLA's estimate of its n chunk dots, reads and
   # writes their float32 accumulator at every step (in its panel's rows).
   plan_steps = _fused.choose_steps(
@@ -582,20 +594,23 @@ def explain_allgather(
     + (panels - 1) * cal.fused_panel * w_s
   )
   rings = {}
-  whole = _gather_rings.whole_chunks(m, f, jnp.float32, n)
-  whole_panels = (
-    _gather_rings.whole_panels(m, f, jnp.float32, n, chip.name) if whole else 1
-  )
+  # The two-way ring of whole chunks runs in row panels to hold its
+  # float32 accumulator (``_gather_rings.whole_panels``).
+  whole_panels = 1
   for d in (1, 2):
     if d == 2 and m % 2:
       continue
+    ring_acc, acc_dt = (one_acc, one_dt) if d == 1 else (acc, jnp.float32)
+    whole = _gather_rings.whole_chunks(m, f, acc_dt, n)
+    if d == 2 and whole:
+      whole_panels = _gather_rings.whole_panels(m, f, jnp.float32, n, chip.name)
     # The value ring moves x as it is (``chunk`` is the fused kernel's).
-    hidden = d * k * f * b + m * k * b + cal.ring_acc * acc
+    hidden = d * k * f * b + m * k * b + cal.ring_acc * ring_acc
     # The two-way ring's two half accumulators ([2, m/2, f]) are charged
     # their traffic beside the dots once they are large (the model, tp 8:
     # within 4% of this estimate without it at M <= 4096, 1.35x and 2.0x
     # over it at M = 16384 on v5e and v6e; 56 and 224 MiB accumulators).
-    extra = acc if d == 2 and acc // 2 > _BIDI_ACC_BYTES else 0
+    extra = ring_acc if d == 2 and ring_acc // 2 > _BIDI_ACC_BYTES else 0
     rings[d] = _ring_s(
       n,
       d,
@@ -611,12 +626,12 @@ def explain_allgather(
     if d == 1 and whole:
       # A float32 accumulator this large: a share of its pass per step
       # (``CAL.ag_ring_pass``) does not hide under the step's dot.
-      rings[d] += n * cal.ag_ring_pass * acc / chip.hbm
+      rings[d] += n * cal.ag_ring_pass * ring_acc / chip.hbm
     if d == 2 and whole:
       rings[d] = _whole_ring_s(
         n,
         compute,
-        acc,
+        ring_acc,
         m * k * b,
         out_bytes,
         k * f * b,
@@ -628,7 +643,12 @@ def explain_allgather(
   # hold its float32 accumulator to one panel's rows, the one-way ring,
   # which holds all of it ([M, f]: 448 MiB at tp 4, M = 16384 of the
   # Llama shard), is no candidate.
-  held = whole_panels > 1 and 2 in rings and 1 in rings
+  # With ``accumulation="output"`` the one-way ring's accumulator is
+  # narrower and the rule does not apply (v5e tp 4, M = 16384: 10241.0 us
+  # at 128.1 MiB, within the target).
+  held = (
+    whole_panels > 1 and one_dt == jnp.float32 and 2 in rings and 1 in rings
+  )
   choice = _decide(
     reason,
     fused,

@@ -12,7 +12,10 @@ projections pay for one gather.
 2023): ``x [M, k]`` is this device's slice of the contracting dimension and
 ``w [n k, f]`` holds every contracting row. Chunk ``c`` meets rows
 ``c k:(c + 1) k`` of ``w``; the products **accumulate** in an f32
-``[M, f]`` (floating inputs) that rounds once at the end.
+``[M, f]`` (floating inputs) that rounds once at the end; with
+``accumulation="output"`` in ``x.dtype`` instead (each chunk's dot rounds
+to it and is added in it, as XLA's windowed einsum does: half the bytes
+of every accumulator pass in bfloat16, a rounding at every step).
 
 :func:`rows` (sequence parallelism; the row-gather of vLLM's
 tpu-inference kernel): ``x [P, R, k]`` holds ``R`` rows (tokens) of each of
@@ -60,10 +63,16 @@ from asyncops.collective_matmul import _chips, _layout, _ring
 from asyncops.futures import _api as futures
 
 
-def accumulator_dtype(dtype) -> jnp.dtype:
-  """float32 for floating inputs (one rounding at the end), else ``dtype``."""
+def accumulator_dtype(dtype, accumulation: str = "float32") -> jnp.dtype:
+  """The accumulator's dtype for operands of ``dtype``.
+
+  ``accumulation="float32"`` (the default): float32 for floating inputs
+  (one rounding at the end). ``"output"``: ``dtype`` itself (a bfloat16
+  accumulator for bfloat16 operands, XLA's windowed einsum's numerics).
+  Integer inputs accumulate in ``dtype`` either way.
+  """
   dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.floating):
+  if jnp.issubdtype(dtype, jnp.floating) and accumulation != "output":
     return jnp.dtype(jnp.promote_types(dtype, jnp.float32))
   return dtype
 
@@ -471,6 +480,7 @@ def contracting(
   bidirectional: bool,
   return_gathered: bool,
   stash: list | None = None,
+  accumulation: str = "float32",
 ):
   """``[all_gather(x, axis=1, tiled) @ w for w in ws]`` on a ring.
 
@@ -483,13 +493,16 @@ def contracting(
     bidirectional: halves of ``x``'s rows travel both ways.
     return_gathered: also build ``all_gather(x, axis=1, tiled)``.
     stash: see :func:`run`.
+    accumulation: ``"float32"`` or ``"output"`` (:func:`accumulator_dtype`):
+      the dtype every chunk's dot produces and the accumulator adds in,
+      in every form of this ring (halves, whole chunks, panels).
 
   Returns:
     ``(outs, gathered)``: a tuple of ``[M, f_i]`` in ``x.dtype``, and
     ``[M, n k]`` or None.
   """
   (m, k), dt = x.shape, x.dtype
-  acc_dt = accumulator_dtype(dt)
+  acc_dt = accumulator_dtype(dt, accumulation)
   f = sum(w.shape[1] for w in ws)
   if bidirectional and not return_gathered and whole_chunks(m, f, acc_dt, n):
     return _whole(x, ws, axis_name, n, api, acc_dt, stash), None
@@ -544,6 +557,7 @@ def rows(
   bidirectional: bool,
   return_gathered: bool,
   stash: list | None = None,
+  accumulation: str = "float32",
 ):
   """``[all_gather(x, axis=1, tiled) @ w for w in ws]`` for ``x [P, R, k]``.
 
@@ -557,11 +571,14 @@ def rows(
     bidirectional: halves of every chunk travel both ways.
     return_gathered: also build ``all_gather(x, axis=1, tiled)``.
     stash: see :func:`run`.
+    accumulation: ignored: nothing accumulates here (every output row is
+      one dot, in ``x.dtype``, whichever the setting).
 
   Returns:
     ``(outs, gathered)``: a tuple of ``[P, n R, f_i]`` in ``x.dtype``, and
     ``[P, n R, k]`` or None.
   """
+  del accumulation
   p, r, k = x.shape
   dt = x.dtype
   split = _layout.choose_split(p, r, bidirectional)

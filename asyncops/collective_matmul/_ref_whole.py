@@ -39,6 +39,7 @@ Approach.
   only the ``+1`` one runs (``n / 2 - 1`` fewer half-chunk transfers per
   direction than the value ring's bidirectional kernel).
 - **Accumulator and output as the value API's**: float32 ``[2, M/2, f]``
+  (``x.dtype`` with ``accumulation="output"``)
   started by the local dot (no zero fill), each piece's products added in
   place, the last one added and rounded straight into its rows of the
   output.
@@ -66,12 +67,22 @@ def applies(rows_form: bool, x, ws, options) -> bool:
     return False
   if o.get("return_gathered", False) or x.shape[0] % 2:
     return False
-  acc_dt = _gather_rings.accumulator_dtype(x.dtype)
+  acc_dt = _gather_rings.accumulator_dtype(
+    x.dtype, o.get("accumulation", "float32")
+  )
   f = sum(w.shape[1] for w in ws)
   return _gather_rings.whole_chunks(x.shape[0], f, acc_dt, o["n"])
 
 
-def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
+def contracting(
+  x,
+  ws: tuple,
+  axis_name: str,
+  *,
+  n: int,
+  stash=None,
+  accumulation: str = "float32",
+):
   """``[all_gather(x, axis=1, tiled) @ w for w in ws]`` on the Ref API.
 
   Args:
@@ -81,13 +92,15 @@ def contracting(x, ws: tuple, axis_name: str, *, n: int, stash=None):
     n: its size.
     stash: if a list, ``x``'s two row halves are appended (what the Ref
       API's backward ring sends; ``_vjp``).
+    accumulation: ``"float32"`` or ``"output"``
+      (``_gather_rings.accumulator_dtype``).
 
   Returns:
     A tuple of ``[M, f_i]`` in ``x.dtype``.
   """
   (m, k), dt = x.shape, x.dtype
   assert m % 2 == 0 and n > 2, (m, n)
-  acc_dt = _gather_rings.accumulator_dtype(dt)
+  acc_dt = _gather_rings.accumulator_dtype(dt, accumulation)
   me = jax.lax.axis_index(axis_name)
   p, h = 2, m // 2
   last = n // 2  # transfers per piece: ceil((n - 1) / 2)

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from asyncops.kernels import _common
 
 Api = Literal["value", "ref"]
+Accumulation = Literal["float32", "output"]
+ACCUMULATIONS: tuple[str, ...] = ("float32", "output")
 
 
 # Operand dtypes of the collective matmuls: the 8 to 32-bit ones a DMA
@@ -71,6 +73,18 @@ def api(value, fn: str) -> Api:
   """Checks ``api=`` is a known mode."""
   if value not in ("value", "ref"):
     raise ValueError(f"{fn}: api must be 'value' or 'ref', got {value!r}.")
+  return value
+
+
+def accumulation(value, fn: str) -> Accumulation:
+  """Checks ``accumulation=`` is a known setting."""
+  if not isinstance(value, str) or value not in ACCUMULATIONS:
+    raise ValueError(
+      f"{fn}: accumulation must be one of {ACCUMULATIONS}, got {value!r}. "
+      "'float32' (the default) adds the chunk products in float32 and "
+      "rounds once; 'output' adds them in the output dtype (XLA's "
+      "windowed einsum's numerics), rounding at every step."
+    )
   return value
 
 

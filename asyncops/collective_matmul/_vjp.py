@@ -135,8 +135,15 @@ def _gathered_zeros(rows_form, x_shape, sent, n):
 
 def _raw_gather(rows_form, x, ws, axis_name, options, stash=None):
   if _ref_whole.applies(rows_form, x, ws, options):
-    n = dict(options)["n"]
-    outs = _ref_whole.contracting(x, tuple(ws), axis_name, n=n, stash=stash)
+    o = dict(options)
+    outs = _ref_whole.contracting(
+      x,
+      tuple(ws),
+      axis_name,
+      n=o["n"],
+      stash=stash,
+      accumulation=o.get("accumulation", "float32"),
+    )
     return outs, None
   ring = _gather_rings.rows if rows_form else _gather_rings.contracting
   return ring(x, tuple(ws), axis_name, stash=stash, **dict(options))
@@ -618,11 +625,33 @@ xla_allgather.defjvp(_xla_allgather_jvp, symbolic_zeros=True)
 
 
 def gather(
-  rows_form, x, ws, axis_name, api, bidirectional, n, return_gathered=False
+  rows_form,
+  x,
+  ws,
+  axis_name,
+  api,
+  bidirectional,
+  n,
+  return_gathered=False,
+  accumulation="float32",
 ):
-  """A differentiable gather ring; ``bidirectional`` only where it fits."""
+  """A differentiable gather ring; ``bidirectional`` only where it fits.
+
+  ``accumulation="output"`` reaches the forward and tangent rings (the
+  contracting form's accumulator, ``_gather_rings.accumulator_dtype``);
+  the backward rings keep float32. The default adds no option (the
+  options, and so the program, are those of before the setting).
+  """
+  extra = {} if accumulation == "float32" else {"accumulation": accumulation}
   options = _options(
-    rows_form, x, n, False, api, bidirectional, return_gathered=return_gathered
+    rows_form,
+    x,
+    n,
+    False,
+    api,
+    bidirectional,
+    return_gathered=return_gathered,
+    **extra,
   )
   return allgather(bool(rows_form), x, tuple(ws), axis_name, options)
 
