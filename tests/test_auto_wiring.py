@@ -193,9 +193,10 @@ def test_no_coords_no_wiring(axis):
 def test_v5p_cube_allgather_picks(m, method):
   """The Llama shard at tp 8 on v5p:2x2x2 (a cycle through the cube, no
   wraparound): the direct sends load a link with 4 chunks, not a ring's 8.
-  The model: M = 4096 fused 903.8 us (the two-way ring 973.6); M = 16384
-  the two-way ring of whole chunks 2562.5 (the fused kernel's 16 row
-  panels 4881.5)."""
+  The model: M = 4096 fused 745.4 us with v5p's paired steps (903.8 one
+  chunk per step; the two-way ring 973.6, xla_best 827.5); M = 16384 the
+  two-way ring of whole chunks 2618.1 (the fused kernel's 16 row panels
+  4249.8, 4881.5 one chunk per step)."""
   cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
   cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
   wr = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))

@@ -84,6 +84,8 @@ def _check_interpreter_output(capfd):
     ((1, 4), 2, 2, "bfloat16", (1, 2, 1), 1),
     ((2, 3), 1, 1, "bfloat16", (1, 2), None),
     ((1, 2), 2, 2, "float32", None, 3),
+    # v5p's plan (choose_steps): two single steps, then pairs.
+    ((1, 4), 2, 2, "bfloat16", (1, 1, 2), None),
   ],
 )
 def test_allgather_kernel_bodies(

@@ -182,6 +182,28 @@ def test_allgather_ring_of_eight():
   assert not analyze(text).defensive_copies
 
 
+@pytest.mark.parametrize(
+  "topology,plan",
+  [("v5p:2x2x2", "1-1-2-2-2"), ("v5e:2x4", "1-1-1-1-1-1-1-1")],
+)
+def test_allgather_ring_of_eight_step_plan(topology, plan):
+  """At tensor parallel 8 (``k = 1024``) v5p multiplies the local chunk
+  and the first unit alone, then two units per step (``choose_steps``);
+  v5e one unit per step. The compiled compute kernel's scope names the
+  plan and nothing is copied."""
+
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y")
+
+  text = _compile(
+    *_allgather(topology, f, shape=(256, 8192, 8192), mesh=(1, 8))
+  )
+  (compute,) = _calls(text, "ring_allgather_matmul")
+  assert re.search(rf"ring_steps_{plan}_nf\d+", compute.attrs)
+  assert not analyze(text).defensive_copies
+  _assert_result_written_in_place(text, compute)
+
+
 def test_allgather_panels_when_the_accumulator_does_not_fit():
   """Rows whose float32 accumulator exceeds the VMEM budget run as panels,
   each its own ring."""

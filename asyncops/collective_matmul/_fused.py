@@ -131,20 +131,35 @@ def choose_steps(
   pairs only for large bfloat16 chunks (``k >= 2048`` rows of a 2-byte
   ``w``) that cross a link faster than the MXU multiplies them (v5e at
   prefill); elsewhere (the chapter's ``k = 512``, float32 weights, v6e's
-  fast MXU) one chunk per step is as fast or faster.
+  fast MXU) one chunk per step is as fast or faster, but on v5p: there
+  XLA's estimate of a one-chunk step dot carries a large fixed part (the
+  Llama-3-70B shard at tp 8, ``[1024, 1024] @ [1024, 3584]``: 22.7 us
+  for 16.4 us of FLOPs; a two-chunk step 34.6 for 32.8), so from a ring
+  of 4 on, bfloat16 weights take the local chunk and the first unit
+  alone (their dots cover the second unit's transfer) and then pairs
+  (``(1, 1, 2, 2, 2)`` at ``n = 8``: 178.9 us against 218.5 one chunk
+  per step, and faster at every M of that sweep; ``design/benchmarks.md``,
+  "v5p tp 8: two chunks per step").
 
   Example:
     >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v5 lite")
     (1, 2, 1)
     >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v6 lite")
     (1, 1, 1, 1)
+    >>> choose_steps(8, 1024, 1024, 3584, "bfloat16", "TPU v5p")
+    (1, 1, 2, 2, 2)
   """
   chip = _chips.chip_for(device_kind)
   link_s = m * k * jnp.dtype(t_dtype).itemsize / chip.link
   mxu_s = 2 * m * k * f / chip.bf16_flops
-  big = k >= 2048 and jnp.dtype(w_dtype).itemsize == 2
+  bf16_w = jnp.dtype(w_dtype).itemsize == 2
+  big = k >= 2048 and bf16_w
   if n >= 3 and big and link_s <= 0.75 * mxu_s:
     return (1,) + (2,) * ((n - 1) // 2) + (1,) * ((n - 1) % 2)
+  if n >= 4 and bf16_w and chip.name == "v5p":
+    # The local unit and the first one alone (their dots cover the
+    # second unit's transfer), then pairs.
+    return (1, 1) + (2,) * ((n - 2) // 2) + (1,) * ((n - 2) % 2)
   return (1,) * n
 
 
