@@ -277,8 +277,8 @@ def test_long_prefill_picks_the_whole_chunk_ring(kind):
   [
     # tp 4 (a 2x2 cycle of a 2x4 slice or of the v5p cube), per device
     # [M, 2048] @ [8192, 7168]. The model (design/benchmarks.md, the
-    # sweep): v6e M = 16 XLA 90.7 us, fused 97.3; M = 64 XLA in shard_map
-    # 98.7, fused 96.2; M = 256 XLA 132.4 (its all-gather 37 us
+    # sweep): v6e M = 16 XLA 90.7 us, fused 97.3 (92.0 with v6e's decode
+    # plan (1, 3)); M = 64 XLA in shard_map 98.7, fused 96.2 (92.6); M = 256 XLA 132.4 (its all-gather 37 us
     # exposed), fused 108.3; v5p M = 16 XLA 89.5, fused 87.0; M = 64 XLA
     # 98.4, fused 82.1.
     ("TPU v6 lite", 4, 16, "xla"),
@@ -289,11 +289,14 @@ def test_long_prefill_picks_the_whole_chunk_ring(kind):
     ("TPU v6 lite", 4, 4096, "ring_bidi"),
     ("TPU v5p", 4, 16, "xla"),
     ("TPU v5p", 4, 64, "fused"),
-    # tp 8, [M, 1024] @ [8192, 3584]: the fused kernel's fixed costs
-    # (v6e M = 64 64.1 against XLA's 46.8; v5p 70.2 against 62.7) are
-    # longer than XLA's all-gather (17 us against 8 steps of 2.5).
+    # tp 8, [M, 1024] @ [8192, 3584]: on v6e the fused kernel's fixed
+    # costs (M = 64 64.1 against XLA's 46.8) are longer than XLA's
+    # all-gather (17 us against 8 steps of 2.5). v5p's paired steps cut
+    # them (59.9 against XLA's 62.7; 8 steps of 2); at M = 16 (55.5
+    # against 52.1) XLA's all-gather is 9.5 us.
     ("TPU v6 lite", 8, 64, "xla"),
-    ("TPU v5p", 8, 64, "xla"),
+    ("TPU v5p", 8, 64, "fused"),
+    ("TPU v5p", 8, 16, "xla"),
     ("TPU v5 lite", 4, 64, "xla"),  # fused 206.4 against 188.1
   ],
 )

@@ -106,7 +106,12 @@ class Cal:
       (8), 2.3 to 4.3 on v6e and 3 on v5p at tp 8, under 1 at tp 4
       (2.5 on both: v6e tp 4 M = 64 and 256 and v5p tp 4 M = 64, where
       XLA's all-gather is 11.5 and 37 us and the fused kernel the faster,
-      leave the rule; tp 8 M = 64, 17 us against 20, keeps XLA).
+      leave the rule; tp 8 M = 64, 17 us against 20, keeps XLA). v5p 2
+      since its paired steps (``_fused.choose_steps``): at tp 8 M = 64
+      the fused kernel is 59.9 us against XLA's 62.7, and XLA's
+      all-gather (17 us) outlasts 8 steps of 2; M = 16 (9.5 us, the
+      fused kernel 55.5 against 52.1) and tp 4 M = 16 (5.1 us against 4
+      steps) keep XLA.
     ag_ring_pass: the share of a pass over the one-way all-gather ring's
       float32 accumulator charged beside each step's dot once that
       accumulator is large (``_gather_rings.whole_chunks``: the two-way
@@ -169,7 +174,7 @@ CAL = {
     0.76,
     12e-6,
     rs_overlap=0.45,
-    ag_step_s=2.5e-6,
+    ag_step_s=2e-6,
     ag_ring_pass=0.5,
   ),
   "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75, ag_step_s=2.5e-6),

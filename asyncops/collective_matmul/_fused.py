@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _chips
+from asyncops.collective_matmul import _chips, _wiring
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _common
 from asyncops.kernels import _reducescatter_matmul as rsk
@@ -139,7 +139,11 @@ def choose_steps(
   alone (their dots cover the second unit's transfer) and then pairs
   (``(1, 1, 2, 2, 2)`` at ``n = 8``: 178.9 us against 218.5 one chunk
   per step, and faster at every M of that sweep; ``design/benchmarks.md``,
-  "v5p tp 8: two chunks per step").
+  "v5p tp 8: two chunks per step"). On v6e, where a step's dot is bound
+  by reading its rows of ``w`` (decode sizes) and every direct send
+  (``_wiring.ideal(n).direct_load`` chunks on a link) takes less than
+  one such read, the local step covers them all and the rest is one
+  step, ``(1, n - 1)`` (tp 4 of that shard, M = 64: 92.6 us against 96.2).
 
   Example:
     >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v5 lite")
@@ -148,6 +152,8 @@ def choose_steps(
     (1, 1, 1, 1)
     >>> choose_steps(8, 1024, 1024, 3584, "bfloat16", "TPU v5p")
     (1, 1, 2, 2, 2)
+    >>> choose_steps(4, 64, 2048, 7168, "bfloat16", "TPU v6 lite")
+    (1, 3)
   """
   chip = _chips.chip_for(device_kind)
   link_s = m * k * jnp.dtype(t_dtype).itemsize / chip.link
@@ -156,6 +162,12 @@ def choose_steps(
   big = k >= 2048 and bf16_w
   if n >= 3 and big and link_s <= 0.75 * mxu_s:
     return (1,) + (2,) * ((n - 1) // 2) + (1,) * ((n - 1) % 2)
+  w_read_s = k * f * jnp.dtype(w_dtype).itemsize / chip.hbm
+  sends_s = _wiring.ideal(n).direct_load * link_s
+  if chip.name == "v6e" and bf16_w and mxu_s < w_read_s and sends_s < w_read_s:
+    # Each step reads its rows of w: the local step's read covers every
+    # direct send, so the rest is one step.
+    return (1, n - 1)
   if n >= 4 and bf16_w and chip.name == "v5p":
     # The local unit and the first one alone (their dots cover the
     # second unit's transfer), then pairs.
