@@ -278,9 +278,9 @@ def test_long_prefill_picks_the_whole_chunk_ring(kind):
     # tp 4 (a 2x2 cycle of a 2x4 slice or of the v5p cube), per device
     # [M, 2048] @ [8192, 7168]. The model (design/benchmarks.md, the
     # sweep): v6e M = 16 XLA 90.7 us, fused 97.3 (92.0 with v6e's decode
-    # plan (1, 3)); M = 64 XLA in shard_map 98.7, fused 96.2 (92.6); M = 256 XLA 132.4 (its all-gather 37 us
-    # exposed), fused 108.3; v5p M = 16 XLA 89.5, fused 87.0; M = 64 XLA
-    # 98.4, fused 82.1.
+    # plan (1, 3)); M = 64 XLA in shard_map 98.7, fused 96.2 (92.6);
+    # M = 256 XLA 132.4 (its all-gather 37 us exposed), fused 108.3; v5p
+    # M = 16 XLA 89.5, fused 87.0; M = 64 XLA 98.4, fused 82.1.
     ("TPU v6 lite", 4, 16, "xla"),
     ("TPU v6 lite", 4, 64, "fused"),
     ("TPU v6 lite", 4, 256, "fused"),

@@ -412,6 +412,26 @@ def _ag_tpu(
     x, scales = quantize(x, spec.directions)
   x = x.astype(spec.dtype)
 
+  if plan.panels > 1:
+    # Each row panel writes its rows of one result buffer in place.
+    me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    shape = _common.shape_joint((m, spec.f), jnp.dtype(out_dtype), x, w)
+    out = None
+    for p in range(plan.panels):
+      rows = slice(p * spec.m, (p + 1) * spec.m)
+      sp = None if scales is None else scales[:, rows]
+      with jax.named_scope(f"panel{p}"):
+        out = agk.run(
+          me,
+          x[rows],
+          w,
+          spec=dataclasses.replace(spec, panel=p),
+          out_shape=shape,
+          scales=sp,
+          into=out,
+        )
+    return out
+
   def run(me, xp, shape, sp):
     return agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp)
 
