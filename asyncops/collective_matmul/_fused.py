@@ -23,10 +23,12 @@ like ``jnp.dot``.
 
 Row panels: the accumulator ``[m, f]`` float32 lives in VMEM. When it (plus
 the chunk buffers and ``w`` blocks) exceeds the chip's budget, the rows are
-split in panels and each panel runs its own ring, one after the other; the
-input panels are slices of ``x`` and the output panels are concatenated
-(XLA copies both: 8.5 and 21.2 us of the 745.4 at the Llama-3-70B shard's
-tp 8, M = 4096, on v5p; ``design/benchmarks.md``).
+split in panels and each panel runs its own ring, one after the other;
+each panel's compute kernel takes the previous panel's result (aliased)
+and writes its rows of it in place, so the result is never concatenated
+(XLA copied that concatenation: 21.2 us at the Llama-3-70B shard's tp 8,
+M = 4096, on v5p). The input panels are slices of ``x`` (a copy, 8.5 us
+there).
 """
 
 import dataclasses
