@@ -140,7 +140,9 @@ def _ag_twin(operands, results, attrs=""):
   w = next(o for o in rest if len(o.dims) == 2)
   recv = next(o for o in rest if len(o.dims) == 4)
   n = recv.dims[1] + 1
-  (m, k), f = x.dims, w.dims[1]
+  # A row panel's kernel may read all of x: its rows are the receive
+  # buffer's (``[d, n - 1, m, k / d]``).
+  m, k, f = recv.dims[2], x.dims[1], w.dims[1]
   plan, blocks = step_plan(attrs, n)
   tail, nd = step_tail(attrs), recv.dims[0]
   # A tail of ``t`` grid iterations (each ``[m, k/d] @ [k/d, bn]``) is

@@ -113,9 +113,10 @@ def test_allgather_kernel_bodies(
 
 
 def test_allgather_row_panels_write_one_result_in_place(capfd):
-  """Two row panels, each its own ring: panel 0 writes its rows of the
-  whole result, panel 1 takes that buffer (aliased) and writes the rest,
-  as ``_fused`` runs panels on TPU (no concatenation)."""
+  """Two row panels, each its own ring over its rows of the whole ``x``:
+  panel 0 writes its rows of the whole result, panel 1 takes that buffer
+  (aliased) and writes the rest, as ``_fused`` runs panels on TPU (no
+  slice of ``x``, no concatenation)."""
   n, rows = 4, 16
   a = _ints((2 * rows, n * 256), jnp.bfloat16, 4)
   w = _ints((n * 256, n * 2 * 128), jnp.bfloat16, 5)
@@ -125,12 +126,11 @@ def test_allgather_row_panels_write_one_result_in_place(capfd):
     whole = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.bfloat16)
     out = None
     for p in range(2):
-      xp = x[p * rows : (p + 1) * rows]
-      spec = _ag_spec(n, xp, y, "bfloat16", "bfloat16", "bfloat16", 2)
+      spec = _ag_spec(n, x[:rows], y, "bfloat16", "bfloat16", "bfloat16", 2)
       spec = dataclasses.replace(spec, panel=p, steps=(1, 1, 2))
       out = agk.one_kernel(
         me,
-        xp,
+        x,
         y,
         spec=spec,
         out_shape=whole,

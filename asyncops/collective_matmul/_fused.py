@@ -415,21 +415,20 @@ def _ag_tpu(
   x = x.astype(spec.dtype)
 
   if plan.panels > 1:
-    # Each row panel writes its rows of one result buffer in place.
+    # Each row panel reads its rows of x (and sends them) and writes its
+    # rows of one result buffer in place.
     me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     shape = _common.shape_joint((m, spec.f), jnp.dtype(out_dtype), x, w)
     out = None
     for p in range(plan.panels):
-      rows = slice(p * spec.m, (p + 1) * spec.m)
-      sp = None if scales is None else scales[:, rows]
       with jax.named_scope(f"panel{p}"):
         out = agk.run(
           me,
-          x[rows],
+          x,
           w,
           spec=dataclasses.replace(spec, panel=p),
           out_shape=shape,
-          scales=sp,
+          scales=scales,
           into=out,
         )
     return out

@@ -322,12 +322,14 @@ def start_kernel(
       len(senders),
     )
   # Direct sends, nearest first: half d goes to the peer sh * hops[t] away,
-  # which uses it at step t + 1 (its slot t).
+  # which uses it at step t + 1 (its slot t). ``x`` may hold every row
+  # panel: this one's rows start at ``panel m``.
+  rows = pl.ds(spec.panel * spec.m, spec.m)
   for t in range(n - 1):
     for d, sh in enumerate(spec.shifts):
-      pairs = [(x_ref.at[:, pl.ds(d * kh, kh)], recv_ref.at[d, t])]
+      pairs = [(x_ref.at[rows, pl.ds(d * kh, kh)], recv_ref.at[d, t])]
       if scales is not None:
-        pairs.append((scales[0].at[d], scales[1].at[d, t]))
+        pairs.append((scales[0].at[d, rows], scales[1].at[d, t]))
       for src, dst in pairs:
         pltpu.make_async_remote_copy(
           src,
@@ -482,11 +484,11 @@ def _shift_of(spec: AgSpec, d):
   return jnp.where(d == 0, jnp.int32(1), jnp.int32(-1))
 
 
-def _once(shape):
+def _once(shape, index=None):
   """A block fetched once (its index never changes): one buffer."""
-  zeros = (0,) * len(shape)
+  index = index or (0,) * len(shape)
   return pl.BlockSpec(
-    shape, lambda s, j, ci, d, me: zeros, pipeline_mode=pl.Buffered(1)
+    shape, lambda s, j, ci, d, me: index, pipeline_mode=pl.Buffered(1)
   )
 
 
@@ -501,9 +503,11 @@ def _in_specs(spec: AgSpec):
     chunk = _chunk(me_ref[0], _shift_of(spec, d), hop, spec.n)
     return (chunk * spec.directions + d, j)
 
-  xs = [_once((spec.m, spec.k))]
+  # Row panel ``p`` of ``x`` (and of its scales) is block ``p``.
+  xs = [_once((spec.m, spec.k), (spec.panel, 0))]
   if spec.quantized:
-    xs.append(_once((spec.directions, spec.m, SCALE_LANES)))
+    scales = (spec.directions, spec.m, SCALE_LANES)
+    xs.append(_once(scales, (0, spec.panel, 0)))
   return xs + [pl.BlockSpec((spec.kh, spec.bn), w_index)]
 
 
