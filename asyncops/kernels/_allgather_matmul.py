@@ -130,6 +130,10 @@ class AgSpec:
       bn``). A short tail waits later, so a late chunk stalls less, but
       the copies must still fit under the tail's matmuls
       (``collective_matmul._fused.choose_tail``).
+    panel: the row panel this kernel runs (``m`` rows of every panel):
+      the start sends rows ``panel m ..`` of the ``x`` it is given and
+      the compute kernel reads them and writes its rows of the result
+      (``compute``'s ``into``); 0 for one panel.
   """
 
   axis_name: str
