@@ -193,8 +193,8 @@ def test_no_coords_no_wiring(axis):
 def test_v5p_cube_allgather_picks(m, method):
   """The Llama shard at tp 8 on v5p:2x2x2 (a cycle through the cube, no
   wraparound): the direct sends load a link with 4 chunks, not a ring's 8.
-  The model: M = 4096 fused 724.2 us with v5p's paired steps and its
-  panels written in place (745.4 concatenated, 903.8 one
+  The model: M = 4096 fused 715.7 us with v5p's paired steps and its
+  panels without copies (745.4 with them, 903.8 one
   chunk per step; the two-way ring 973.6, xla_best 827.5); M = 16384 the
   two-way ring of whole chunks 2618.1 (the fused kernel's 16 row panels
   4249.8, 4881.5 one chunk per step)."""
