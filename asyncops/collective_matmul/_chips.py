@@ -148,7 +148,10 @@ class Cal:
 # panel charge (2.4 weight reads per extra panel) sits between the model's
 # tp 8 points on the 2x2x2 cube's wiring: M = 4096 (4 panels, 903.8 us,
 # estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
-# two-way ring of whole chunks, 2562.5); v4 takes v5e's.
+# two-way ring of whole chunks, 2562.5). With v5p's paired steps and the
+# panels' copies gone (branch h-v5p) the model has 715.7 and 2862.7 us
+# there (the two-way ring 2618.1): the estimates are 5% and 1% under it,
+# the charge is not refit; v4 takes v5e's.
 _V5E = Cal(
   0.65,
   8e-6,
