@@ -285,9 +285,6 @@ def test_long_prefill_picks_the_whole_chunk_ring(kind):
     ("TPU v6 lite", 4, 16, "xla"),
     ("TPU v6 lite", 4, 64, "fused"),
     ("TPU v6 lite", 4, 256, "fused"),
-    # M = 4096: the two-way ring of whole chunks in two row pieces, 866.2
-    # us; the one-way ring 873.7; the fused kernel 4 panels.
-    ("TPU v6 lite", 4, 4096, "ring_bidi"),
     ("TPU v5p", 4, 16, "xla"),
     ("TPU v5p", 4, 64, "fused"),
     # tp 8, [M, 1024] @ [8192, 3584]: on v6e the fused kernel's fixed
@@ -326,12 +323,15 @@ def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
     ("TPU v5p", 16384, "ring_bidi"),
     # v5e keeps the one-way ring at M = 4096 (3070.0 against the two-way
     # ring's 3152.1) and takes the two-way ring at M = 16384 (11552.6
-    # against 11919.4; CAL.ag_ring_pass 0.25 there); v6e takes the
-    # two-way ring, which the row pieces made the faster (M = 4096: 866.2
-    # against 873.7; 1122.2 with a copy of x).
+    # against 11919.4; CAL.ag_ring_pass 0.25 there). v6e takes the fused
+    # kernel at M = 4096 since its 4 row panels lost their copies (751.4
+    # against the two-way ring's 866.2 and the one-way ring's 873.7;
+    # CAL.fused_panel 0 on v6e) and the two-way ring at M = 16384 (3688.2
+    # against the fused kernel's 6387.1).
     ("TPU v5 lite", 4096, "ring"),
     ("TPU v5 lite", 16384, "ring_bidi"),
-    ("TPU v6 lite", 4096, "ring_bidi"),
+    ("TPU v6 lite", 4096, "fused"),
+    ("TPU v6 lite", 16384, "ring_bidi"),
   ],
 )
 def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):

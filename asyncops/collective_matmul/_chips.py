@@ -66,7 +66,17 @@ class Cal:
     fused_panel: a fused all-gather's cost per extra row panel beyond its
       weight read, in weight reads (its ring restarts and accumulator
       flushes; the model, tp 8: v5e 100 us over the one-panel estimate
-      at 2 panels, 300 us per extra panel at 8; v6e 172 us at 8).
+      at 2 panels, 300 us per extra panel at 8; v6e 172 us at 8). v6e 0
+      since the panels lost their copies (branch h-v5p: the panels write
+      one result in place and read their rows of the whole ``x``): at tp
+      4 M = 4096 (4 panels) the model has 751.4 us against the two-way
+      ring's 866.2 (estimated 722.1 against 775.6); no other pick of the
+      sweep moves (tp 4 M = 16384 keeps the two-way ring, 2777.3 against
+      2888.4 estimated, the model 3688.2 against 6387.1). v5e and v5p
+      keep theirs: no one v5p value moves only the points where the
+      fused kernel is now the faster (0.5 takes it at tp 4 M = 4096,
+      1322.5 against 1436.6, but also at tp 4 M = 1024 and tp 8 M =
+      16384, where it is the slower).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -180,5 +190,5 @@ CAL = {
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
   ),
-  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 4.8, 0.76, 15e-6, 0.75, ag_step_s=2.5e-6),
+  "v6e": Cal(0.9, 4e-6, 1.4e-6, 0.5, 0.0, 0.76, 15e-6, 0.75, ag_step_s=2.5e-6),
 }
