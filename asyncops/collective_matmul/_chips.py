@@ -72,8 +72,13 @@ class Cal:
       4 M = 4096 (4 panels) the model has 751.4 us against the two-way
       ring's 866.2 (estimated 722.1 against 775.6); no other pick of the
       sweep moves (tp 4 M = 16384 keeps the two-way ring, 2777.3 against
-      2888.4 estimated, the model 3688.2 against 6387.1). v5e and v5p
-      keep theirs: no one v5p value moves only the points where the
+      2888.4 estimated, the model 3688.2 against 6387.1). v5e (and v4)
+      4.2 -> 1 likewise: at tp 4 M = 4096 (4 panels) the fused kernel is
+      2593.3 us against the one-way ring's 2742.8 (estimated 2878.0
+      against 2907.9), and M = 16384 keeps the two-way ring (11602.3
+      against 12885.0; estimated 11130.5 against 11942.2), tp 8 M = 4096
+      and 16384 too (1421.1 and 5912.3 against 1721.1 and 6742.9). v5p
+      keeps 2.4: no one v5p value moves only the points where the
       fused kernel is now the faster (0.5 takes it at tp 4 M = 4096,
       1322.5 against 1436.6, but also at tp 4 M = 1024 and tp 8 M =
       16384, where it is the slower).
@@ -167,7 +172,7 @@ _V5E = Cal(
   8e-6,
   1.4e-6,
   0.5,
-  4.2,
+  1.0,
   0.85,
   74e-6,
   rs_ring_w=0.25,
