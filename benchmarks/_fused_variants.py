@@ -8,7 +8,8 @@ Variants (registered with :func:`benchmarks._variants.register`):
   ``allgather_matmul_fused_int8``: its chunks travel as int8 with per-row
   scales (the result is the dequantized chunks' product);
   ``allgather_matmul_fused_s<plan>`` (``s1111``, ``s121``, ``s112``,
-  ``s13``): a fixed step plan on a 4-ring, to compare plans.
+  ``s13`` on a 4-ring; ``s12221``, ``s11222``, ``s1223``, ``s1241``,
+  ``s134`` on an 8-ring): a fixed step plan, to compare plans.
 - ``reducescatter:asyncops_fused`` / ``..._fused_uni``: the fused ring
   matmul-reduce-scatter.
 - ``allreduce:asyncops_fused``: the fused matmul-reduce-scatter, then XLA's
@@ -139,7 +140,9 @@ def _ag_twin(operands, results, attrs=""):
   w = next(o for o in rest if len(o.dims) == 2)
   recv = next(o for o in rest if len(o.dims) == 4)
   n = recv.dims[1] + 1
-  (m, k), f = x.dims, w.dims[1]
+  # A row panel's kernel may read all of x: its rows are the receive
+  # buffer's (``[d, n - 1, m, k / d]``).
+  m, k, f = recv.dims[2], x.dims[1], w.dims[1]
   plan, blocks = step_plan(attrs, n)
   tail, nd = step_tail(attrs), recv.dims[0]
   # A tail of ``t`` grid iterations (each ``[m, k/d] @ [k/d, bn]``) is
@@ -257,8 +260,19 @@ _variants.register(
 _variants.register(
   "allgather_matmul_fused_uni", _flagship(directions=1), _args("jit")
 )
-# Fixed step plans of the fused all-gather (a 4-ring), to compare plans.
-for _plan in ((1, 1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 3)):
+# Fixed step plans of the fused all-gather (a 4-ring, then an 8-ring), to
+# compare plans.
+for _plan in (
+  (1, 1, 1, 1),
+  (1, 2, 1),
+  (1, 1, 2),
+  (1, 3),
+  (1, 2, 2, 2, 1),
+  (1, 1, 2, 2, 2),
+  (1, 2, 2, 3),
+  (1, 2, 4, 1),
+  (1, 3, 4),
+):
   _variants.register(
     "allgather_matmul_fused_s" + "".join(map(str, _plan)),
     _flagship(directions=2, steps=_plan),

@@ -194,9 +194,11 @@ def test_no_coords_no_wiring(axis):
 def test_v5p_cube_allgather_picks(m, method):
   """The Llama shard at tp 8 on v5p:2x2x2 (a cycle through the cube, no
   wraparound): the direct sends load a link with 4 chunks, not a ring's 8.
-  The model: M = 4096 fused 903.8 us (the two-way ring 973.6); M = 16384
-  the two-way ring of whole chunks 2562.5 (the fused kernel's 16 row
-  panels 4881.5)."""
+  The model: M = 4096 fused 715.7 us with v5p's paired steps and its
+  panels without copies (745.4 with them, 903.8 one
+  chunk per step; the two-way ring 973.6, xla_best 827.5); M = 16384 the
+  two-way ring of whole chunks 2618.1 (the fused kernel's 16 row panels
+  2862.7, 4249.8 with their copies, 4881.5 one chunk per step)."""
   cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
   cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
   wr = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
@@ -283,23 +285,23 @@ def test_long_prefill_picks_the_whole_chunk_ring(kind):
   [
     # tp 4 (a 2x2 cycle of a 2x4 slice or of the v5p cube), per device
     # [M, 2048] @ [8192, 7168]. The model (design/benchmarks.md, the
-    # sweep): v6e M = 16 XLA 90.7 us, fused 97.3; M = 64 XLA in shard_map
-    # 98.7, fused 96.2; M = 256 XLA 132.4 (its all-gather 37 us
-    # exposed), fused 108.3; v5p M = 16 XLA 89.5, fused 87.0; M = 64 XLA
-    # 98.4, fused 82.1.
+    # sweep): v6e M = 16 XLA 90.7 us, fused 97.3 (92.0 with v6e's decode
+    # plan (1, 3)); M = 64 XLA in shard_map 98.7, fused 96.2 (92.6);
+    # M = 256 XLA 132.4 (its all-gather 37 us exposed), fused 108.3; v5p
+    # M = 16 XLA 89.5, fused 87.0; M = 64 XLA 98.4, fused 82.1.
     ("TPU v6 lite", 4, 16, "xla"),
     ("TPU v6 lite", 4, 64, "fused"),
     ("TPU v6 lite", 4, 256, "fused"),
-    # M = 4096: the two-way ring of whole chunks in two row pieces, 866.2
-    # us; the one-way ring 873.7; the fused kernel 4 panels.
-    ("TPU v6 lite", 4, 4096, "ring_bidi"),
     ("TPU v5p", 4, 16, "xla"),
     ("TPU v5p", 4, 64, "fused"),
-    # tp 8, [M, 1024] @ [8192, 3584]: the fused kernel's fixed costs
-    # (v6e M = 64 64.1 against XLA's 46.8; v5p 70.2 against 62.7) are
-    # longer than XLA's all-gather (17 us against 8 steps of 2.5).
+    # tp 8, [M, 1024] @ [8192, 3584]: on v6e the fused kernel's fixed
+    # costs (M = 64 64.1 against XLA's 46.8) are longer than XLA's
+    # all-gather (17 us against 8 steps of 2.5). v5p's paired steps cut
+    # them (59.9 against XLA's 62.7; 8 steps of 2); at M = 16 (55.5
+    # against 52.1) XLA's all-gather is 9.5 us.
     ("TPU v6 lite", 8, 64, "xla"),
-    ("TPU v5p", 8, 64, "xla"),
+    ("TPU v5p", 8, 64, "fused"),
+    ("TPU v5p", 8, 16, "xla"),
     ("TPU v5 lite", 4, 64, "xla"),  # fused 206.4 against 188.1
   ],
 )
@@ -326,16 +328,19 @@ def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
     ("TPU v5p", 1024, "ring"),
     ("TPU v5p", 4096, "ring_bidi"),
     ("TPU v5p", 16384, "ring_bidi"),
-    # v5e keeps the one-way ring at M = 4096 (2742.8 against the two-way
-    # ring's 3152.1, its weight prefetched since a3192d2) and takes the
-    # two-way ring in 4 row panels at M = 16384 for its memory (11602.3
-    # us, 256.6 MiB; the one-way ring 10814.3 us, 640.1 MiB, over jit's
-    # 192.2 plus a chunk's 128); v6e takes the two-way ring, which the
-    # row pieces made the faster (M = 4096: 866.2 against 873.7; 1122.2
-    # with a copy of x).
-    ("TPU v5 lite", 4096, "ring"),
+    # v5e takes the fused kernel at M = 4096 since its 4 row panels lost
+    # their copies (2593.3 against the one-way ring's 2742.8 and the
+    # two-way ring's 3152.1; CAL.fused_panel 1 on v5e) and the two-way
+    # ring in 4 row panels at M = 16384 for its memory (11602.3 us, 256.6
+    # MiB; the one-way ring 10814.3 us, 640.1 MiB, over jit's 192.2 plus
+    # a chunk's 128). v6e takes the fused kernel at M = 4096 since its 4
+    # row panels lost their copies (751.4 against the two-way ring's 866.2
+    # and the one-way ring's 873.7; CAL.fused_panel 0 on v6e) and the
+    # two-way ring at M = 16384 (3688.2 against the fused kernel's 6387.1).
+    ("TPU v5 lite", 4096, "fused"),
     ("TPU v5 lite", 16384, "ring_bidi"),
-    ("TPU v6 lite", 4096, "ring_bidi"),
+    ("TPU v6 lite", 4096, "fused"),
+    ("TPU v6 lite", 16384, "ring_bidi"),
   ],
 )
 def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):

@@ -84,6 +84,8 @@ def _check_interpreter_output(capfd):
     ((1, 4), 2, 2, "bfloat16", (1, 2, 1), 1),
     ((2, 3), 1, 1, "bfloat16", (1, 2), None),
     ((1, 2), 2, 2, "float32", None, 3),
+    # v5p's plan (choose_steps): two single steps, then pairs.
+    ((1, 4), 2, 2, "bfloat16", (1, 1, 2), None),
   ],
 )
 def test_allgather_kernel_bodies(
@@ -106,6 +108,47 @@ def test_allgather_kernel_bodies(
     body, u.cpu_mesh(mesh_shape), in_specs, P("x", "y"), a, w, check_vma=False
   )
   want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _check_interpreter_output(capfd)
+
+
+def test_allgather_row_panels_write_one_result_in_place(capfd):
+  """Two row panels, each its own ring over its rows of the whole ``x``:
+  panel 0 writes its rows of the whole result, panel 1 takes that buffer
+  (aliased) and writes the rest, as ``_fused`` runs panels on TPU (no
+  slice of ``x``, no concatenation)."""
+  n, rows = 4, 16
+  a = _ints((2 * rows, n * 256), jnp.bfloat16, 4)
+  w = _ints((n * 256, n * 2 * 128), jnp.bfloat16, 5)
+
+  def body(x, y):
+    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+    whole = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.bfloat16)
+    out = None
+    for p in range(2):
+      spec = _ag_spec(n, x[:rows], y, "bfloat16", "bfloat16", "bfloat16", 2)
+      spec = dataclasses.replace(spec, panel=p, steps=(1, 1, 2))
+      out = agk.one_kernel(
+        me,
+        x,
+        y,
+        spec=spec,
+        out_shape=whole,
+        interpret=_interpret(),
+        into=out,
+      )
+    return out
+
+  got = u.run_sharded(
+    body,
+    u.cpu_mesh((1, n)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+    a,
+    w,
+    check_vma=False,
+  )
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   _check_interpreter_output(capfd)
 

@@ -182,9 +182,34 @@ def test_allgather_ring_of_eight():
   assert not analyze(text).defensive_copies
 
 
-def test_allgather_panels_when_the_accumulator_does_not_fit():
+@pytest.mark.parametrize(
+  "topology,plan",
+  [("v5p:2x2x2", "1-1-2-2-2"), ("v5e:2x4", "1-1-1-1-1-1-1-1")],
+)
+def test_allgather_ring_of_eight_step_plan(topology, plan):
+  """At tensor parallel 8 (``k = 1024``) v5p multiplies the local chunk
+  and the first unit alone, then two units per step (``choose_steps``);
+  v5e one unit per step. The compiled compute kernel's scope names the
+  plan and nothing is copied."""
+
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y")
+
+  text = _compile(
+    *_allgather(topology, f, shape=(256, 8192, 8192), mesh=(1, 8))
+  )
+  (compute,) = _calls(text, "ring_allgather_matmul")
+  assert re.search(rf"ring_steps_{plan}_nf\d+", compute.attrs)
+  assert not analyze(text).defensive_copies
+  _assert_result_written_in_place(text, compute)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v5p:2x2x2"])
+def test_allgather_panels_when_the_accumulator_does_not_fit(topology):
   """Rows whose float32 accumulator exceeds the VMEM budget run as panels,
-  each its own ring."""
+  each its own ring, each writing its rows of one result in place: the
+  program's result is the last panel's compute kernel's output (no
+  concatenation, no copy)."""
   plan = _fused.plan_allgather(
     8192,
     2048,
@@ -194,7 +219,8 @@ def test_allgather_panels_when_the_accumulator_does_not_fit():
     jnp.bfloat16,
     jnp.bfloat16,
     directions=2,
-    **u.V5E_PLAN,
+    precision="DEFAULT",
+    device_kind=_KINDS[topology[:3]],
   )
   assert plan.panels > 1 and plan.spec.m * plan.panels == 8192
 
@@ -202,8 +228,18 @@ def test_allgather_panels_when_the_accumulator_does_not_fit():
     return _fused.allgather_matmul(a, w, "y")
 
   shape = (2 * 8192, 4 * 2048, 4 * 7168)
-  text = _compile(*_allgather("v5e:2x4", f, shape=shape))
+  text = _compile(*_allgather(topology, f, shape=shape))
   assert len(_calls(text, "asyncops_ring_allgather_start")) == plan.panels
+  computes = _calls(text, "ring_allgather_matmul")
+  assert len(computes) == plan.panels
+  assert all(c.leaves[0].dims == (8192, 7168) for c in computes)
+  entry = text[text.index("\nENTRY ") :]
+  assert not re.search(r"= \S+ copy(-start)?\(", entry), "a copy"
+  assert "concatenate" not in entry
+  assert re.search(
+    r"ROOT \S+ = \S+ get-tuple-element\(%?ring_allgather_matmul", entry
+  ), "the result is not the last panel's output"
+  assert not analyze(text).defensive_copies
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -55,7 +55,8 @@ to the benchmark model's figures (:data:`CAL`):
   ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
   direct sends to every peer (the busiest link's load from the wiring)
   and the last step, whichever is longer; extra panels cost
-  ``CAL.fused_panel W`` each.
+  ``CAL.fused_panel W`` each, times ``P / CAL.fused_panel_knee`` for
+  ``P`` panels beyond the knee.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
@@ -579,19 +580,18 @@ def explain_allgather(
     device_kind,
     _fused.transfer_dtype(dtype, precision),
   )
-  fused = (
-    _fused_ag_s(
-      panels,
-      plan_steps,
-      compute,
-      w_s,
-      cal.fused_acc * acc / chip.hbm,
-      n,
-      chunk,
-      chip.link,
-      wr,
-    )
-    + (panels - 1) * cal.fused_panel * w_s
+  fused = _fused_ag_s(
+    panels,
+    plan_steps,
+    compute,
+    w_s,
+    cal.fused_acc * acc / chip.hbm,
+    n,
+    chunk,
+    chip.link,
+    wr,
+  ) + (panels - 1) * cal.fused_panel * w_s * max(
+    1.0, panels / cal.fused_panel_knee
   )
   rings = {}
   # The two-way ring of whole chunks runs in row panels to hold its

@@ -66,7 +66,37 @@ class Cal:
     fused_panel: a fused all-gather's cost per extra row panel beyond its
       weight read, in weight reads (its ring restarts and accumulator
       flushes; the model, tp 8: v5e 100 us over the one-panel estimate
-      at 2 panels, 300 us per extra panel at 8; v6e 172 us at 8).
+      at 2 panels, 300 us per extra panel at 8; v6e 172 us at 8). v6e 0
+      since the panels lost their copies (branch h-v5p: the panels write
+      one result in place and read their rows of the whole ``x``): at tp
+      4 M = 4096 (4 panels) the model has 751.4 us against the two-way
+      ring's 866.2 (estimated 722.1 against 775.6); no other pick of the
+      sweep moves (tp 4 M = 16384 keeps the two-way ring, 2777.3 against
+      2888.4 estimated, the model 3688.2 against 6387.1). v5e (and v4)
+      4.2 -> 1 likewise: at tp 4 M = 4096 (4 panels) the fused kernel is
+      2593.3 us against the one-way ring's 2742.8 (estimated 2878.0
+      against 2907.9), and M = 16384 keeps the two-way ring (11602.3
+      against 12885.0; estimated 11130.5 against 11942.2), tp 8 M = 4096
+      and 16384 too (1421.1 and 5912.3 against 1721.1 and 6742.9). v5p
+      keeps 2.4: no one v5p value moves only the points where the
+      fused kernel is now the faster (0.5 takes it at tp 4 M = 4096,
+      1322.5 against 1436.6, but also at tp 4 M = 1024 and tp 8 M =
+      16384, where it is the slower).
+    fused_panel_knee: from this many row panels on, each extra panel
+      costs ``P / fused_panel_knee`` times ``fused_panel`` for ``P``
+      panels (inf: never). Merged with auto's refit (e5d33df: the one-way
+      ring's ``ag_ring_pass`` 0.1, panels counted in the two-way ring's
+      estimate) one charge per panel no longer fits: on v5e tp 4 the
+      fused kernel must be under the one-way ring's estimate (2735.8) at
+      M = 4096 (4 panels, the model 2593.3) and over the two-way ring's
+      (11348.6) at M = 16384 (16 panels, the model 12885.0, 3094 us over
+      the estimate without a charge against 146 at 4 panels); on v6e tp 4
+      the charge 0 had the fused kernel (2888.4) within 2% of the two-way
+      ring (2887.7) at M = 16384 (the model 6387.1 against 3688.2). v5e
+      0.4 and v6e 0.15 from a knee of 4: v5e 2619.9 and 13232.7, v6e
+      754.3 and 3532.9; of the 72 sweep points only v5e and v6e tp 4 M =
+      4096 (the fused kernel) and v5p tp 8 M = 64 move against main
+      41ba2f4, as the model has them (``/work/sweeps/refit_picks.py``).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -106,7 +136,12 @@ class Cal:
       (8), 2.3 to 4.3 on v6e and 3 on v5p at tp 8, under 1 at tp 4
       (2.5 on both: v6e tp 4 M = 64 and 256 and v5p tp 4 M = 64, where
       XLA's all-gather is 11.5 and 37 us and the fused kernel the faster,
-      leave the rule; tp 8 M = 64, 17 us against 20, keeps XLA).
+      leave the rule; tp 8 M = 64, 17 us against 20, keeps XLA). v5p 2
+      since its paired steps (``_fused.choose_steps``): at tp 8 M = 64
+      the fused kernel is 59.9 us against XLA's 62.7, and XLA's
+      all-gather (17 us) outlasts 8 steps of 2; M = 16 (9.5 us, the
+      fused kernel 55.5 against 52.1) and tp 4 M = 16 (5.1 us against 4
+      steps) keep XLA.
     ag_ring_pass: the share of a pass over the one-way all-gather ring's
       float32 accumulator charged beside each step's dot once that
       accumulator is large (``_gather_rings.whole_chunks``: the two-way
@@ -177,6 +212,7 @@ class Cal:
   int32_flops: float = 1 / 10.5
   rs_x_vmem: float = 0.0
   bidi_rs_acc_from: float = float("inf")
+  fused_panel_knee: float = float("inf")
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -185,18 +221,22 @@ class Cal:
 # panel charge (2.4 weight reads per extra panel) sits between the model's
 # tp 8 points on the 2x2x2 cube's wiring: M = 4096 (4 panels, 903.8 us,
 # estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
-# two-way ring of whole chunks, 2562.5); v4 takes v5e's.
+# two-way ring of whole chunks, 2562.5). With v5p's paired steps and the
+# panels' copies gone (branch h-v5p) the model has 715.7 and 2862.7 us
+# there (the two-way ring 2618.1): the estimates are 5% and 1% under it,
+# the charge is not refit; v4 takes v5e's.
 _V5E = Cal(
   0.65,
   8e-6,
   1.4e-6,
   0.5,
-  4.2,
+  0.4,
   0.85,
   74e-6,
   rs_ring_w=0.25,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
+  fused_panel_knee=4,
 )
 
 CAL = {
@@ -211,7 +251,7 @@ CAL = {
     0.76,
     12e-6,
     rs_overlap=0.45,
-    ag_step_s=2.5e-6,
+    ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
   ),
@@ -220,11 +260,12 @@ CAL = {
     4e-6,
     1.4e-6,
     0.5,
-    4.8,
+    0.15,
     0.76,
     15e-6,
     0.75,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
+    fused_panel_knee=4,
   ),
 }

@@ -23,8 +23,12 @@ like ``jnp.dot``.
 
 Row panels: the accumulator ``[m, f]`` float32 lives in VMEM. When it (plus
 the chunk buffers and ``w`` blocks) exceeds the chip's budget, the rows are
-split in panels and each panel runs its own ring, one after the other; the
-output panels are written in place into one buffer.
+split in panels and each panel runs its own ring, one after the other;
+each panel's kernels read their rows of the whole ``x``, and its compute
+kernel takes the previous panel's result (aliased) and writes its rows of
+it in place: neither ``x`` is sliced nor the result concatenated (XLA
+copied both, 8.5 and 21.2 us at the Llama-3-70B shard's tp 8, M = 4096,
+on v5p).
 """
 
 import dataclasses
@@ -34,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _chips
+from asyncops.collective_matmul import _chips, _wiring
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _common
 from asyncops.kernels import _reducescatter_matmul as rsk
@@ -131,20 +135,47 @@ def choose_steps(
   pairs only for large bfloat16 chunks (``k >= 2048`` rows of a 2-byte
   ``w``) that cross a link faster than the MXU multiplies them (v5e at
   prefill); elsewhere (the chapter's ``k = 512``, float32 weights, v6e's
-  fast MXU) one chunk per step is as fast or faster.
+  fast MXU) one chunk per step is as fast or faster, but on v5p: there
+  XLA's estimate of a one-chunk step dot carries a large fixed part (the
+  Llama-3-70B shard at tp 8, ``[1024, 1024] @ [1024, 3584]``: 22.7 us
+  for 16.4 us of FLOPs; a two-chunk step 34.6 for 32.8), so from a ring
+  of 4 on, bfloat16 weights take the local chunk and the first unit
+  alone (their dots cover the second unit's transfer) and then pairs
+  (``(1, 1, 2, 2, 2)`` at ``n = 8``: 178.9 us against 218.5 one chunk
+  per step, and faster at every M of that sweep; ``design/benchmarks.md``,
+  "v5p tp 8: two chunks per step"). On v6e, where a step's dot is bound
+  by reading its rows of ``w`` (decode sizes) and every direct send
+  (``_wiring.ideal(n).direct_load`` chunks on a link) takes less than
+  one such read, the local step covers them all and the rest is one
+  step, ``(1, n - 1)`` (tp 4 of that shard, M = 64: 92.6 us against 96.2).
 
   Example:
     >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v5 lite")
     (1, 2, 1)
     >>> choose_steps(4, 1024, 2048, 7168, "bfloat16", "TPU v6 lite")
     (1, 1, 1, 1)
+    >>> choose_steps(8, 1024, 1024, 3584, "bfloat16", "TPU v5p")
+    (1, 1, 2, 2, 2)
+    >>> choose_steps(4, 64, 2048, 7168, "bfloat16", "TPU v6 lite")
+    (1, 3)
   """
   chip = _chips.chip_for(device_kind)
   link_s = m * k * jnp.dtype(t_dtype).itemsize / chip.link
   mxu_s = 2 * m * k * f / chip.bf16_flops
-  big = k >= 2048 and jnp.dtype(w_dtype).itemsize == 2
+  bf16_w = jnp.dtype(w_dtype).itemsize == 2
+  big = k >= 2048 and bf16_w
   if n >= 3 and big and link_s <= 0.75 * mxu_s:
     return (1,) + (2,) * ((n - 1) // 2) + (1,) * ((n - 1) % 2)
+  w_read_s = k * f * jnp.dtype(w_dtype).itemsize / chip.hbm
+  sends_s = _wiring.ideal(n).direct_load * link_s
+  if chip.name == "v6e" and bf16_w and mxu_s < w_read_s and sends_s < w_read_s:
+    # Each step reads its rows of w: the local step's read covers every
+    # direct send, so the rest is one step.
+    return (1, n - 1)
+  if n >= 4 and bf16_w and chip.name == "v5p":
+    # The local unit and the first one alone (their dots cover the
+    # second unit's transfer), then pairs.
+    return (1, 1) + (2,) * ((n - 2) // 2) + (1,) * ((n - 2) % 2)
   return (1,) * n
 
 
@@ -382,6 +413,25 @@ def _ag_tpu(
   if quantized:
     x, scales = quantize(x, spec.directions)
   x = x.astype(spec.dtype)
+
+  if plan.panels > 1:
+    # Each row panel reads its rows of x (and sends them) and writes its
+    # rows of one result buffer in place.
+    me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    shape = _common.shape_joint((m, spec.f), jnp.dtype(out_dtype), x, w)
+    out = None
+    for p in range(plan.panels):
+      with jax.named_scope(f"panel{p}"):
+        out = agk.run(
+          me,
+          x,
+          w,
+          spec=dataclasses.replace(spec, panel=p),
+          out_shape=shape,
+          scales=scales,
+          into=out,
+        )
+    return out
 
   def run(me, xp, shape, sp):
     return agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp)

@@ -130,6 +130,10 @@ class AgSpec:
       bn``). A short tail waits later, so a late chunk stalls less, but
       the copies must still fit under the tail's matmuls
       (``collective_matmul._fused.choose_tail``).
+    panel: the row panel this kernel runs (``m`` rows of every panel):
+      the start sends rows ``panel m ..`` of the ``x`` it is given and
+      the compute kernel reads them and writes its rows of the result
+      (``compute``'s ``into``); 0 for one panel.
   """
 
   axis_name: str
@@ -149,6 +153,7 @@ class AgSpec:
   quantized: bool = False
   steps: tuple[int, ...] | None = None
   tail: int | None = None
+  panel: int = 0
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
@@ -321,12 +326,14 @@ def start_kernel(
       len(senders),
     )
   # Direct sends, nearest first: half d goes to the peer sh * hops[t] away,
-  # which uses it at step t + 1 (its slot t).
+  # which uses it at step t + 1 (its slot t). ``x`` may hold every row
+  # panel: this one's rows start at ``panel m``.
+  rows = pl.ds(spec.panel * spec.m, spec.m)
   for t in range(n - 1):
     for d, sh in enumerate(spec.shifts):
-      pairs = [(x_ref.at[:, pl.ds(d * kh, kh)], recv_ref.at[d, t])]
+      pairs = [(x_ref.at[rows, pl.ds(d * kh, kh)], recv_ref.at[d, t])]
       if scales is not None:
-        pairs.append((scales[0].at[d], scales[1].at[d, t]))
+        pairs.append((scales[0].at[d, rows], scales[1].at[d, t]))
       for src, dst in pairs:
         pltpu.make_async_remote_copy(
           src,
@@ -481,11 +488,11 @@ def _shift_of(spec: AgSpec, d):
   return jnp.where(d == 0, jnp.int32(1), jnp.int32(-1))
 
 
-def _once(shape):
+def _once(shape, index=None):
   """A block fetched once (its index never changes): one buffer."""
-  zeros = (0,) * len(shape)
+  index = index or (0,) * len(shape)
   return pl.BlockSpec(
-    shape, lambda s, j, ci, d, me: zeros, pipeline_mode=pl.Buffered(1)
+    shape, lambda s, j, ci, d, me: index, pipeline_mode=pl.Buffered(1)
   )
 
 
@@ -500,19 +507,22 @@ def _in_specs(spec: AgSpec):
     chunk = _chunk(me_ref[0], _shift_of(spec, d), hop, spec.n)
     return (chunk * spec.directions + d, j)
 
-  xs = [_once((spec.m, spec.k))]
+  # Row panel ``p`` of ``x`` (and of its scales) is block ``p``.
+  xs = [_once((spec.m, spec.k), (spec.panel, 0))]
   if spec.quantized:
-    xs.append(_once((spec.directions, spec.m, SCALE_LANES)))
+    scales = (spec.directions, spec.m, SCALE_LANES)
+    xs.append(_once(scales, (0, spec.panel, 0)))
   return xs + [pl.BlockSpec((spec.kh, spec.bn), w_index)]
 
 
 def _out_block(spec: AgSpec):
   # Only the last step writes the output; before it every step maps to
-  # block (0, 0), which is first written (and flushed) in the last step.
+  # block (panel, 0), which is first written (and flushed) in the last
+  # step. Row panel ``p`` writes rows ``p m ..`` of the whole result.
   last = len(spec.plan) - 1
   return pl.BlockSpec(
     (spec.m, spec.bn),
-    lambda s, j, ci, d, me: (0, jnp.where(s == last, j, 0)),
+    lambda s, j, ci, d, me: (spec.panel, jnp.where(s == last, j, 0)),
   )
 
 
@@ -582,30 +592,46 @@ def _start_call(kernel, xs, spec: AgSpec):
   )(*xs)
 
 
-def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape):
-  """The chunk matmuls; returns the ``[m, f]`` result and a token (an SMEM
-  scalar the done takes, so it runs after this kernel without reading the
-  result: a later reader of the result makes XLA stage it in VMEM and copy
-  it out)."""
+def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape, into=None):
+  """The chunk matmuls; returns the result and a token (an SMEM scalar the
+  done takes, so it runs after this kernel without reading the result: a
+  later reader of the result makes XLA stage it in VMEM and copy it out).
+
+  ``into``: the result buffer of the previous row panel, aliased to this
+  kernel's result (row panel ``spec.panel`` writes its ``m`` rows of it
+  in place; ``out_shape`` is the whole result)."""
   nq = len(xs)
   with jax.named_scope(spec.scope):
-    return _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq)
+    return _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into)
 
 
-def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq):
+def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into):
+  kernel = functools.partial(compute_kernel, spec=spec)
+  extra, aliases, in_specs = (), {}, _in_specs(spec) + [c.HBM] * nq + [c.SEM]
+  if into is not None:
+    # me, x, [xs], w, recv, [recv scales], sems, then the buffer.
+    at = 2 * nq + 3
+
+    def kernel(*refs):
+      refs = list(refs)
+      del refs[at]
+      compute_kernel(*refs, spec=spec)
+
+    extra, aliases, in_specs = (into,), {at: 0}, in_specs + [c.ANY]
   return pl.pallas_call(
-    functools.partial(compute_kernel, spec=spec),
+    kernel,
     out_shape=(out_shape, c.shape_like(xs[0], (1,), jnp.int32)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=_grid(spec),
-      in_specs=_in_specs(spec) + [c.HBM] * nq + [c.SEM],
+      in_specs=in_specs,
       out_specs=(_out_block(spec), _SMEM),
       scratch_shapes=_scratch(spec),
     ),
     compiler_params=_params(spec),
+    input_output_aliases=aliases,
     name="ring_allgather_matmul",
-  )(me, *_order(xs, w, recvs), recv_sems)
+  )(me, *_order(xs, w, recvs), recv_sems, *extra)
 
 
 def _order(xs, w, recvs):
@@ -644,37 +670,42 @@ def done(xs, recvs, token, send_sems, *, spec: AgSpec):
   )(*xs, *recvs, token, send_sems)
 
 
-def run(me, x, w, *, spec: AgSpec, out_shape, scales=None):
-  """The three kernels in order; returns the ``[m, f]`` result.
+def run(me, x, w, *, spec: AgSpec, out_shape, scales=None, into=None):
+  """The three kernels in order; returns the result.
 
   ``scales``: for quantized ``x`` (int8), its per-row scales ``[d, m,
   128]`` float32 (one per row and half, broadcast over the lanes).
+  ``into``: the previous row panel's result, written on in place
+  (:func:`compute`).
   """
   xs = (x,) if scales is None else (x, scales)
   recvs, send_sems, recv_sems = start(xs, spec=spec)
   out, token = compute(
-    me, xs, w, recvs, recv_sems, spec=spec, out_shape=out_shape
+    me, xs, w, recvs, recv_sems, spec=spec, out_shape=out_shape, into=into
   )
   done(xs, recvs, token, send_sems, spec=spec)
   return out
 
 
 def one_kernel(
-  me, x, w, *, spec: AgSpec, out_shape, interpret=None, scales=None
+  me, x, w, *, spec: AgSpec, out_shape, interpret=None, scales=None, into=None
 ):
   """The three bodies in one kernel, semaphores as scratch.
 
   Pallas's TPU interpreter cannot return semaphores from a kernel, so the
   CPU tests run this form: the start body before the first grid step, the
   done body after the last. Same DMAs, waits and arithmetic as the three
-  kernels.
+  kernels (``into`` as :func:`compute` takes it).
   """
   nd = spec.directions
   xs = (x,) if scales is None else (x, scales)
   nq = len(xs)
+  extra = () if into is None else (into,)
 
   def kernel(me_ref, *refs):
     refs = list(refs)
+    if into is not None:
+      del refs[2 * nq + 1]  # the aliased result buffer
     blocks = refs[: nq + 1]  # x, [xs], w (pipelined)
     anys = refs[nq + 1 : 2 * nq + 1]  # x, [xs] (HBM, for the start)
     o_ref = refs[2 * nq + 1]
@@ -711,7 +742,7 @@ def one_kernel(
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=_grid(spec),
-      in_specs=_in_specs(spec) + [c.ANY] * nq,
+      in_specs=_in_specs(spec) + [c.ANY] * (nq + len(extra)),
       out_specs=(_out_block(spec),) + (c.ANY,) * nq,
       scratch_shapes=[_sem_array(spec), _sem_array(spec)]
       + [pltpu.SMEM((1,), jnp.int32)]
@@ -719,6 +750,7 @@ def one_kernel(
     ),
     compiler_params=_params(spec, spec.collective_id),
     interpret=interpret,
+    input_output_aliases={} if into is None else {2 * nq + 2: 0},
     name="ring_allgather_matmul_one_kernel",
-  )(me, *xs, w, *xs)
+  )(me, *xs, w, *xs, *extra)
   return out[0]
