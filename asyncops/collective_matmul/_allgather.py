@@ -123,13 +123,14 @@ def allgather_matmul(
       It permits, does not require, that rounding: the fused kernel
       (its accumulator stays in VMEM in float32), ``method="xla"`` (one
       dot) and the two-way ring when ``method="auto"`` picks it (it was
-      slower with a bfloat16 accumulator at some shapes) still round
-      once; ``method="ring"`` rings (one- or two-way) and auto's one-way
-      ring, whose estimate then charges the narrower accumulator, use
-      it. float32 and integer ``lhs`` are unchanged (their accumulator
-      is already ``lhs.dtype``: integers add exactly, wrapping as
-      ``jnp.dot`` does); quantized ``transfer`` and the backward pass
-      (gradients) keep float32.
+      slower with a bfloat16 accumulator at some shapes) and the
+      ``api="ref"`` two-way ring of halves (XLA would copy a half in
+      flight) still round once; ``method="ring"`` rings (one- or two-way)
+      and auto's one-way ring, whose estimate then charges the narrower
+      accumulator, use it. float32 and integer ``lhs`` are unchanged
+      (their accumulator is already ``lhs.dtype``: integers add exactly,
+      wrapping as ``jnp.dot`` does); quantized ``transfer`` and the
+      backward pass (gradients) keep float32.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by

@@ -205,18 +205,20 @@ def whole_chunks(m: int, f: int, acc_dtype, n: int) -> bool:
   return n > 2 and m * f * jnp.dtype(acc_dtype).itemsize >= WHOLE_ACC_BYTES
 
 
-def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
-  """The two-way contracting ring of whole chunks (:func:`whole_chunks`).
+def _whole(x, ws: tuple, axis_name: str, n: int, acc_dt, stash):
+  """The two-way contracting ring of whole chunks (:func:`whole_chunks`),
+  value API, in row panels (:func:`whole_panels`) of row pieces
+  (:func:`_whole_pieces`).
 
-  Value API (:func:`_whole_pieces`): each row piece of ``x`` (half its
-  rows) goes whole both ways straight from ``x`` (one
-  ``bidirectional_start(whole=True, rows=...)`` kernel, both DMAs reading
-  ``x``) into a ``[2 M/2, k]`` buffer holding that piece of chunks ``i -
-  1`` and ``i + 1``; each later transfer sends a piece's buffer on, its
-  first half to ``index + 1`` and the rest to ``index - 1`` (the default
-  kernel), so after ``s`` transfers of a piece it holds chunks ``i - s``
-  and ``i + s``. No buffer ever holds two copies of ``x``. Ref API: two
-  ``[M, k]`` Refs start from ``x``, whole chunks, one piece.
+  Each row piece of ``x`` (half its rows) goes whole both ways straight
+  from ``x`` (one ``bidirectional_start(whole=True, rows=...)`` kernel,
+  both DMAs reading ``x``) into a ``[2 M/2, k]`` buffer holding that
+  piece of chunks ``i - 1`` and ``i + 1``; each later transfer sends a
+  piece's buffer on, its first half to ``index + 1`` and the rest to
+  ``index - 1`` (the default kernel), so after ``s`` transfers of a piece
+  it holds chunks ``i - s`` and ``i + s``. No buffer ever holds two
+  copies of ``x``. The Ref API's ring of whole chunks is
+  ``_ref_whole`` (``_vjp`` routes it there).
 
   Step 0, the local chunk's dot, runs inside the window of the first
   transfer (reading ``x`` as that transfer sees it); step ``s`` (``1 <= s
@@ -225,50 +227,13 @@ def _whole(x, ws: tuple, axis_name: str, n: int, api: str, acc_dt, stash):
   transfers the last step takes the antipode once (``n`` even) or both
   chunks (``n`` odd).
   """
-  (m, k) = x.shape
+  m = x.shape[0]
   me = jax.lax.axis_index(axis_name)
-
-  def consume(s, sent, ws, accs):
-    if s == 0:
-      local, pair = sent[0], None
-    elif len(sent) == 1:
-      # [2, M, k]: a free reshape of the value API's buffer.
-      pair = sent[0].reshape(2, m, k)
-      local = pair[0]
-    else:
-      pair = jnp.stack(sent)  # the Ref API's two buffers
-      local = sent[0]
-    cs = chunks(me, s, n, True)
-    use = 1 if s == 0 or 2 * s == n else 2
-    out = []
-    for w, acc in zip(ws, accs, strict=True):
-      rows = [rows_of(w, c, k) for c in cs[:use]]
-      if use == 1:
-        y = jnp.dot(local, rows[0], preferred_element_type=acc_dt)
-      else:
-        y = pair_dot(pair, jnp.stack(rows), acc_dt)
-      out.append(y if acc is None else acc + y)
-    return tuple(out)
-
-  accs = tuple(None for _ in ws)
   last = n // 2  # transfers: ceil((n - 1) / 2)
-  if api == "value":
-    f = sum(w.shape[1] for w in ws)
-    chip = _chips.chip_for(jc.trace_device_kind()).name
-    panels = whole_panels(m, f, acc_dt, n, chip)
-    return _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels)
-  if stash is not None:
-    # x itself is no transfer's source here: readable later at no copy.
-    stash.append((x[: m // 2], x[m // 2 :]))
-  ring = _ring.Ring((x, x), (1, -1), axis_name, api)
-  for s in range(last):
-    with jax.named_scope(f"chunk{s}"):
-      accs = ring.step(
-        lambda sent, ws, accs, s=s: consume(s, sent, ws, accs), ws, accs
-      )
-  with jax.named_scope(f"chunk{last}"):
-    accs = consume(last, ring.values(), ws, accs)
-  return tuple(a.astype(x.dtype) for a in accs)
+  f = sum(w.shape[1] for w in ws)
+  chip = _chips.chip_for(jc.trace_device_kind()).name
+  panels = whole_panels(m, f, acc_dt, n, chip)
+  return _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels)
 
 
 # The largest float32 accumulator one row panel of the ring of whole
@@ -495,17 +460,29 @@ def contracting(
     stash: see :func:`run`.
     accumulation: ``"float32"`` or ``"output"`` (:func:`accumulator_dtype`):
       the dtype every chunk's dot produces and the accumulator adds in,
-      in every form of this ring (halves, whole chunks, panels).
+      in every form of this ring (halves, whole chunks, panels), but the
+      Ref API's two-way ring of halves, which keeps float32: with a
+      bfloat16 accumulator XLA prefetches a received half into VMEM while
+      it is the source of the next transfer, a copy of an in-flight
+      buffer (``tests/test_accumulation_tpu.py``; ``"output"`` permits
+      the rounding, it does not require it).
 
   Returns:
     ``(outs, gathered)``: a tuple of ``[M, f_i]`` in ``x.dtype``, and
     ``[M, n k]`` or None.
   """
   (m, k), dt = x.shape, x.dtype
+  if api == "ref" and bidirectional:
+    accumulation = "float32"  # no in-flight copy (above)
   acc_dt = accumulator_dtype(dt, accumulation)
   f = sum(w.shape[1] for w in ws)
-  if bidirectional and not return_gathered and whole_chunks(m, f, acc_dt, n):
-    return _whole(x, ws, axis_name, n, api, acc_dt, stash), None
+  if (
+    bidirectional
+    and not return_gathered
+    and api == "value"
+    and whole_chunks(m, f, acc_dt, n)
+  ):
+    return _whole(x, ws, axis_name, n, acc_dt, stash), None
   me = jax.lax.axis_index(axis_name)
   h = m // 2
   # Accumulators start at the first chunk's product: no zero fill (a
