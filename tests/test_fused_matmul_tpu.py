@@ -242,18 +242,22 @@ def test_allgather_panels_when_the_accumulator_does_not_fit(topology):
   assert not analyze(text).defensive_copies
 
 
+# The fused matmul-reduce-scatter's kernels, in the entry's order.
+RS_KERNELS = [
+  "asyncops_ring_reducescatter_start",
+  "ring_reducescatter_matmul",
+  "ring_reducescatter_finish",
+  "asyncops_ring_reducescatter_done",
+]
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_reducescatter_kernels_in_order(topology):
   def f(h, w):
     return _fused.matmul_reducescatter(h, w, "y")
 
   text = _compile(*_reducescatter(topology, f))
-  assert _entry_order(text) == [
-    "asyncops_ring_reducescatter_start",
-    "ring_reducescatter_matmul",
-    "ring_reducescatter_finish",
-    "asyncops_ring_reducescatter_done",
-  ]
+  assert _entry_order(text) == RS_KERNELS
   (start,) = _calls(text, "asyncops_ring_reducescatter_start")
   m, c = B // 2, D // 4
   assert start.leaves[0].dims == (2, 3, m, c // 2)
@@ -466,12 +470,7 @@ def test_auto_one_way_fused_reducescatter_program(monkeypatch, topology):
 
   text = _compile(*_reducescatter(topology, f))
   assert "method_fused_uni" in text
-  assert _entry_order(text) == [
-    "asyncops_ring_reducescatter_start",
-    "ring_reducescatter_matmul",
-    "ring_reducescatter_finish",
-    "asyncops_ring_reducescatter_done",
-  ]
+  assert _entry_order(text) == RS_KERNELS
   (start,) = _calls(text, "asyncops_ring_reducescatter_start")
   assert start.leaves[0].dims == (1, 3, B // 2, D // 4)
   assert not analyze(text).defensive_copies

@@ -736,18 +736,15 @@ def explain_reducescatter(
   reason = None if plan.spec is not None else plan.reason
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
-  fused = _fused_s(
-    panels,
-    compute,
-    w_s,
-    hbm - w_s,
-    n,
-    part,
-    chip.link,
-    wr,
-    cal.rs_overlap,
-  )
-  fused += (panels - 1) * cal.rs_panel_s
+
+  def fused_s(p, **kw):
+    """The fused kernel in ``p`` row panels (``_fused_s``'s options)."""
+    est = _fused_s(
+      p, compute, w_s, hbm - w_s, n, part, chip.link, wr, cal.rs_overlap, **kw
+    )
+    return est + (p - 1) * cal.rs_panel_s
+
+  fused = fused_s(panels)
   # The one-way kernel (whole blocks one way round the ring): its own
   # plan (a wider w block and more scoped VMEM, so sometimes more panels).
   plan_uni = _fused.plan_reducescatter(
@@ -769,21 +766,12 @@ def explain_reducescatter(
     # model's overlap), each with its panels and x copy; the one-way
     # kernel's estimate is the two-way one's scaled by their ratio.
     def from_start(p, d, pl):
-      est = _fused_s(
+      return fused_s(
         p,
-        compute,
-        w_s,
-        hbm - w_s,
-        n,
-        part,
-        chip.link,
-        wr,
-        cal.rs_overlap,
         directions=d,
         x_copy_s=_x_copy_s(pl, k, t, chip, cal),
         from_start=True,
       )
-      return est + (p - 1) * cal.rs_panel_s
 
     p1 = max(plan_uni.panels, 1)
     ratio = from_start(p1, 1, plan_uni) / from_start(panels, 2, plan)
