@@ -179,8 +179,10 @@ class Cal:
     rs_x_vmem: XLA prefetches a fused reduce-scatter panel's ``x`` into
       VMEM (a ``copy-start``/``copy-done`` the kernel waits for) where
       it fits beside the kernel's scoped VMEM limit within this share of
-      VMEM; the estimate charges its read then (0: never). v6e 0.8, fit
-      to the model at the prefill shape (tp 4, ``x`` [1024, 7168] bf16,
+      VMEM; the comparison of the two fused kernels charges its read
+      then (0: never), not their estimate against the rings and XLA.
+      v6e 0.8, fit to the model at the prefill shape (tp 4, ``x`` [1024,
+      7168] bf16,
       14 MiB): the two-way kernel (limit 85.25 MiB of 128) waits 8.0 us
       for it (206.3 us), the one-way kernel (97.75 MiB) has none (198.3
       us); at the chapter's shape both have it (2 MiB, 0.3 us exposed).
