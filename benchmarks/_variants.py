@@ -174,15 +174,20 @@ def available() -> list[str]:
   return out
 
 
+def _flagship_takes(param: str) -> bool:
+  """Whether the library's ``allgather_matmul`` has keyword ``param``."""
+  fn = _library("allgather_matmul")
+  try:
+    return fn is not None and param in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
 def library_quantized() -> list[str]:
   """The flagship with quantized transfers (``transfer="int8"`` /
   ``"float8_e4m3fn"``), one- and two-way; opt-in (``--variants``): they
   compute the dequantized product, not the exact one."""
-  fn = _library("allgather_matmul")
-  try:
-    if fn is None or "transfer" not in inspect.signature(fn).parameters:
-      return []
-  except (TypeError, ValueError):
+  if not _flagship_takes("transfer"):
     return []
   return [
     "allgather_matmul_int8",
@@ -197,11 +202,7 @@ def library_outacc() -> list[str]:
   in the output dtype, XLA's windowed einsum's numerics): the one- and
   two-way rings and auto. Opt-in (``--variants``): they round at every
   step, so they are not the default tables' numerics."""
-  fn = _library("allgather_matmul")
-  try:
-    if fn is None or "accumulation" not in inspect.signature(fn).parameters:
-      return []
-  except (TypeError, ValueError):
+  if not _flagship_takes("accumulation"):
     return []
   return [
     "allgather_matmul_outacc",
