@@ -340,7 +340,9 @@ def measure(spec: Spec, chip: _chips.Chip | None = None) -> Result:
   Row keys: ``family``, ``variant``, ``dtype``, ``shape``, ``topology``,
   ``tp``, ``step_us`` (prefetch free), ``step_charged_us`` (XLA's
   cross-program prefetch of the weight charged from t = 0),
-  ``exposed_us``, ``peak_temp_mib``, ``defensive_copies``, ``compile_s``,
+  ``exposed_us``, ``peak_temp_mib`` (XLA's figures), ``peak_alloc_mib``
+  (HBM temporaries of the buffer assignment), ``vmem_alloc_mib``,
+  ``defensive_copies``, ``compile_s``,
   ``floored_us``, ``flags``.
   """
   text, mem, compile_s = compile_spec(spec)

@@ -27,8 +27,9 @@ markdown table per family, dtype, shape and topology. Each table gives:
   :data:`LLAMA`: 4096 tokens, D 8192, F 28672) on each topology;
 - per row: step time (XLA's weight prefetch free, and charged), exposed
   communication, ratios to the bound, the roofline and ``xla_best``,
-  defensive copies, peak temporary memory, and flags for rows the model
-  cannot cost fully (``!``).
+  defensive copies, peak temporary memory (as XLA reports it, and the HBM
+  bytes the buffer assignment reserves, which the memory target uses), and
+  flags for rows the model cannot cost fully (``!``).
 
 Compiled HLO is cached (:mod:`benchmarks._measure`), so a second run, or
 ``--sensitivity``, only re-models. Exit status: 0, or 1 when a row is
