@@ -22,6 +22,7 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -169,14 +170,17 @@ def compile_spec(spec: Spec) -> tuple[str, dict, float]:
   if path is not None and path.exists():
     with gzip.open(path, "rt") as f:
       data = json.load(f)
-    return data["text"], data["mem"], data["compile_s"]
+    # Entries cached before the buffer assignment was read lack its
+    # temporaries: compile again (the same program) and add them.
+    if _ALLOC_KEY in data["mem"]:
+      return data["text"], data["mem"], data["compile_s"]
   t0 = time.perf_counter()
-  with _mesh.quiet_fd2():
-    compiled = lowered.compile(compiler_options=spec.options or None)
+  compiled, assignment = compile_with_assignment(lowered, spec.options)
   compile_s = time.perf_counter() - t0
   text = compiled.as_text()
   m = compiled.memory_analysis()
   mem = {k: int(getattr(m, k, 0) or 0) for k in _MEM}
+  mem.update(assignment_temps(assignment))
   if path is not None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -184,6 +188,83 @@ def compile_spec(spec: Spec) -> tuple[str, dict, float]:
       json.dump({"text": text, "mem": mem, "compile_s": compile_s}, f)
     tmp.replace(path)
   return text, mem, compile_s
+
+
+# The buffer assignment's temporaries per memory space, in the memory dict
+# next to XLA's figures: ``alloc_temp_bytes`` (HBM, color 0) and
+# ``alloc_temp_bytes_color<C>`` for the others (1 is VMEM on TPU).
+_ALLOC_KEY = "alloc_temp_bytes"
+_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*):$")
+_NOT_TEMP = ("parameter ", "constant", "maybe-live-out", "output shape")
+
+
+def compile_with_assignment(lowered, options: dict | None = None):
+  """``(compiled, buffer assignment text)``: compiles ``lowered`` with an
+  XLA dump (``xla_dump_to``, text) into a temporary directory and reads the
+  entry module's ``*after_optimizations-buffer-assignment.txt``.
+
+  The dump options are debug options: the compiled program is the same as
+  without them (``tests/test_bench_memory.py`` checks it). The executable's
+  ``serialized_buffer_assignment_proto`` is empty for TPU compiles, hence
+  the dump.
+  """
+  with tempfile.TemporaryDirectory(prefix="asyncops_ba_") as where:
+    opts = {
+      **(options or {}),
+      "xla_dump_to": where,
+      "xla_dump_hlo_as_text": True,
+    }
+    with _mesh.quiet_fd2():
+      compiled = lowered.compile(compiler_options=opts)
+    found = sorted(
+      pathlib.Path(where).glob("*after_optimizations-buffer-assignment.txt")
+    )
+    if len(found) != 1:
+      raise RuntimeError(
+        f"expected one buffer assignment in the XLA dump, found {len(found)}"
+        f" ({[p.name for p in found]})"
+      )
+    return compiled, found[0].read_text()
+
+
+def assignment_temps(text: str) -> dict[str, int]:
+  """Temporary bytes per memory space in an XLA buffer assignment.
+
+  Each ``allocation N: size S[, color C], <kinds>:`` line is one buffer the
+  executable reserves; values that share it (an aliased custom-call result
+  and its operand, buffers reused once dead) are listed under it at their
+  offsets and cost nothing more. An allocation is temporary unless it is an
+  entry parameter, a constant or a (maybe) live-out output. Returns
+  ``alloc_temp_bytes`` (color 0: HBM) and ``alloc_temp_bytes_color<C>``
+  for every other color present.
+  """
+  out: dict[str, int] = {_ALLOC_KEY: 0}
+  for line in text.splitlines():
+    m = _ALLOCATION.match(line)
+    if m is None:
+      continue
+    kinds = m.group(3)
+    if any(k in kinds for k in _NOT_TEMP):
+      continue
+    color = re.search(r", color (\d+)", kinds)
+    key = _ALLOC_KEY if color is None else f"{_ALLOC_KEY}_color{color[1]}"
+    out[key] = out.get(key, 0) + int(m.group(2))
+  return out
+
+
+def peak_alloc_bytes(mem) -> int:
+  """HBM bytes the executable reserves for temporaries: the buffer
+  assignment's color-0 temporary allocations (:func:`assignment_temps`).
+
+  Unlike :func:`peak_temp_bytes` it counts a buffer once however many HLO
+  values share it (XLA's ``temp_size_in_bytes`` counts the result of an
+  aliasing custom call and its operand apart), counts every buffer that is
+  really separate (a DMA's source and destination), and leaves out other
+  memory spaces (the weight's VMEM copy that ``peak_memory_in_bytes``
+  includes).
+  """
+  get = mem.get if isinstance(mem, dict) else lambda k, d=0: getattr(mem, k, d)
+  return int(get(_ALLOC_KEY, 0))
 
 
 def _key_text(lowered) -> str:
@@ -259,7 +340,9 @@ def measure(spec: Spec, chip: _chips.Chip | None = None) -> Result:
   Row keys: ``family``, ``variant``, ``dtype``, ``shape``, ``topology``,
   ``tp``, ``step_us`` (prefetch free), ``step_charged_us`` (XLA's
   cross-program prefetch of the weight charged from t = 0),
-  ``exposed_us``, ``peak_temp_mib``, ``defensive_copies``, ``compile_s``,
+  ``exposed_us``, ``peak_temp_mib`` (XLA's figures), ``peak_alloc_mib``
+  (HBM temporaries of the buffer assignment), ``vmem_alloc_mib``,
+  ``defensive_copies``, ``compile_s``,
   ``floored_us``, ``flags``.
   """
   text, mem, compile_s = compile_spec(spec)
@@ -277,6 +360,8 @@ def measure(spec: Spec, chip: _chips.Chip | None = None) -> Result:
     "step_charged_us": charged.step_s * 1e6,
     "exposed_us": tl.exposed_comm_s * 1e6,
     "peak_temp_mib": peak_temp_bytes(mem) / 2**20,
+    "peak_alloc_mib": peak_alloc_bytes(mem) / 2**20,
+    "vmem_alloc_mib": mem.get(f"{_ALLOC_KEY}_color1", 0) / 2**20,
     "defensive_copies": defensive_copies(text),
     "compile_s": compile_s,
     "floored_us": tl.floored_s * 1e6,
