@@ -414,29 +414,10 @@ def _ag_tpu(
     x, scales = quantize(x, spec.directions)
   x = x.astype(spec.dtype)
 
-  if plan.panels > 1:
-    # Each row panel reads its rows of x (and sends them) and writes its
-    # rows of one result buffer in place.
-    me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-    shape = _common.shape_joint((m, spec.f), jnp.dtype(out_dtype), x, w)
-    out = None
-    for p in range(plan.panels):
-      with jax.named_scope(f"panel{p}"):
-        out = agk.run(
-          me,
-          x,
-          w,
-          spec=dataclasses.replace(spec, panel=p),
-          out_shape=shape,
-          scales=scales,
-          into=out,
-        )
-    return out
+  def run(me, sp, shape, into):
+    return agk.run(me, x, w, spec=sp, out_shape=shape, scales=scales, into=into)
 
-  def run(me, xp, shape, sp):
-    return agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp)
-
-  return _by_panels(run, plan, x, w, spec.f, out_dtype, axis_name, scales)
+  return _by_panels(run, plan, x, w, spec.f, out_dtype, axis_name)
 
 
 def _planned(plan, fn: str):
@@ -446,20 +427,20 @@ def _planned(plan, fn: str):
   return plan.spec
 
 
-def _by_panels(run, plan, x, w, cols, out_dtype, axis_name, scales=None):
-  """``run(me, x_panel, out_shape, scales_panel)`` for each row panel of
-  ``plan`` (each in a ``panel<p>`` scope), concatenated."""
-  spec = plan.spec
+def _by_panels(run, plan, x, w, cols, out_dtype, axis_name):
+  """``run(me, spec, out_shape, into)`` for each row panel of ``plan``, one
+  after the other (each in a ``panel<p>`` scope), with ``spec.panel = p``:
+  panel ``p``'s kernels read rows ``p m ..`` of the whole ``x`` and write
+  its rows of one result ``[x rows, cols]``, taking the previous panel's
+  result (``into``, aliased) and returning it written on. Neither is ``x``
+  sliced nor the result concatenated."""
   me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-  outs = []
+  shape = _common.shape_joint((x.shape[0], cols), jnp.dtype(out_dtype), x, w)
+  out = None
   for p in range(plan.panels):
-    rows = slice(p * spec.m, (p + 1) * spec.m)
-    xp = x[rows] if plan.panels > 1 else x
-    sp = None if scales is None else scales[:, rows]
     with jax.named_scope(f"panel{p}"):
-      shape = _common.shape_joint((spec.m, cols), jnp.dtype(out_dtype), xp, w)
-      outs.append(run(me, xp, shape, sp))
-  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+      out = run(me, dataclasses.replace(plan.spec, panel=p), shape, out)
+  return out
 
 
 def _assign_id(scope, params):
@@ -726,9 +707,10 @@ def _rs_tpu(
     collective_id=collective_id,
   )
   spec = _planned(plan, "matmul_reducescatter")
+  x = x.astype(spec.dtype)
 
-  def run(me, xp, shape, _):
-    return rsk.run(me, xp, w, spec=spec, out_shape=shape)
+  def run(me, sp, shape, into):
+    return rsk.run(me, x, w, spec=sp, out_shape=shape, into=into)
 
   return _by_panels(run, plan, x, w, spec.c, out_dtype, axis_name)
 
