@@ -710,6 +710,11 @@ def _rs_tpu(
   x = x.astype(spec.dtype)
 
   def run(me, sp, shape, into):
+    if plan.panels > 1:
+      # Pinned to HBM: XLA otherwise kept the panels' result in VMEM
+      # where it fits (v5e, 16 MiB at the Llama-3-70B shard's tp 4, M =
+      # 4096) and copied it out after the last panel.
+      shape = _common.hbm_like(shape)
     return rsk.run(me, x, w, spec=sp, out_shape=shape, into=into)
 
   return _by_panels(run, plan, x, w, spec.c, out_dtype, axis_name)
