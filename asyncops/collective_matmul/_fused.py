@@ -21,14 +21,18 @@ all-gather matmul does: it converts before gathering), at ``HIGHEST`` they
 travel and multiply in float32. int8 accumulates in int32 and wraps to int8
 like ``jnp.dot``.
 
-Row panels: the accumulator ``[m, f]`` float32 lives in VMEM. When it (plus
-the chunk buffers and ``w`` blocks) exceeds the chip's budget, the rows are
-split in panels and each panel runs its own ring, one after the other;
-each panel's kernels read their rows of the whole ``x``, and its compute
-kernel takes the previous panel's result (aliased) and writes its rows of
-it in place: neither ``x`` is sliced nor the result concatenated (XLA
-copied both, 8.5 and 21.2 us at the Llama-3-70B shard's tp 8, M = 4096,
-on v5p).
+Row panels: the all-gather's accumulator ``[m, f]`` float32 lives in VMEM
+(the reduce-scatter's products, received and sent partial sums too). When
+it (plus the chunk buffers and ``w`` blocks) exceeds the chip's budget, the
+rows are split in panels and each panel runs its own ring, one after the
+other (``_by_panels``); each panel's kernels read their rows of the whole
+``x``, and the kernel that writes the result (the all-gather's compute
+kernel, the reduce-scatter's finish) takes the previous panel's result
+(aliased) and writes its rows of it in place: neither is ``x`` sliced nor
+the result concatenated. XLA copied both, 8.5 and 21.2 us for the
+all-gather at the Llama-3-70B shard's tp 8, M = 4096, on v5p; 24.9 and
+25.0 us for the reduce-scatter there, whose row panels' result is pinned
+to HBM (v5e kept it in VMEM and copied it out).
 """
 
 import dataclasses

@@ -62,6 +62,12 @@ Tools reading the schedule see the transfers begin at the start kernel,
 up to one step's compute earlier than they do; they end at the done, as
 they do.
 
+Row panels (``RsSpec.panel``): the kernels of panel ``p`` read rows ``p
+m ..`` of the ``x`` they are given (the steps kernel's ``x`` block), and
+the finish writes those rows of the result, taking the previous panel's
+result as an aliased operand (``finish``'s ``into``): no slice of ``x``,
+no concatenation of the panels' results.
+
 Limits. ``c / d`` a multiple of 128 and of ``bn``; ``x`` ``[m, k]``, the
 float32 partial ``[m, c/d]``, the own products ``[m, c]`` (float32), the
 received and the ``n - 1`` sent partial sums must fit in VMEM (the caller
