@@ -172,14 +172,16 @@ def _rs_twin(operands, results, attrs=""):
   @ w [k, n c] + r [m, n c]``, cast to the sent dtype."""
   del attrs
   _, x, w, recv = operands[:4]
-  m, cols = x.dims[0], w.dims[1]
+  # A row panel's kernel may read all of x: its rows are the receive
+  # buffer's (``[d, n - 1, m, c / d]``).
+  m, k, cols = recv.dims[2], x.dims[1], w.dims[1]
 
   def fn(x, w, r):
     y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
     return (y + r.astype(y.dtype)).astype(r.dtype)
 
   return fn, (
-    _sds(x.dims, _dt(x)),
+    _sds((m, k), _dt(x)),
     _sds(w.dims, _dt(w)),
     _sds((m, cols), _dt(recv)),
   )

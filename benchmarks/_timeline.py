@@ -547,11 +547,21 @@ class _Sim:
         return nbytes
     return total
 
-  def _hbm_bytes(self, comp: str, ins: Instr) -> float:
-    """Bytes the op must move to or from HBM (memory space 0)."""
+  def _hbm_bytes(self, comp: str, ins: Instr, in_place=False) -> float:
+    """Bytes the op must move to or from HBM (memory space 0).
+
+    ``in_place``: leave out each output aliased to an operand
+    (``output_to_operand_aliasing``) and that operand (a kernel writing
+    blocks of a buffer in place, whose twin charges the blocks)."""
     table = self._table(comp)
     fused = ins.called[0] if ins.opcode == "fusion" and ins.called else None
-    out = sum(lf.nbytes for lf in ins.arrays if lf.memory_space == 0)
+    outs, skip = list(ins.arrays), set()
+    if in_place and ins.aliasing:
+      # Output index ``{}`` (one array) or ``{i}`` (leaf ``i``).
+      aliased = {o[0] if o else 0 for o, _, _ in ins.aliasing if len(o) <= 1}
+      outs = [lf for i, lf in enumerate(outs) if i not in aliased]
+      skip = {k for _, k, _ in ins.aliasing}
+    out = sum(lf.nbytes for lf in outs if lf.memory_space == 0)
     if fused:
       root = next(
         (i for i in self.m.computations.get(fused, ()) if i.is_root), None
@@ -562,7 +572,7 @@ class _Sim:
     reads = 0
     for k, name in enumerate(ins.operands):
       src = table.get(name)
-      if src is None:
+      if src is None or k in skip:
         continue
       nb = sum(lf.nbytes for lf in src.arrays if lf.memory_space == 0)
       if fused and nb:
@@ -570,11 +580,11 @@ class _Sim:
       reads += nb
     return float(out + reads)
 
-  def _floor(self, comp: str, ins: Instr) -> float:
-    """The op's own roofline: FLOPs at peak, HBM bytes at HBM bandwidth."""
-    return max(
-      self._flops_s(ins), self._hbm_bytes(comp, ins) / self.chip.hbm_bytes_per_s
-    )
+  def _floor(self, comp: str, ins: Instr, in_place=False) -> float:
+    """The op's own roofline: FLOPs at peak, HBM bytes at HBM bandwidth
+    (``in_place`` as :meth:`_hbm_bytes` takes it)."""
+    hbm = self._hbm_bytes(comp, ins, in_place)
+    return max(self._flops_s(ins), hbm / self.chip.hbm_bytes_per_s)
 
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
@@ -617,7 +627,12 @@ class _Sim:
       return None
     if isinstance(cost, KernelSteps):
       cost = cost.total
-    cost = max(cost, self._floor(self._comp, ins))
+    # A kernel writing blocks of a buffer it aliases (a row panel's rows
+    # of one result, ``input_output_aliases``) moves those blocks, which
+    # its twin writes; the rest of the buffer is neither read nor written,
+    # so it stays out of the floor (as a dynamic-update-slice fusion's
+    # update does, above).
+    cost = max(cost, self._floor(self._comp, ins, in_place=True))
     self.twin += cost
     return cost
 

@@ -186,6 +186,74 @@ def test_reducescatter_kernel_bodies(mesh_shape, directions, blocks, capfd):
   _check_interpreter_output(capfd)
 
 
+@pytest.mark.parametrize(
+  "panels,directions,dtype",
+  [(2, 2, "float32"), (3, 1, "float32"), (2, 2, "bfloat16")],
+)
+def test_reducescatter_row_panels_write_one_result_in_place(
+  panels, directions, dtype, capfd
+):
+  """Row panels, each its own ring over its rows of the whole ``x``:
+  panel 0 writes its rows of the whole result, each later panel takes
+  that buffer (aliased) and writes its rows, as ``_fused`` runs the
+  reduce-scatter's panels on TPU (no slice of ``x``, no concatenation);
+  exact against ``psum_scatter(x @ w)``."""
+  n, rows = 4, 16
+  dtype = jnp.dtype(dtype)
+  a = _ints((panels * rows, n * 128), dtype, 6)
+  w = _ints((n * 128, n * 128 * directions), dtype, 7)
+  if dtype == jnp.bfloat16:
+    # bfloat16 partial sums round once per hop: a sparse w keeps every
+    # partial sum an integer bfloat16 holds exactly, so the result is
+    # exact.
+    a, w = jnp.sign(a), jnp.sign(w) * (_ints(w.shape, dtype, 8) == 3)
+    mags = [np.abs(np.asarray(v, np.float32)) for v in (a, w)]
+    assert (mags[0] @ mags[1]).max() <= 256
+
+  def body(x, y):
+    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+    c = y.shape[1] // n
+    whole = jax.ShapeDtypeStruct((x.shape[0], c), dtype)
+    out = None
+    for p in range(panels):
+      spec = rsk.RsSpec(
+        "y",
+        ("x", "y"),
+        n,
+        rows,
+        x.shape[1],
+        c,
+        dtype.name,
+        dtype.name,
+        directions=directions,
+        bn=128,
+        collective_id=0,
+        panel=p,
+      )
+      out = rsk.one_kernel(
+        me,
+        x,
+        y,
+        spec=spec,
+        out_shape=whole,
+        interpret=_interpret(),
+        into=out,
+      )
+    return out
+
+  def want(x, y):
+    prod = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
+    return jax.lax.psum_scatter(prod, "y", scatter_dimension=1, tiled=True)
+
+  specs = (P(None, "y"), P("y", None))
+  mesh = u.cpu_mesh((1, n))
+  got = u.run_sharded(body, mesh, specs, P(None, "y"), a, w, check_vma=False)
+  ref = u.run_sharded(want, mesh, specs, P(None, "y"), a, w)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(a @ w))
+  _check_interpreter_output(capfd)
+
+
 def test_wrong_rows_are_caught(monkeypatch, capfd):
   """The interpreted check fails when a chunk meets the wrong rows of w."""
 

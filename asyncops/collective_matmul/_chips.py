@@ -102,7 +102,11 @@ class Cal:
       traffic (read and write per step) charged beside its dots.
     rs_panel_s: a fused reduce-scatter's cost per extra row panel (the
       model, tp 8, up to 16 MiB of sent partial sums per panel: 74 us on
-      v5e at 4 and 16 panels, 12 to 17 us on v6e).
+      v5e at 4 and 16 panels, 12 to 17 us on v6e). v5p: 2 us since its
+      panels read their rows of the whole ``x`` and write one result in
+      place (the model at the Llama-3-70B shard, beyond the estimate
+      without it: 2.5 to 4.9 us per extra panel at tp 8, -6.1 to -0.5 at
+      tp 4; was 12, fit to the panels with their slice and concatenate).
     fused_acc: the share of the fused all-gather's float32 accumulator
       pass (read and write per step) its steps are charged beside their
       rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
@@ -251,7 +255,7 @@ CAL = {
     0.5,
     2.4,
     0.76,
-    12e-6,
+    2e-6,
     rs_overlap=0.45,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,

@@ -21,14 +21,18 @@ all-gather matmul does: it converts before gathering), at ``HIGHEST`` they
 travel and multiply in float32. int8 accumulates in int32 and wraps to int8
 like ``jnp.dot``.
 
-Row panels: the accumulator ``[m, f]`` float32 lives in VMEM. When it (plus
-the chunk buffers and ``w`` blocks) exceeds the chip's budget, the rows are
-split in panels and each panel runs its own ring, one after the other;
-each panel's kernels read their rows of the whole ``x``, and its compute
-kernel takes the previous panel's result (aliased) and writes its rows of
-it in place: neither ``x`` is sliced nor the result concatenated (XLA
-copied both, 8.5 and 21.2 us at the Llama-3-70B shard's tp 8, M = 4096,
-on v5p).
+Row panels: the all-gather's accumulator ``[m, f]`` float32 lives in VMEM
+(the reduce-scatter's products, received and sent partial sums too). When
+it (plus the chunk buffers and ``w`` blocks) exceeds the chip's budget, the
+rows are split in panels and each panel runs its own ring, one after the
+other (``_by_panels``); each panel's kernels read their rows of the whole
+``x``, and the kernel that writes the result (the all-gather's compute
+kernel, the reduce-scatter's finish) takes the previous panel's result
+(aliased) and writes its rows of it in place: neither is ``x`` sliced nor
+the result concatenated. XLA copied both, 8.5 and 21.2 us for the
+all-gather at the Llama-3-70B shard's tp 8, M = 4096, on v5p; 24.9 and
+25.0 us for the reduce-scatter there, whose row panels' result is pinned
+to HBM (v5e kept it in VMEM and copied it out).
 """
 
 import dataclasses
@@ -414,29 +418,10 @@ def _ag_tpu(
     x, scales = quantize(x, spec.directions)
   x = x.astype(spec.dtype)
 
-  if plan.panels > 1:
-    # Each row panel reads its rows of x (and sends them) and writes its
-    # rows of one result buffer in place.
-    me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-    shape = _common.shape_joint((m, spec.f), jnp.dtype(out_dtype), x, w)
-    out = None
-    for p in range(plan.panels):
-      with jax.named_scope(f"panel{p}"):
-        out = agk.run(
-          me,
-          x,
-          w,
-          spec=dataclasses.replace(spec, panel=p),
-          out_shape=shape,
-          scales=scales,
-          into=out,
-        )
-    return out
+  def run(me, sp, shape, into):
+    return agk.run(me, x, w, spec=sp, out_shape=shape, scales=scales, into=into)
 
-  def run(me, xp, shape, sp):
-    return agk.run(me, xp, w, spec=spec, out_shape=shape, scales=sp)
-
-  return _by_panels(run, plan, x, w, spec.f, out_dtype, axis_name, scales)
+  return _by_panels(run, plan, x, w, spec.f, out_dtype, axis_name)
 
 
 def _planned(plan, fn: str):
@@ -446,20 +431,20 @@ def _planned(plan, fn: str):
   return plan.spec
 
 
-def _by_panels(run, plan, x, w, cols, out_dtype, axis_name, scales=None):
-  """``run(me, x_panel, out_shape, scales_panel)`` for each row panel of
-  ``plan`` (each in a ``panel<p>`` scope), concatenated."""
-  spec = plan.spec
+def _by_panels(run, plan, x, w, cols, out_dtype, axis_name):
+  """``run(me, spec, out_shape, into)`` for each row panel of ``plan``, one
+  after the other (each in a ``panel<p>`` scope), with ``spec.panel = p``:
+  panel ``p``'s kernels read rows ``p m ..`` of the whole ``x`` and write
+  its rows of one result ``[x rows, cols]``, taking the previous panel's
+  result (``into``, aliased) and returning it written on. Neither is ``x``
+  sliced nor the result concatenated."""
   me = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
-  outs = []
+  shape = _common.shape_joint((x.shape[0], cols), jnp.dtype(out_dtype), x, w)
+  out = None
   for p in range(plan.panels):
-    rows = slice(p * spec.m, (p + 1) * spec.m)
-    xp = x[rows] if plan.panels > 1 else x
-    sp = None if scales is None else scales[:, rows]
     with jax.named_scope(f"panel{p}"):
-      shape = _common.shape_joint((spec.m, cols), jnp.dtype(out_dtype), xp, w)
-      outs.append(run(me, xp, shape, sp))
-  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+      out = run(me, dataclasses.replace(plan.spec, panel=p), shape, out)
+  return out
 
 
 def _assign_id(scope, params):
@@ -726,9 +711,15 @@ def _rs_tpu(
     collective_id=collective_id,
   )
   spec = _planned(plan, "matmul_reducescatter")
+  x = x.astype(spec.dtype)
 
-  def run(me, xp, shape, _):
-    return rsk.run(me, xp, w, spec=spec, out_shape=shape)
+  def run(me, sp, shape, into):
+    if plan.panels > 1:
+      # Pinned to HBM: XLA otherwise kept the panels' result in VMEM
+      # where it fits (v5e, 16 MiB at the Llama-3-70B shard's tp 4, M =
+      # 4096) and copied it out after the last panel.
+      shape = _common.hbm_like(shape)
+    return rsk.run(me, x, w, spec=sp, out_shape=shape, into=into)
 
   return _by_panels(run, plan, x, w, spec.c, out_dtype, axis_name)
 

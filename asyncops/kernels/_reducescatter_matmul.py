@@ -62,6 +62,12 @@ Tools reading the schedule see the transfers begin at the start kernel,
 up to one step's compute earlier than they do; they end at the done, as
 they do.
 
+Row panels (``RsSpec.panel``): the kernels of panel ``p`` read rows ``p
+m ..`` of the ``x`` they are given (the steps kernel's ``x`` block), and
+the finish writes those rows of the result, taking the previous panel's
+result as an aliased operand (``finish``'s ``into``): no slice of ``x``,
+no concatenation of the panels' results.
+
 Limits. ``c / d`` a multiple of 128 and of ``bn``; ``x`` ``[m, k]``, the
 float32 partial ``[m, c/d]``, the own products ``[m, c]`` (float32), the
 received and the ``n - 1`` sent partial sums must fit in VMEM (the caller
@@ -98,6 +104,10 @@ class RsSpec:
     precision: ``jax.lax.Precision`` name for the in-kernel dots.
     collective_id: barrier semaphore id of the start kernel.
     vmem_limit: VMEM bytes the compute kernel may use.
+    panel: the row panel these kernels run (``m`` rows of every panel):
+      the steps kernel reads rows ``panel m ..`` of the ``x`` it is given
+      and the finish writes its rows of the result (``finish``'s
+      ``into``); 0 for one panel.
   """
 
   axis_name: str
@@ -113,6 +123,7 @@ class RsSpec:
   precision: str = "DEFAULT"
   collective_id: int | None = None
   vmem_limit: int | None = None
+  panel: int = 0
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
@@ -316,7 +327,8 @@ def _params(spec: RsSpec, collective_id=None, *, dims=3, vmem_limit=None):
 
 
 def _in_specs(spec: RsSpec):
-  """``x`` (fetched once) and the ``w`` block of step ``s``, half ``d``."""
+  """``x`` (fetched once: row panel ``p`` is block ``p`` of the ``x``
+  given) and the ``w`` block of step ``s``, half ``d``."""
   n, nb = spec.n, spec.nb
   cb = spec.c // spec.bn  # w blocks per output block
 
@@ -327,7 +339,7 @@ def _in_specs(spec: RsSpec):
   return [
     pl.BlockSpec(
       (spec.m, spec.k),
-      lambda s, d, j, me: (0, 0),
+      lambda s, d, j, me: (spec.panel, 0),
       pipeline_mode=pl.Buffered(1),
     ),
     pl.BlockSpec((spec.k, spec.bn), w_index),
@@ -352,17 +364,25 @@ _SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
 _VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
 
 
-def start(x, *, spec: RsSpec):
-  """``-> (recv, send_sems, recv_sems)``; the barrier."""
+def start(me, *, spec: RsSpec):
+  """``-> (recv, send_sems, recv_sems)``; the barrier.
 
-  def kernel(x_ref, recv_ref, send_sems, recv_sems):
-    del x_ref, recv_ref, send_sems, recv_sems
+  Its operand is the ring index ``me`` (``int32[1]``, unread): it starts
+  no transfer, so it needs nothing of ``x``. (Given the whole ``x`` of
+  row panels, XLA evicted the steps kernels' VMEM outputs, the sent
+  partial sums and own products, to HBM before the finish and the done:
+  15 copies, 26.5 us exposed in the benchmark model at the Llama-3-70B
+  shard's tp 8, M = 4096, on v5p. The sends read the sent partial sums
+  until the done.)"""
+
+  def kernel(me_ref, recv_ref, send_sems, recv_sems):
+    del me_ref, recv_ref, send_sems, recv_sems
     start_kernel(spec=spec)
 
   return pl.pallas_call(
     kernel,
     out_shape=(
-      c.hbm_like(_recv_shape(x, spec)),
+      c.hbm_like(_recv_shape(me, spec)),
       _sem_array(spec),
       _sem_array(spec),
     ),
@@ -370,7 +390,7 @@ def start(x, *, spec: RsSpec):
     out_specs=(c.HBM, c.SEM, c.SEM),
     compiler_params=c.params(collective_id=spec.collective_id),
     name="asyncops_ring_reducescatter_start",
-  )(x)
+  )(me)
 
 
 def _own_shape(spec: RsSpec):
@@ -395,33 +415,44 @@ def steps(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec):
   )(me, x, w, recv, send_sems, recv_sems)
 
 
-def finish(own, recv, recv_sems, *, spec: RsSpec, out_shape):
+def finish(own, recv, recv_sems, *, spec: RsSpec, out_shape, into=None):
   """The last partial sums plus this device's own products: returns
   ``(out [m, c], token)``. It starts no remote DMA, so XLA writes its
-  output in place as the program's result."""
+  output in place as the program's result.
+
+  ``into``: the result buffer of the previous row panel, aliased to this
+  kernel's result (row panel ``spec.panel`` writes its ``m`` rows of it
+  in place; ``out_shape`` is the whole result)."""
   t = jnp.dtype(spec.dtype)
 
-  def kernel(own_ref, recv_ref, recv_sems, o_ref, token_ref, rbuf, sem):
+  def kernel(own_ref, recv_ref, recv_sems, *refs):
+    if into is not None:
+      refs = refs[1:]  # the aliased result buffer: written through o_ref
+    o_ref, token_ref, rbuf, sem = refs
     d = pl.program_id(0)
     finish_body(d, own_ref, recv_ref, recv_sems, o_ref, rbuf, sem, spec=spec)
     token_ref[0] = jnp.int32(0)
 
+  extra = () if into is None else (into,)
+  # Row panel ``p`` writes rows ``p m ..`` of the whole result.
+  out_block = pl.BlockSpec((spec.m, spec.ch), lambda d: (spec.panel, d))
   return pl.pallas_call(
     kernel,
     out_shape=(out_shape, c.shape_like(recv, (1,), jnp.int32)),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=0,
       grid=(spec.directions,),
-      in_specs=[_VMEM, c.HBM, c.SEM],
-      out_specs=(pl.BlockSpec((spec.m, spec.ch), lambda d: (0, d)), _SMEM),
+      in_specs=[_VMEM, c.HBM, c.SEM] + [c.ANY] * len(extra),
+      out_specs=(out_block, _SMEM),
       scratch_shapes=[
         pltpu.VMEM((spec.m, spec.ch), t),
         pltpu.SemaphoreType.DMA(()),
       ],
     ),
     compiler_params=_params(spec, dims=1, vmem_limit=finish_vmem_limit(spec)),
+    input_output_aliases={} if into is None else {3: 0},
     name="ring_reducescatter_finish",
-  )(own, recv, recv_sems)
+  )(own, recv, recv_sems, *extra)
 
 
 def finish_vmem_limit(spec: RsSpec) -> int:
@@ -475,25 +506,42 @@ def done(recv, sent, token, send_sems, *, spec: RsSpec):
   )(recv, sent, token, send_sems)
 
 
-def run(me, x, w, *, spec: RsSpec, out_shape):
-  """The four kernels in order; returns ``[m, c]``."""
+def run(me, x, w, *, spec: RsSpec, out_shape, into=None):
+  """The four kernels in order; returns the result (``[m, c]``).
+
+  Row panel ``spec.panel`` reads its rows of ``x`` (which may hold every
+  panel's) and, with ``into`` (the previous panel's result, aliased),
+  writes its rows of the whole result ``out_shape`` in place
+  (:func:`finish`)."""
   x = x.astype(spec.dtype)
-  recv, send_sems, recv_sems = start(x, spec=spec)
+  recv, send_sems, recv_sems = start(me, spec=spec)
   sent, own = steps(me, x, w, recv, send_sems, recv_sems, spec=spec)
-  out, token = finish(own, recv, recv_sems, spec=spec, out_shape=out_shape)
+  out, token = finish(
+    own, recv, recv_sems, spec=spec, out_shape=out_shape, into=into
+  )
   done(recv, sent, token, send_sems, spec=spec)
   return out
 
 
-def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
+def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None, into=None):
   """The four bodies in one kernel, semaphores as scratch (for Pallas's
   TPU interpreter, which cannot return semaphores): the start body before
   the first grid step, every step's body on grid ``(n, d, j)``, then the
-  finish body of each half and the done body after the last."""
+  finish body of each half and the done body after the last (row panels
+  and ``into`` as :func:`run` takes them)."""
   x = x.astype(spec.dtype)
   ch = spec.ch
+  extra = () if into is None else (into,)
+  # Row panel ``p``'s rows of the result, one block written back after the
+  # last grid step (the other rows keep the aliased buffer's values).
+  out_block = pl.BlockSpec(
+    (spec.m, spec.c), lambda s, d, j, me: (spec.panel, 0)
+  )
 
-  def kernel(me_ref, x_ref, w_ref, o_ref, sent_ref, recv_ref, *scratch):
+  def kernel(me_ref, x_ref, w_ref, *refs):
+    if into is not None:
+      refs = refs[1:]  # the aliased result buffer: written through o_ref
+    o_ref, sent_ref, recv_ref, *scratch = refs
     ss, rs, own, part, rbuf, sem = scratch
     s, d, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first = (s == 0) & (d == 0) & (j == 0)
@@ -531,13 +579,14 @@ def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None):
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(spec.n, spec.directions, spec.nb),
-      in_specs=_in_specs(spec),
-      out_specs=(_VMEM, _VMEM, c.ANY),
+      in_specs=_in_specs(spec) + [c.ANY] * len(extra),
+      out_specs=(out_block, _VMEM, c.ANY),
       scratch_shapes=[_sem_array(spec), _sem_array(spec), _own_shape(spec)]
       + _scratch(spec),
     ),
     compiler_params=_params(spec, spec.collective_id),
     interpret=interpret,
+    input_output_aliases={} if into is None else {3: 0},
     name="ring_reducescatter_matmul_one_kernel",
-  )(me, x, w)
+  )(me, x, w, *extra)
   return out
