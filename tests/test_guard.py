@@ -281,6 +281,74 @@ def test_a_write_after_the_done_is_not_a_hazard():
   assert not r.kernel_pairs[0].inplace_writes
 
 
+# Starts no done waits for ----------------------------------------------------
+
+
+def _swap_futures(x):
+  """Two transfers whose futures a ``lax.cond`` swaps on one device.
+
+  The trace-time check accepts it (each future is awaited once); XLA
+  compiles the swap into copies of both futures, semaphores included."""
+  x = x * 2.0
+  _, fa = asyncops.ppermute_start(x, "i", shift=1)  # SWAP_A
+  _, fb = asyncops.ppermute_start(x + 1.0, "i", shift=1)  # SWAP_B
+  p = jax.lax.axis_index("i") == 0
+  fa, fb = jax.lax.cond(p, lambda f, g: (f, g), lambda f, g: (g, f), fa, fb)
+  return asyncops.ppermute_done(fa) * 2.0 + asyncops.ppermute_done(fb)
+
+
+@pytest.mark.parametrize("topology", [V5E, "v6e:2x4"])
+def test_copied_semaphores_are_refused(topology):
+  # A copy of a DMA semaphore (SEM->SEM) was a ``scalar`` copy the guard
+  # let pass, and the start whose semaphores were copied reached no done
+  # (the harness stops at a copy), so nothing checked its window.
+  mesh = _mesh(topology)
+  f = jax.jit(
+    jax.shard_map(_swap_futures, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+  )
+  r = analyze(f, _x(mesh))
+  sem_copies = [c for c in r.copies if "SEM" in c.spaces]
+  assert sem_copies and r.unawaited_starts
+  found = hazards(r)
+  kinds = [h.kind for h in found]
+  assert kinds.count("semaphore copy") == len(sem_copies), kinds
+  orphans = [h for h in found if h.kind == "start with no done"]
+  assert len(orphans) == len(r.unawaited_starts)
+  lines = {f"{THIS}:{_line(m)} in " for m in ("SWAP_A", "SWAP_B")}
+  assert all(any(ln in h.start_line + " " for ln in lines) for h in orphans)
+  with pytest.raises(CopyHazardError, match="semaphore copy.*SEM->SEM"):
+    assert_copy_free(f, _x(mesh))
+
+
+def _dropped(x):
+  x, _ = asyncops.ppermute_start(x * 2.0, "i", shift=1)  # DROPPED
+  return x * 2.0
+
+
+@pytest.mark.filterwarnings("ignore:asyncops. future.*never awaited")
+@pytest.mark.parametrize("topology", [V5E, "v6e:2x4"])
+def test_a_start_no_done_waits_for_is_refused(topology, monkeypatch):
+  # The guard is the backstop of the trace-time check: with that check
+  # (and the start's dead-code rule) off, the compiled program has a start
+  # and no done. The report called it a hazard; the guard passed it.
+  from asyncops import _jax_compat as jc
+  from asyncops.futures._primitives import start_p
+
+  monkeypatch.setattr(jc, "_jaxpr_checks", [])
+  monkeypatch.delitem(jc.dce_rules(), start_p)
+  mesh = _mesh(topology)
+  f = jax.jit(
+    jax.shard_map(_dropped, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+  )
+  r = analyze(f, _x(mesh))
+  assert not r.kernel_pairs and len(r.unawaited_starts) == 1
+  (h,) = hazards(r)
+  assert h.kind == "start with no done" and not h.done
+  assert h.start_line.startswith(f"{THIS}:{_line('DROPPED')} in _dropped")
+  with pytest.raises(CopyHazardError, match="start with no done"):
+    assert_copy_free(f, _x(mesh))
+
+
 # Program edges and generations ------------------------------------------------
 
 
