@@ -376,6 +376,41 @@ def test_a_start_no_done_waits_for_is_refused(topology, monkeypatch):
     assert_copy_free(f, _x(mesh))
 
 
+# The Ref API's rings: the source a start sends is the one its done holds ------
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("topology", [V5E, "v5p:2x2x2"])
+def test_ref_ring_dones_hold_the_source_their_start_sends(
+  topology, bidirectional
+):
+  # A Ref start aliases its destination and only reads its other operand.
+  # The done pinned that source to HBM and the start did not, so where XLA
+  # placed the source in VMEM the start sent the VMEM buffer while the done
+  # held an HBM copy of it: the buffer the DMA read could be freed in
+  # flight. The harness counted the destination's liveness as the
+  # source's and saw nothing.
+  from asyncops.inspect._analysis import _resolve
+  from tests.test_accumulation_tpu import _report
+
+  r = _report(topology, "float32", bidirectional, "ref")
+  m = r.module
+  pairs = r.pairs_for("asyncops.ppermute_ref")
+  assert pairs
+  for p in pairs:
+    s, d = m.instr(p.start), m.instr(p.done)
+    (src,) = [
+      o
+      for k, o in enumerate(s.operands)
+      if k not in {a[1] for a in s.aliasing}
+      and m.instr(o).leaves[0].num_elements > 2
+    ]
+    held = {_resolve(m, (o, ())) for o in d.operands}
+    assert _resolve(m, (src, ())) in held, (s.name, src, d.operands)
+    assert p.source_live
+  assert hazards(r) == [], [str(h) for h in hazards(r)]
+
+
 # Program edges and generations ------------------------------------------------
 
 

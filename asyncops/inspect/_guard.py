@@ -24,11 +24,14 @@ What is refused (each a *hazard*):
   any copy of a DMA semaphore (a done waiting on the copy waits on a
   semaphore the DMA never signals; the start then reaches no done).
 
-Not refused: copies between memory spaces (HBM <-> VMEM), scalar copies,
+Not refused: a move between memory spaces that only reads the source of
+the transfers in flight around it, which each of their dones still holds
+(``Copy.read_only_source``; the argument is in ``design/inspect.md``),
+copies between memory spaces (HBM <-> VMEM) outside windows, scalar copies,
 and ``boundary`` copies at the program's edge (a parameter copied before it
 is sent, a received buffer copied before it is returned: TPU XLA keeps a
-communicating kernel's buffers in memory it allocates), none of which
-touch a buffer in flight.
+communicating kernel's buffers in memory it allocates): the last three
+touch no buffer in flight.
 
 Example:
   >>> import jax, jax.numpy as jnp, asyncops
@@ -129,6 +132,8 @@ def hazards(report: Report) -> list[Hazard]:
   for c in report.copies:
     if "SEM" in c.spaces:
       kind = "semaphore copy"
+    elif c.read_only_source:
+      continue  # reads a live source only: design/inspect.md
     elif c.inflight:
       kind = "in-flight copy"
     elif c.kind == "defensive" and c.pair:
