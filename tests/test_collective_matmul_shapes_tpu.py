@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncops import collective_matmul as _cm
-from asyncops.inspect import analyze, tpu_mesh
+from asyncops.inspect import analyze, hazards, tpu_mesh
 from tests.test_collective_matmul_tpu import MATMUL_OPS, chunk_scope
 
 # These tests are about the rings (value and Ref APIs): method="ring".
@@ -147,22 +147,20 @@ def _report(topology, program, api, bidirectional):
   return analyze(f, *args)
 
 
-# Programs where XLA prefetches a received chunk (the next step's source,
-# pinned to HBM for the Ref done kernel) into VMEM for the matmul while it is
-# sent on: a read-only copy of a live source (graded "cost": right values,
-# 1 MiB of extra traffic), never a hazard. The guard refuses it all the same.
-READ_ONLY_PREFETCH = {("v6e:2x4", "ag_contracting", "ref", False)}
-
-
 def check(report, program, api, bidirectional, topology=""):
-  """Copy-free, transpose-free, and every ring matmul in its window."""
+  """Copy-free, transpose-free, and every ring matmul in its window.
+
+  Copy-free as the guard reads it: XLA may prefetch a chunk into VMEM for
+  the matmul while it is sent on (the Ref rings, whose sources are pinned
+  to HBM for start and done), a read-only move of a source the done still
+  holds (``Copy.read_only_source``, ``design/inspect.md``); any other copy
+  of a buffer in flight fails."""
   _, per_step = PROGRAMS[program]
   report.assert_no_defensive_copies()
-  if (topology, program, api, bidirectional) in READ_ONLY_PREFETCH:
-    report.assert_no_hazards()
-    assert all(c.grade == "cost" for c in report.inflight_copies)
-  else:
-    report.assert_no_inflight_copies()
+  report.assert_no_hazards()
+  assert hazards(report) == [], [str(h) for h in hazards(report)]
+  other = [c for c in report.inflight_copies if not c.read_only_source]
+  assert not other, other
   instrs = [i for c in report.schedule.values() for i in c]
   assert "transpose" not in {i.opcode for i in instrs}
   pairs = report.pairs_for("asyncops.ppermute") + report.pairs_for(

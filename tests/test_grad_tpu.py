@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import asyncops
-from asyncops.inspect import analyze
+from asyncops.inspect import analyze, hazards
 from examples import grad_windows
 from tests._hlo_util import tpu_mesh
 
@@ -66,7 +66,11 @@ def test_backward_overlapped_and_copy_free(program, topology):
   mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
   report = analyze(jax.jit(jax.grad(_loss(f, mesh), (0, 1))), *_args())
   report.assert_no_defensive_copies()
-  report.assert_no_inflight_copies()
+  # Nothing in flight copied but XLA's read-only prefetch of a source the
+  # done still holds (the Ref rings; design/inspect.md), which the guard
+  # accepts.
+  assert hazards(report) == [], [str(h) for h in hazards(report)]
+  assert all(c.read_only_source for c in report.inflight_copies)
   fwd, bwd = _split(report)
   assert bwd, "no reverse transfer in the backward"
   lonely = [p.kernel for p in bwd if not p.overlapped]
@@ -204,7 +208,11 @@ def test_mlp_block_backward_overlapped_and_copy_free(
   g = jax.jit(jax.grad(_mlp_loss(mesh, api, bidirectional), (0, 1, 2)))
   report = analyze(g, *args)
   report.assert_no_defensive_copies()
-  report.assert_no_inflight_copies()
+  # Nothing in flight copied but XLA's read-only prefetch of a source the
+  # done still holds (the Ref rings; design/inspect.md), which the guard
+  # accepts.
+  assert hazards(report) == [], [str(h) for h in hazards(report)]
+  assert all(c.read_only_source for c in report.inflight_copies)
   fwd, bwd = _split(report)
   per_ring = (4 - 1) * (2 if api == "ref" and bidirectional else 1)
   assert len(fwd) == 2 * per_ring

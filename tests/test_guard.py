@@ -33,6 +33,15 @@ V5E = "v5e:2x4"
 SHARD = (1024, 1024)  # f32 per device
 
 
+def _lines(marker: str) -> list[int]:
+  """The numbers of the lines in this file ending with ``marker``."""
+  return [
+    n + 1
+    for n, text in enumerate(pathlib.Path(__file__).read_text().splitlines())
+    if text.rstrip().endswith(f"# {marker}")
+  ]
+
+
 def _line(marker: str) -> int:
   """The line number of the line in this file ending with ``marker``."""
   for n, text in enumerate(pathlib.Path(__file__).read_text().splitlines()):
@@ -279,6 +288,127 @@ def test_a_write_after_the_done_is_not_a_hazard():
   g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
   r = assert_copy_free(g, _x(mesh))
   assert not r.kernel_pairs[0].inplace_writes
+
+
+# Starts no done waits for ----------------------------------------------------
+
+
+def _swap_futures(x):
+  """Two transfers whose futures a ``lax.cond`` swaps on one device.
+
+  The trace-time check accepts it (each future is awaited once); XLA
+  compiles the swap into copies of both futures, semaphores included."""
+  x = x * 2.0
+  _, fa = asyncops.ppermute_start(x, "i", shift=1)  # SWAP_A
+  _, fb = asyncops.ppermute_start(x + 1.0, "i", shift=1)  # SWAP_B
+  p = jax.lax.axis_index("i") == 0
+  fa, fb = jax.lax.cond(p, lambda f, g: (f, g), lambda f, g: (g, f), fa, fb)
+  return asyncops.ppermute_done(fa) * 2.0 + asyncops.ppermute_done(fb)
+
+
+def _swap_ref_futures(x):
+  """The same with the Ref API, whose futures are semaphores only: XLA
+  copies the semaphores and no buffer."""
+  from asyncops import stateful
+
+  a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+  c, d = jax.new_ref(x * 3.0), jax.new_ref(jnp.zeros_like(x))
+  fa = stateful.ppermute_start(a, b, "i", shift=1)  # SWAP_A
+  fb = stateful.ppermute_start(c, d, "i", shift=1)  # SWAP_B
+  p = jax.lax.axis_index("i") == 0
+  fa, fb = jax.lax.cond(p, lambda f, g: (f, g), lambda f, g: (g, f), fa, fb)
+  stateful.ppermute_done(fa, a, b)
+  stateful.ppermute_done(fb, c, d)
+  return b[...] + d[...]
+
+
+@pytest.mark.parametrize("api", ["value", "ref"])
+@pytest.mark.parametrize("topology", [V5E, "v6e:2x4"])
+def test_copied_semaphores_are_refused(topology, api):
+  # A copy of a DMA semaphore (SEM->SEM) was a ``scalar`` copy the guard
+  # let pass, and the start whose semaphores were copied reached no done
+  # (the harness stops at a copy), so nothing checked its window.
+  mesh = _mesh(topology)
+  fn = _swap_futures if api == "value" else _swap_ref_futures
+  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+  r = analyze(f, _x(mesh))
+  sem_copies = [c for c in r.copies if "SEM" in c.spaces]
+  assert sem_copies and r.unawaited_starts
+  found = hazards(r)
+  kinds = [h.kind for h in found]
+  assert kinds.count("semaphore copy") == len(sem_copies), kinds
+  orphans = [h for h in found if h.kind == "start with no done"]
+  assert len(orphans) == len(r.unawaited_starts)
+  lines = [f"{THIS}:{n} in " for n in _lines("SWAP_A") + _lines("SWAP_B")]
+  assert all(any(h.start_line.startswith(ln) for ln in lines) for h in orphans)
+  if api == "ref":  # no buffer is copied: the semaphores are the hazard
+    assert not [c for c in r.copies if c.kind == "defensive" or c.inflight]
+  with pytest.raises(CopyHazardError, match="semaphore copy.*SEM->SEM"):
+    assert_copy_free(f, _x(mesh))
+
+
+def _dropped(x):
+  x, _ = asyncops.ppermute_start(x * 2.0, "i", shift=1)  # DROPPED
+  return x * 2.0
+
+
+@pytest.mark.filterwarnings("ignore:asyncops. future.*never awaited")
+@pytest.mark.parametrize("topology", [V5E, "v6e:2x4"])
+def test_a_start_no_done_waits_for_is_refused(topology, monkeypatch):
+  # The guard is the backstop of the trace-time check: with that check
+  # (and the start's dead-code rule) off, the compiled program has a start
+  # and no done. The report called it a hazard; the guard passed it.
+  from asyncops import _jax_compat as jc
+  from asyncops.futures._primitives import start_p
+
+  monkeypatch.setattr(jc, "_jaxpr_checks", [])
+  monkeypatch.delitem(jc.dce_rules(), start_p)
+  mesh = _mesh(topology)
+  f = jax.jit(
+    jax.shard_map(_dropped, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+  )
+  r = analyze(f, _x(mesh))
+  assert not r.kernel_pairs and len(r.unawaited_starts) == 1
+  (h,) = hazards(r)
+  assert h.kind == "start with no done" and not h.done
+  assert h.start_line.startswith(f"{THIS}:{_line('DROPPED')} in _dropped")
+  with pytest.raises(CopyHazardError, match="start with no done"):
+    assert_copy_free(f, _x(mesh))
+
+
+# The Ref API's rings: the source a start sends is the one its done holds ------
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("topology", [V5E, "v5p:2x2x2"])
+def test_ref_ring_dones_hold_the_source_their_start_sends(
+  topology, bidirectional
+):
+  # A Ref start aliases its destination and only reads its other operand.
+  # The done pinned that source to HBM and the start did not, so where XLA
+  # placed the source in VMEM the start sent the VMEM buffer while the done
+  # held an HBM copy of it: the buffer the DMA read could be freed in
+  # flight. The harness counted the destination's liveness as the
+  # source's and saw nothing.
+  from asyncops.inspect._analysis import _resolve
+  from tests.test_accumulation_tpu import _report
+
+  r = _report(topology, "float32", bidirectional, "ref")
+  m = r.module
+  pairs = r.pairs_for("asyncops.ppermute_ref")
+  assert pairs
+  for p in pairs:
+    s, d = m.instr(p.start), m.instr(p.done)
+    (src,) = [
+      o
+      for k, o in enumerate(s.operands)
+      if k not in {a[1] for a in s.aliasing}
+      and m.instr(o).leaves[0].num_elements > 2
+    ]
+    held = {_resolve(m, (o, ())) for o in d.operands}
+    assert _resolve(m, (src, ())) in held, (s.name, src, d.operands)
+    assert p.source_live
+  assert hazards(r) == [], [str(h) for h in hazards(r)]
 
 
 # Program edges and generations ------------------------------------------------

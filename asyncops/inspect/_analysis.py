@@ -337,18 +337,25 @@ def _is_ref_kernel(s: Instr) -> bool:
 
 
 def _buffers(m: Module, s: Instr):
-  """Source (operand) and destination (non-aliased output) positions.
+  """Source (operand) and destination positions of a kernel start.
 
-  A Ref API start's slot indices (its ``s32[2]`` operand, read into SMEM
-  when the kernel starts, never by the DMA) are not a buffer."""
+  The destination is the start's outputs that alias no operand; for a Ref
+  API start it is the operand it aliases (the Ref's buffer the DMA writes
+  in place, ``stateful._kernels``), and its source only the operands it
+  does not alias. A Ref API start's slot indices (its ``s32[2]`` operand,
+  read into SMEM when the kernel starts, never by the DMA) are not a
+  buffer."""
+  ref = _is_ref_kernel(s)
+  aliased_ops = {k for _, k, _ in s.aliasing} if ref else set()
   srcs: list[Pos] = []
-  for o in s.operands:
+  dsts: list[Pos] = []
+  for k, o in enumerate(s.operands):
     for lf in m.instr(o).leaves:
-      slot = _is_ref_kernel(s) and lf.dtype == "s32" and lf.dims == (2,)
+      slot = ref and lf.dtype == "s32" and lf.dims == (2,)
       if lf.memory_space != SEM and lf.num_elements > 1 and not slot:
-        srcs.append((o, lf.index))
+        (dsts if k in aliased_ops else srcs).append((o, lf.index))
   aliased_outs = {a[0] for a in s.aliasing}
-  dsts = [
+  dsts += [
     (s.name, lf.index)
     for lf in s.leaves
     if lf.memory_space != SEM
@@ -358,9 +365,21 @@ def _buffers(m: Module, s: Instr):
   return srcs, dsts
 
 
+def _aliased_role(s: Instr) -> str:
+  """What a start's aliased outputs are: a Ref API start aliases its
+  destination, a value API start its source."""
+  return "destination" if _is_ref_kernel(s) else "source"
+
+
 def _reaches(g: _Graph, positions: list[Pos], done: Instr) -> bool:
+  """Whether a buffer at ``positions`` is an operand of ``done``.
+
+  Each position is first resolved to the value defining it (through
+  get-tuple-element, tuple, bitcast, optimization barriers): a done that
+  takes another bitcast of the same value holds the same buffer."""
   if not positions:
     return True
+  positions = [_resolve(g.m, p) for p in positions]
   for hit in g.trace(positions, through_aliasing=True):
     if hit.user.name == done.name:
       return True
@@ -380,13 +399,16 @@ def analyze_module(
   start_done_names = {s.name for s in starts} | {f[1].name for f in found}
 
   pairs: list[Pair] = []
+  records: dict[tuple[str, tuple[int, ...]], list] = collections.defaultdict(
+    list
+  )
   inflight: dict[
     tuple[str, tuple[int, ...]], tuple[str, tuple[str, str], bool]
   ] = {}
   for s, d, crossing, kernel in found:
     between = _window(m, s, d, crossing)
     srcs, dsts = _buffers(m, s) if kernel else ([], [])
-    writes = _inplace_writes(m, g, s, d, srcs, between) if kernel else ()
+    writes = _inplace_writes(m, g, s, d, srcs, dsts, between) if kernel else ()
     pairs.append(
       Pair(
         start=s.name,
@@ -410,6 +432,7 @@ def analyze_module(
     if not kernel:
       continue
     for key, why in _inflight(m, g, s, d, srcs, dsts, between).items():
+      records[key].append((s, d, pairs[-1], why))
       inflight.setdefault(
         key,
         (
@@ -436,6 +459,14 @@ def analyze_module(
     for c in m.computations.values()
     for i in c.instrs
     for out_idx, k in copy_ops(m, i)
+  ]
+  copies = [
+    dataclasses.replace(c, read_only_source=True)
+    if c.inflight
+    and c.kind == "memory_space"
+    and _read_only_source(m, g, c, records[_copy_key(c)])
+    else c
+    for c in copies
   ]
   return Report(
     hlo_text=hlo_text,
@@ -569,10 +600,10 @@ def _inflight(
   """
   window = {i.name for i in _nested(m, between)}
   seeds = {
-    "source": [_resolve(m, p) for p in srcs]
-    + [(s.name, out_idx) for out_idx, _, _ in s.aliasing],
+    "source": [_resolve(m, p) for p in srcs],
     "destination": [_resolve(m, p) for p in dsts],
   }
+  seeds[_aliased_role(s)] += [(s.name, out) for out, _, _ in s.aliasing]
   found: dict[tuple[str, tuple[int, ...]], str] = {}
   slots: dict[int, str] = {}
   for role, positions in seeds.items():
@@ -603,6 +634,107 @@ def _inflight(
           )
           break
   return found
+
+
+_VALUE_STARTS = tuple(
+  f"asyncops_{kind}_start"
+  for kind in ("ppermute", "all_gather", "all_to_all", "bidirectional", "copy")
+)
+
+
+def _roles(m: Module, s: Instr) -> tuple[set[Pos], set[Pos]] | None:
+  """The positions a start kernel's DMA only reads, and those it writes.
+
+  Known from the kernels, not from the HLO (a kernel body is opaque), so
+  only for the library's own starts: a value-API start
+  (``kernels._common.start_call``, ``_bidirectional``, ``_copy``) aliases
+  its one operand, the source, to output ``{0}`` only to keep it alive and
+  writes its other outputs; a Ref-API start (``stateful._kernels.start``)
+  aliases the destination operand to output ``{0}`` and only reads its
+  operands that are not aliased (not the slot indices). ``None`` for any
+  other kernel. Positions are resolved through get-tuple-element, tuple,
+  bitcast and optimization barriers (:func:`_resolve`).
+  """
+  base = s.name.split(".")[0]
+  arrays = [
+    k
+    for k, o in enumerate(s.operands)
+    if any(
+      lf.memory_space != SEM
+      and lf.num_elements > 1
+      and not (lf.dtype == "s32" and lf.dims == (2,))
+      for lf in m.instr(o).leaves
+    )
+  ]
+  outs = [lf.index for lf in s.leaves if lf.memory_space != SEM]
+  if _is_ref_kernel(s) and base.endswith("_ref_start"):
+    aliased = {k for _, k, _ in s.aliasing}
+    srcs = {
+      _resolve(m, (s.operands[k], ())) for k in arrays if k not in aliased
+    }
+    dsts = {_resolve(m, (s.operands[k], ())) for k in aliased}
+    dsts |= {(s.name, out) for out, _, _ in s.aliasing}
+    return srcs, dsts
+  if base in _VALUE_STARTS and arrays == [0] and s.aliasing == (((0,), 0, ()),):
+    srcs = {_resolve(m, (s.operands[0], ())), (s.name, (0,))}
+    return srcs, {(s.name, out) for out in outs if out != (0,)}
+  return None
+
+
+def _copy_key(c: Copy) -> tuple[str, tuple[int, ...]]:
+  """The ``(name, output index)`` :func:`copy_ops` gave ``c``."""
+  return (c.name, (0,) if c.opcode == "copy-start" else c.output_index)
+
+
+def _read_only_source(m: Module, g: _Graph, copy: Copy, records) -> bool:
+  """Whether an in-flight copy only reads sources that stay live.
+
+  ``records``: ``(start, done, pair, why)`` for every kernel pair whose
+  buffers the copy ``c`` touches inside the pair's window. For each:
+
+  1. the start is one of the library's (:func:`_roles` knows what its DMA
+     reads) and the copy, the start and the done are in one computation,
+     in that order, with no loop or branch crossed (``pair.crossing``);
+  2. the copy's operand *is* (through get-tuple-element, tuple, bitcast,
+     optimization barrier) a buffer the DMA only reads, and no buffer it
+     writes;
+  3. the pair's source and destination reach its done, nothing in the
+     window writes into them (``pair.inplace_writes``), and the done takes
+     the source itself as an operand (the same value, not a merge);
+  4. the copy's result reaches neither the done nor the start.
+
+  Then both the copy and the DMA only read a buffer no one writes and XLA
+  cannot free before the done, and the done never waits on the copy.
+  """
+  if not records:
+    return False
+  c = copy.instr
+  for s, d, pair, why in records:
+    roles = _roles(m, s)
+    if roles is None or pair.crossing or not why.startswith("source"):
+      return False
+    if not (
+      c.computation == s.computation == d.computation
+      and s.position < c.position < d.position
+    ):
+      return False
+    srcs, dsts = roles
+    read = _resolve(m, (copy.operand, ()))
+    if read not in srcs or read in dsts:
+      return False
+    if not (pair.source_live and pair.dest_live) or pair.inplace_writes:
+      return False
+    if not any(_resolve(m, (o, ())) in srcs for o in d.operands):
+      return False
+    result = [(c.name, ())]
+    if c.opcode == "copy-start":
+      result = [
+        (u.name, ()) for u, _ in g.users[c.name] if u.opcode == "copy-done"
+      ]
+    for hit in g.trace(result, through_aliasing=False):
+      if hit.user.name in (s.name, d.name):
+        return False
+  return True
 
 
 _IN_PLACE = {"dynamic-update-slice": 0, "scatter": 0}
@@ -654,28 +786,24 @@ def _inplace_writes(
   s: Instr,
   d: Instr,
   srcs: list[Pos],
+  dsts: list[Pos],
   between: list[Instr],
 ) -> tuple[str, ...]:
   """Instructions in the window of ``s -> d`` writing into its buffers.
 
-  The source is the start's aliased output (what the DMA reads) and the
-  destination its other array outputs (what the DMA writes), traced
-  forward through tuples, loop carries and calls, not through aliasing.
+  The source and destination of :func:`_buffers` and the start's aliased
+  output (the source of a value API start, the destination of a Ref API
+  start), traced forward through tuples, loop carries and calls, not
+  through aliasing.
   """
   window = {i.name for i in _nested(m, between)}
   aliased = [(s.name, out_idx) for out_idx, _, _ in s.aliasing]
-  dsts = [
-    (s.name, lf.index)
-    for lf in s.leaves
-    if lf.memory_space != SEM
-    and lf.index not in {a[0] for a in s.aliasing}
-    and lf.num_elements > 1
-  ]
   found: dict[str, str] = {}
   seeds = {
-    "source": [_resolve(m, p) for p in srcs] + aliased,
-    "destination": dsts,
+    "source": [_resolve(m, p) for p in srcs],
+    "destination": [_resolve(m, p) for p in dsts],
   }
+  seeds[_aliased_role(s)] += aliased
   for role, positions in seeds.items():
     for hit in g.trace(positions, through_aliasing=False):
       u = hit.user

@@ -19,13 +19,19 @@ What is refused (each a *hazard*):
 - an instruction inside a window that writes in place into the transfer's
   source or destination;
 - a start whose source or destination does not reach its done (XLA may
-  free or reuse it while the DMA uses it).
+  free or reuse it while the DMA uses it);
+- a start that reaches no done at all (its DMA is never waited for), and
+  any copy of a DMA semaphore (a done waiting on the copy waits on a
+  semaphore the DMA never signals; the start then reaches no done).
 
-Not refused: copies between memory spaces (HBM <-> VMEM), scalar copies,
+Not refused: a move between memory spaces that only reads the source of
+the transfers in flight around it, which each of their dones still holds
+(``Copy.read_only_source``; the argument is in ``design/inspect.md``),
+copies between memory spaces (HBM <-> VMEM) outside windows, scalar copies,
 and ``boundary`` copies at the program's edge (a parameter copied before it
 is sent, a received buffer copied before it is returned: TPU XLA keeps a
-communicating kernel's buffers in memory it allocates), none of which
-touch a buffer in flight.
+communicating kernel's buffers in memory it allocates): the last three
+touch no buffer in flight.
 
 Example:
   >>> import jax, jax.numpy as jnp, asyncops
@@ -76,8 +82,9 @@ class Hazard:
   """One thing in a compiled program that endangers a transfer.
 
   Attributes:
-    kind: ``"in-flight copy"``, ``"defensive copy"``, ``"in-place write"``
-      or ``"source not live"`` / ``"destination not live"``.
+    kind: ``"in-flight copy"``, ``"defensive copy"``, ``"semaphore
+      copy"``, ``"in-place write"``, ``"source not live"`` /
+      ``"destination not live"`` or ``"start with no done"``.
     instr: the offending instruction (the copy, the write, or the start).
     detail: one line on what it does.
     start: the start instruction of the transfer it concerns.
@@ -123,7 +130,11 @@ def hazards(report: Report) -> list[Hazard]:
   """The hazards in a harness report (empty for a safe program)."""
   out: list[Hazard] = []
   for c in report.copies:
-    if c.inflight:
+    if "SEM" in c.spaces:
+      kind = "semaphore copy"
+    elif c.read_only_source:
+      continue  # reads a live source only: design/inspect.md
+    elif c.inflight:
       kind = "in-flight copy"
     elif c.kind == "defensive" and c.pair:
       kind = "defensive copy"
@@ -137,7 +148,26 @@ def hazards(report: Report) -> list[Hazard]:
     )
     if c.inflight:
       what += f": the {c.inflight}"
+    elif kind == "semaphore copy":
+      what += (
+        ": a DMA semaphore; the done would wait on a copy the DMA never signals"
+      )
     out.append(Hazard(kind, c.name, what, start, done, line, stack))
+  for s in report.unawaited_starts:
+    line, stack = _start_info(report, s.name)
+    out.append(
+      Hazard(
+        "start with no done",
+        s.name,
+        f"%{s.name} reaches no done kernel: its DMA is never waited for "
+        "(or XLA copied its semaphores, so no done waits on the ones it "
+        "signals)",
+        s.name,
+        "",
+        line,
+        stack,
+      )
+    )
   for p in report.kernel_pairs:
     line, stack = _start_info(report, p.start)
     for w in p.inplace_writes:

@@ -90,6 +90,11 @@ class Copy:
     nbytes: bytes of the copied buffer; the copy reads and writes that
       many each time its computation runs (once per call in the entry
       computation, once per trip in a loop body).
+    read_only_source: an in-flight copy the guard accepts: a move between
+      memory spaces that only reads the source of the transfers in flight
+      around it, which stays the operand each of their dones waits on
+      (``_analysis._read_only_source`` has the conditions,
+      ``design/inspect.md`` the argument).
   """
 
   name: str
@@ -106,6 +111,7 @@ class Copy:
   output_index: tuple[int, ...] = ()
   pair: tuple[str, str] | tuple[()] = ()
   grade: str = ""
+  read_only_source: bool = False
   nbytes: int = 0
 
 

@@ -73,9 +73,12 @@ def stateful_done_kernel(*refs, spec: OpSpec, layout: Layout, n_sems: int):
 
 
 def _pinned(bufs, layout: Layout):
-  """The operands with a separate source pinned to HBM: the DMA reads it
-  until the done, and the done must hold that buffer, not a VMEM copy XLA
-  would otherwise prefetch for it (and then free the original in flight)."""
+  """The operands with a separate source pinned to HBM, for the start and
+  the done: the DMA reads it until the done, and the done must hold that
+  buffer, not a VMEM copy XLA would otherwise prefetch for it (and then
+  free the original in flight). Pinned for the done only, XLA placed the
+  source in VMEM for the start and gave the done an HBM copy: the buffer
+  the DMA read could be freed in flight (``tests/test_guard.py``)."""
   if layout.n_bufs == 1:
     return bufs
   bufs = list(bufs)
@@ -98,7 +101,7 @@ def start(*bufs, slots, spec: OpSpec, layout: Layout):
     input_output_aliases=aliases,
     compiler_params=c.params(collective_id=spec.collective_id),
     name=f"asyncops_{spec.kind}_ref_start",
-  )(*bufs, slots.astype(jnp.int32))
+  )(*_pinned(bufs, layout), slots.astype(jnp.int32))
 
 
 def done(*bufs, slots, sems, spec: OpSpec, layout: Layout):
