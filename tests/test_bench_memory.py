@@ -127,14 +127,15 @@ def test_jit_alloc_is_the_buffer_assignment(jit):
 
 
 def test_vmem_is_kept_apart():
-  # On v5e peak_memory_in_bytes holds the weight's VMEM copy (XLA's
-  # cross-program prefetch, 112 MiB); the HBM measure does not.
+  # On v5e XLA prefetches (part of) the weight into VMEM: 112 MiB with jax
+  # 0.10's libtpu, 26 MiB with jax 0.9's. peak_memory_in_bytes holds that
+  # VMEM; the HBM measure leaves it out.
   _, _, mem = _compile("jit", "v5e:2x4")
-  w_bytes = 8192 * (28672 // TP) * 2
-  assert mem[f"{_measure._ALLOC_KEY}_color1"] >= w_bytes
-  assert _measure.peak_alloc_bytes(mem) < w_bytes
+  vmem = mem[f"{_measure._ALLOC_KEY}_color1"]
+  assert vmem >= 16 * 2**20
   fixed = mem["argument_size_in_bytes"] + mem["output_size_in_bytes"]
-  assert mem["peak_memory_in_bytes"] - fixed >= w_bytes
+  assert mem["peak_memory_in_bytes"] - fixed >= vmem
+  assert _measure.peak_alloc_bytes(mem) < vmem
 
 
 def test_the_dump_leaves_the_program_alone():

@@ -50,7 +50,7 @@ def while_traced_count(x):
     y, fut = _start(_done(fut))  # WHILE_START
     return i + 1, fut
 
-  _, fut = lax.while_loop(lambda c: c[0] < n, body, (0, fut))
+  _, fut = lax.while_loop(lambda c: c[0] < n, body, (0, fut))  # WHILE_CALL
   return _done(fut)
 
 
@@ -66,7 +66,7 @@ def switch_restart(x):
 
     return branch
 
-  fut = lax.switch(
+  fut = lax.switch(  # SWITCH_CALL
     lax.axis_index("i") % 3, [lambda f: f, again(1.0), again(2.0)], fut
   )
   return _done(fut)
@@ -87,9 +87,11 @@ def fori_unroll3_accumulate(x):
 
 
 REFUSED = {
-  "while_traced_count": (while_traced_count, "WHILE_START"),
-  "switch_restart": (switch_restart, "SWITCH_START"),
-  "fori_unroll3_accumulate": (fori_unroll3_accumulate, "FORI3_START"),
+  # The start's line, or (jax 0.9, which gives ops traced in a loop body
+  # or a branch the location of the loop or switch) the line calling it.
+  "while_traced_count": (while_traced_count, ("WHILE_START", "WHILE_CALL")),
+  "switch_restart": (switch_restart, ("SWITCH_START", "SWITCH_CALL")),
+  "fori_unroll3_accumulate": (fori_unroll3_accumulate, ("FORI3_START",)),
 }
 
 
@@ -185,13 +187,14 @@ def _compile(fn, topology):
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_refused_with_the_user_line(name, topology):
-  fn, marker = REFUSED[name]
+  fn, markers = REFUSED[name]
   f, x = _compile(fn, topology)
   with pytest.raises(CopyHazardError) as e:
     asyncops.inspect.assert_copy_free(f, x)
   msg = str(e.value)
   assert "in-flight copy" in msg, msg
-  assert f"{THIS}:{_marker_line(marker)} in " in msg, msg  # start or caller
+  lines = [f"{THIS}:{_marker_line(m)} in " for m in markers]
+  assert any(line in msg for line in lines), (lines, msg)  # start or caller
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
