@@ -67,6 +67,17 @@ def _one_kernel(kernels, x, y, spec, out_cols, out_dtype, **kw):
   )
 
 
+def _panels(kernels, me, x, y, specs, whole):
+  """Each spec's ``one_kernel`` in turn, each writing its rows of one
+  ``whole`` result in place (``into`` the previous panel's)."""
+  out = None
+  for spec in specs:
+    out = kernels.one_kernel(
+      me, x, y, spec=spec, out_shape=whole, interpret=_interpret(), into=out
+    )
+  return out
+
+
 def _check_interpreter_output(capfd):
   printed = capfd.readouterr().out
   assert "RACE DETECTED" not in printed
@@ -124,20 +135,11 @@ def test_allgather_row_panels_write_one_result_in_place(capfd):
   def body(x, y):
     me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
     whole = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.bfloat16)
-    out = None
-    for p in range(2):
-      spec = _ag_spec(n, x[:rows], y, "bfloat16", "bfloat16", "bfloat16", 2)
-      spec = dataclasses.replace(spec, panel=p, steps=(1, 1, 2))
-      out = agk.one_kernel(
-        me,
-        x,
-        y,
-        spec=spec,
-        out_shape=whole,
-        interpret=_interpret(),
-        into=out,
-      )
-    return out
+    spec = _ag_spec(n, x[:rows], y, "bfloat16", "bfloat16", "bfloat16", 2)
+    specs = [
+      dataclasses.replace(spec, panel=p, steps=(1, 1, 2)) for p in range(2)
+    ]
+    return _panels(agk, me, x, y, specs, whole)
 
   got = u.run_sharded(
     body,
@@ -214,9 +216,8 @@ def test_reducescatter_row_panels_write_one_result_in_place(
     me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
     c = y.shape[1] // n
     whole = jax.ShapeDtypeStruct((x.shape[0], c), dtype)
-    out = None
-    for p in range(panels):
-      spec = rsk.RsSpec(
+    specs = [
+      rsk.RsSpec(
         "y",
         ("x", "y"),
         n,
@@ -230,16 +231,9 @@ def test_reducescatter_row_panels_write_one_result_in_place(
         collective_id=0,
         panel=p,
       )
-      out = rsk.one_kernel(
-        me,
-        x,
-        y,
-        spec=spec,
-        out_shape=whole,
-        interpret=_interpret(),
-        into=out,
-      )
-    return out
+      for p in range(panels)
+    ]
+    return _panels(rsk, me, x, y, specs, whole)
 
   def want(x, y):
     prod = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
