@@ -332,6 +332,11 @@ def test_run_measure_keeps_its_signature():
   )
   assert row["step_us"] == pytest.approx(tl.step_s * 1e6)
   assert "ppermute" in bench_run.table([row], row["step_us"])
+  # Both memory figures: XLA's, and the buffer assignment's HBM
+  # temporaries (the tables' measure), which never counts an aliased
+  # buffer twice, so it is not above XLA's figure and not zero here (the
+  # ring's received chunks are temporaries).
+  assert 0 < row["alloc_mib"] <= row["temp_mib"] + 1e-6
 
 
 @pytest.fixture(scope="module")
