@@ -112,14 +112,23 @@ class _Graph:
     return None
 
   def trace(
-    self, starts: list[Pos], through_aliasing: bool, stop=lambda i: False
+    self,
+    starts: list[Pos],
+    through_aliasing: bool,
+    stop=lambda i: False,
+    blocked: frozenset[Pos] | set[Pos] = frozenset(),
+    seen: set[Pos] | None = None,
   ) -> Iterator[_Hit]:
-    """Yields each non-structural use reached from ``starts``."""
-    seen: set[Pos] = set()
+    """Yields each non-structural use reached from ``starts``.
+
+    ``blocked``: positions the trace does not enter (a conditional's
+    result slot that not every branch fills from ``starts``:
+    :func:`_reaches`). ``seen``: filled with every position reached."""
+    seen = set() if seen is None else seen
     queue = collections.deque((s, ()) for s in starts)
     while queue:
       (name, idx), crossing = queue.popleft()
-      if (name, idx) in seen:
+      if (name, idx) in seen or (name, idx) in blocked:
         continue
       seen.add((name, idx))
       instr = self.m.instr(name)
@@ -308,6 +317,7 @@ def _find_pairs(m: Module, g: _Graph):
     if _is_kernel_start(i) or _is_xla_start(i)
   ]
   found = []
+  dropped: list[tuple[Instr, str]] = []
   for s in starts:
     kernel = _is_kernel_start(s)
     leaves = [
@@ -316,7 +326,8 @@ def _find_pairs(m: Module, g: _Graph):
       if (lf.memory_space == SEM) or not kernel
     ]
     seen = set()
-    for hit in g.trace(leaves, through_aliasing=False):
+    reached: set[Pos] = set()
+    for hit in g.trace(leaves, through_aliasing=False, seen=reached):
       u = hit.user
       is_done = (
         u.opcode == "custom-call" if kernel else u.opcode.endswith("-done")
@@ -328,7 +339,55 @@ def _find_pairs(m: Module, g: _Graph):
         continue
       seen.add(key)
       found.append((s, u, hit.crossing, kernel))
-  return starts, found
+    if kernel:
+      crossings = [c for (_, c) in seen]
+      dropped += [(s, b) for b in _unawaited_branches(m, g, reached, crossings)]
+  return starts, found, dropped
+
+
+def _unawaited_branches(m: Module, g: _Graph, reached, crossings) -> list[str]:
+  """Branches of the conditionals a start's semaphores enter on which no
+  done waits for them.
+
+  ``reached``: every position the semaphore trace reached; ``crossings``:
+  the boundaries crossed to each done found. A conditional the semaphores
+  enter (some branch's parameter is reached) must lead to a done on every
+  branch: through that branch (``into branch K of %C`` on the way to a
+  done), or by a done the semaphores reach without entering it. A branch
+  that does not take them, or drops them, leaves the DMA running with
+  nothing waiting for it on that path; XLA sees its buffers dead there.
+  """
+  params = {name for name, _ in reached}
+  out = []
+  for c in m.computations.values():
+    for i in c.instrs:
+      if i.opcode != "conditional":
+        continue
+      branches = list(i.branches)
+      entered = [
+        k
+        for k, b in enumerate(branches)
+        if (p := g.param(b, 0)) is not None and p.name in params
+      ]
+      if not entered:
+        continue
+      steps = [
+        [
+          st
+          for st in cr
+          if st.startswith("into branch ") and st.endswith(f" of %{i.name}")
+        ]
+        for cr in crossings
+      ]
+      if any(not st for st in steps):
+        continue  # a done waits for them outside this conditional
+      awaited = {int(st.split()[2]) for cr in steps for st in cr}
+      out += [
+        f"branch {k} of %{i.name}"
+        for k in range(len(branches))
+        if k not in awaited
+      ]
+  return out
 
 
 def _is_ref_kernel(s: Instr) -> bool:
@@ -372,18 +431,55 @@ def _aliased_role(s: Instr) -> str:
 
 
 def _reaches(g: _Graph, positions: list[Pos], done: Instr) -> bool:
-  """Whether a buffer at ``positions`` is an operand of ``done``.
+  """Whether a buffer at ``positions`` is an operand of ``done`` on every
+  path.
 
   Each position is first resolved to the value defining it (through
   get-tuple-element, tuple, bitcast, optimization barriers): a done that
-  takes another bitcast of the same value holds the same buffer."""
+  takes another bitcast of the same value holds the same buffer.
+
+  A conditional's result slot counts only if *every* branch root fills it
+  with the traced value (:func:`_partial_merges`). XLA gives the branch
+  roots and the result one buffer and takes branches as exclusive: where
+  one branch passes the source through and another computes a new value
+  into that slot, the other branch writes into the very buffer the DMA
+  reads, and on that path the done holds something else (XLA sees the
+  source dead there). Any-path reachability called that source live
+  (``design/inspect.md``, "Every path")."""
   if not positions:
     return True
   positions = [_resolve(g.m, p) for p in positions]
-  for hit in g.trace(positions, through_aliasing=True):
-    if hit.user.name == done.name:
-      return True
+  blocked: set[Pos] = set()
+  for _ in range(16):
+    seen: set[Pos] = set()
+    hit_done = any(
+      hit.user.name == done.name
+      for hit in g.trace(
+        positions, through_aliasing=True, blocked=blocked, seen=seen
+      )
+    )
+    partial = _partial_merges(g, seen) - blocked
+    if not partial:
+      return hit_done
+    blocked |= partial
   return False
+
+
+def _partial_merges(g: _Graph, seen: set[Pos]) -> set[Pos]:
+  """Conditional result slots some but not all branch roots fill from
+  ``seen`` (positions a trace reached, with the branch parameters)."""
+  out: set[Pos] = set()
+  m = g.m
+  for name, idx in list(seen):
+    i = m.instr(name)
+    if i.opcode != "conditional":
+      continue
+    for b in dict.fromkeys(i.branches):
+      comp = m.computations.get(b)
+      if comp is None or _resolve(m, (comp.root.name, idx)) not in seen:
+        out.add((name, idx))
+        break
+  return out
 
 
 def analyze_module(
@@ -395,7 +491,7 @@ def analyze_module(
   """Builds a :class:`Report` from a parsed module."""
   g = _Graph(m)
   uf = _alias_classes(m, g)
-  starts, found = _find_pairs(m, g)
+  starts, found, dropped = _find_pairs(m, g)
   start_done_names = {s.name for s in starts} | {f[1].name for f in found}
 
   pairs: list[Pair] = []
@@ -433,14 +529,14 @@ def analyze_module(
       continue
     for key, why in _inflight(m, g, s, d, srcs, dsts, between).items():
       records[key].append((s, d, pairs[-1], why))
-      inflight.setdefault(
-        key,
-        (
-          f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
-          + (f" [{', '.join(crossing)}]" if crossing else ""),
-          (s.name, d.name),
-          "destination" in why or not pairs[-1].source_live,
-        ),
+      hazard = "destination" in why or not pairs[-1].source_live
+      if key in inflight and (inflight[key][2] or not hazard):
+        continue  # a copy in flight for several transfers: the worst grade
+      inflight[key] = (
+        f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
+        + (f" [{', '.join(crossing)}]" if crossing else ""),
+        (s.name, d.name),
+        hazard,
       )
 
   comm = _comm_classes(m, uf, starts)
@@ -478,6 +574,7 @@ def analyze_module(
     starts=tuple(starts),
     dones=tuple(dict.fromkeys(m.instr(p.done) for p in pairs)),
     schedule={name: c.instrs for name, c in m.computations.items()},
+    unawaited_branches=tuple((st.name, b) for st, b in dropped),
   )
 
 
@@ -620,8 +717,8 @@ def _inflight(
     slots.setdefault(k, "destination")
   for i in between:
     for out_idx, _ in copy_ops(m, i):
-      if (i.name, out_idx) in found:
-        continue
+      if found.get((i.name, out_idx), "").startswith("destination"):
+        continue  # already the worst grade
       result = [(i.name, out_idx)]
       if i.opcode == "copy-start":  # the copy's value is the copy-done's
         result = [

@@ -20,7 +20,8 @@ What is refused (each a *hazard*):
   source or destination;
 - a start whose source or destination does not reach its done (XLA may
   free or reuse it while the DMA uses it);
-- a start that reaches no done at all (its DMA is never waited for), and
+- a start that reaches no done at all (its DMA is never waited for), or
+  none on some branch of a conditional its semaphores enter, and
   any copy of a DMA semaphore (a done waiting on the copy waits on a
   semaphore the DMA never signals; the start then reaches no done).
 
@@ -84,7 +85,8 @@ class Hazard:
   Attributes:
     kind: ``"in-flight copy"``, ``"defensive copy"``, ``"semaphore
       copy"``, ``"in-place write"``, ``"source not live"`` /
-      ``"destination not live"`` or ``"start with no done"``.
+      ``"destination not live"``, ``"start with no done"`` or ``"start
+      with no done on a branch"``.
     instr: the offending instruction (the copy, the write, or the start).
     detail: one line on what it does.
     start: the start instruction of the transfer it concerns.
@@ -163,6 +165,22 @@ def hazards(report: Report) -> list[Hazard]:
         "(or XLA copied its semaphores, so no done waits on the ones it "
         "signals)",
         s.name,
+        "",
+        line,
+        stack,
+      )
+    )
+  for name, branch in report.unawaited_branches:
+    line, stack = _start_info(report, name)
+    out.append(
+      Hazard(
+        "start with no done on a branch",
+        name,
+        f"%{name}'s semaphores enter a conditional, and on {branch} no "
+        "done waits for them: on that path the DMA runs on while XLA "
+        "treats its buffers as dead (await the future in every branch, or "
+        "after the lax.cond/switch)",
+        name,
         "",
         line,
         stack,

@@ -186,6 +186,9 @@ class Report:
     starts: start instructions found.
     dones: done instructions found.
     schedule: per computation, its instructions in scheduled order.
+    unawaited_branches: ``(start, "branch K of %conditional")`` for each
+      branch of a conditional the start's semaphores enter on which no done
+      waits for them (the DMA runs on with its buffers dead to XLA).
   """
 
   hlo_text: str = dataclasses.field(repr=False)
@@ -197,6 +200,7 @@ class Report:
   starts: tuple[Instr, ...]
   dones: tuple[Instr, ...]
   schedule: dict[str, tuple[Instr, ...]] = dataclasses.field(repr=False)
+  unawaited_branches: tuple[tuple[str, str], ...] = ()
 
   @property
   def defensive_copies(self) -> list[Copy]:
@@ -278,6 +282,7 @@ class Report:
     only cost time and pass)."""
     lines = [_copy_line(c) for c in self.hazardous_copies]
     lines += [_orphan_line(s) for s in self.unawaited_starts]
+    lines += [f"  %{s} has no done on {b}" for s, b in self.unawaited_branches]
     if lines:
       raise AssertionError("hazards found:\n" + "\n".join(lines))
 
@@ -416,6 +421,12 @@ def _summary(r: Report) -> str:
       "waited for; its buffers may be reused while it runs)"
     )
     out.extend(_orphan_line(s) for s in orphans)
+  if r.unawaited_branches:
+    out.append(
+      f"Branches with no done: {len(r.unawaited_branches)} (DANGER: on "
+      "that branch the DMA is never waited for)"
+    )
+    out.extend(f"  %{s}: {b}" for s, b in r.unawaited_branches)
   for p in r.pairs:
     out.append(_pair_line(p))
     if p.start_source or p.done_source:
