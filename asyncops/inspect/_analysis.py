@@ -341,52 +341,55 @@ def _find_pairs(m: Module, g: _Graph):
       found.append((s, u, hit.crossing, kernel))
     if kernel:
       crossings = [c for (_, c) in seen]
-      dropped += [(s, b) for b in _unawaited_branches(m, g, reached, crossings)]
+      dropped += [
+        (s, b) for b in _unawaited_branches(m, g, s, reached, crossings)
+      ]
   return starts, found, dropped
 
 
-def _unawaited_branches(m: Module, g: _Graph, reached, crossings) -> list[str]:
+def _unawaited_branches(
+  m: Module, g: _Graph, s: Instr, reached, crossings
+) -> list[str]:
   """Branches of the conditionals a start's semaphores enter on which no
   done waits for them.
 
-  ``reached``: every position the semaphore trace reached; ``crossings``:
-  the boundaries crossed to each done found. A conditional the semaphores
-  enter (some branch's parameter is reached) must lead to a done on every
-  branch: through that branch (``into branch K of %C`` on the way to a
-  done), or by a done the semaphores reach without entering it. A branch
-  that does not take them, or drops them, leaves the DMA running with
-  nothing waiting for it on that path; XLA sees its buffers dead there.
+  ``reached``: every position the semaphore trace of start ``s`` reached;
+  ``crossings``: the boundaries crossed to each done found. A conditional
+  the semaphores enter (some branch's parameter is reached) must lead to a
+  done on every branch: traced afresh from that branch's parameter (the
+  trace of the start visits each position once, so a second branch that
+  passes the semaphores out of the conditional is not seen reaching the
+  done), unless a done takes them without entering the conditional at
+  all. A branch that does not take them, or drops them, leaves the DMA
+  running with nothing waiting for it on that path; XLA sees its buffers
+  dead there.
   """
-  params = {name for name, _ in reached}
+  by_param = collections.defaultdict(list)
+  for pos in reached:
+    by_param[pos[0]].append(pos)
   out = []
   for c in m.computations.values():
     for i in c.instrs:
       if i.opcode != "conditional":
         continue
-      branches = list(i.branches)
-      entered = [
-        k
-        for k, b in enumerate(branches)
-        if (p := g.param(b, 0)) is not None and p.name in params
-      ]
-      if not entered:
+      params = [g.param(b, 0) for b in i.branches]
+      if not any(p is not None and p.name in by_param for p in params):
         continue
-      steps = [
-        [
-          st
-          for st in cr
-          if st.startswith("into branch ") and st.endswith(f" of %{i.name}")
+      tag = f" of %{i.name}"
+      if any(
+        not [
+          st for st in cr if st.startswith("into branch ") and st.endswith(tag)
         ]
         for cr in crossings
-      ]
-      if any(not st for st in steps):
+      ):
         continue  # a done waits for them outside this conditional
-      awaited = {int(st.split()[2]) for cr in steps for st in cr}
-      out += [
-        f"branch {k} of %{i.name}"
-        for k in range(len(branches))
-        if k not in awaited
-      ]
+      for k, p in enumerate(params):
+        starts = by_param.get(p.name, []) if p is not None else []
+        if not starts or not any(
+          h.user.opcode == "custom-call" and h.user.name != s.name
+          for h in g.trace(starts, through_aliasing=False)
+        ):
+          out.append(f"branch {k}{tag}")
   return out
 
 
@@ -561,6 +564,12 @@ def analyze_module(
     if c.inflight
     and c.kind == "memory_space"
     and _read_only_source(m, g, c, records[_copy_key(c)])
+    else c
+    for c in copies
+  ]
+  copies = [
+    dataclasses.replace(c, feeds_source=True)
+    if c.kind == "defensive" and not c.inflight and _feeds_source(m, g, c)
     else c
     for c in copies
   ]
@@ -832,6 +841,48 @@ def _read_only_source(m: Module, g: _Graph, copy: Copy, records) -> bool:
       if hit.user.name in (s.name, d.name):
         return False
   return True
+
+
+def _feeds_source(m: Module, g: _Graph, copy: Copy) -> bool:
+  """Whether a copy not in flight makes the buffer a library start sends.
+
+  The copy's value (its ``copy-done`` for a ``copy-start``), through
+  get-tuple-element/tuple/bitcast/optimization barriers only, is an operand
+  of a start that :func:`_roles` knows, in the operand's role of a source
+  the DMA only reads (not the Ref destination it writes), and the copy is
+  scheduled before that start in the same computation, and is used by
+  nothing else. Then the copy reads no buffer in flight (else
+  ``copy.inflight``) and writes a new buffer before any DMA reads it; from
+  the start on it is the start's source, which the pair's own checks cover
+  (live until the done, no copy or write of it in the window). XLA adds
+  such a copy because a start aliases its operand to an output, so it must
+  not take a value that is read again afterwards.
+  """
+  c = copy.instr
+  value = c.name
+  if c.opcode == "copy-start":
+    done = [u for u, _ in g.users[c.name] if u.opcode == "copy-done"]
+    if len(done) != 1:
+      return False
+    value = done[0].name
+  elif copy.output_index != () or c.opcode != "copy":
+    return False
+  users = list(g.trace([(value, ())], through_aliasing=False))
+  if len(users) != 1:
+    return False
+  s = users[0].user
+  if (
+    s.computation != c.computation
+    or s.position <= m.instr(value).position
+    or users[0].crossing
+  ):
+    return False
+  roles = _roles(m, s) if _is_kernel_start(s) else None
+  if roles is None:
+    return False
+  srcs, dsts = roles
+  pos = _resolve(m, (s.operands[users[0].operand], users[0].index))
+  return pos == (value, ()) and pos in srcs and pos not in dsts
 
 
 _IN_PLACE = {"dynamic-update-slice": 0, "scatter": 0}

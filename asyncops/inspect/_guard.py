@@ -134,8 +134,8 @@ def hazards(report: Report) -> list[Hazard]:
   for c in report.copies:
     if "SEM" in c.spaces:
       kind = "semaphore copy"
-    elif c.read_only_source:
-      continue  # reads a live source only: design/inspect.md
+    elif c.read_only_source or c.feeds_source:
+      continue  # reads a live source / makes one: design/inspect.md
     elif c.inflight:
       kind = "in-flight copy"
     elif c.kind == "defensive" and c.pair:
@@ -199,8 +199,12 @@ def hazards(report: Report) -> list[Hazard]:
           Hazard(
             f"{role} not live",
             p.start,
-            f"the {role} buffer of %{p.start} does not reach %{p.done}: "
-            "XLA may free or reuse it while the DMA uses it",
+            f"the {role} buffer of %{p.start} does not reach %{p.done} "
+            "on every path: XLA may free or reuse it while the DMA uses "
+            "it (a copy on the way, or a lax.cond/switch branch that "
+            "replaces it: XLA computes that branch's value into the very "
+            "buffer; pass the future through every branch unchanged, or "
+            "await it before the branch)",
             p.start,
             p.done,
             line,

@@ -95,6 +95,13 @@ class Copy:
       around it, which stays the operand each of their dones waits on
       (``_analysis._read_only_source`` has the conditions,
       ``design/inspect.md`` the argument).
+    feeds_source: a copy not in flight whose result *is* the source a
+      library start then sends (scheduled before the start, in its
+      computation): copy insertion giving the start a buffer of its own,
+      because the start aliases its operand and the value copied is used
+      again (a loop-carried residual, a donated parameter, a remat
+      constant). Costs a copy; endangers no transfer (the guard accepts
+      it; ``_analysis._feeds_source``, ``design/inspect.md``).
   """
 
   name: str
@@ -113,6 +120,7 @@ class Copy:
   grade: str = ""
   read_only_source: bool = False
   nbytes: int = 0
+  feeds_source: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +412,11 @@ def _summary(r: Report) -> str:
         "      DANGER: the copy reads or replaces a buffer the DMA is "
         "writing, or the source buffer may be freed before the DMA has "
         "read it -> wrong results"
+      )
+    elif c.feeds_source:
+      out.append(
+        "      cost only: copy insertion gives the start a buffer of its own "
+        "before it sends it; no transfer is in flight on it"
       )
     elif c.grade == "cost":
       out.append(
