@@ -27,7 +27,10 @@ What is refused (each a *hazard*):
 
 Not refused: a move between memory spaces that only reads the source of
 the transfers in flight around it, which each of their dones still holds
-(``Copy.read_only_source``; the argument is in ``design/inspect.md``),
+(``Copy.read_only_source``; the argument is in ``design/inspect.md``), a
+copy outside every window whose only reader is the start that then sends
+it (``Copy.feeds_source``: copy insertion giving the start its own
+buffer),
 copies between memory spaces (HBM <-> VMEM) outside windows, scalar copies,
 and ``boundary`` copies at the program's edge (a parameter copied before it
 is sent, a received buffer copied before it is returned: TPU XLA keeps a
