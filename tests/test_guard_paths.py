@@ -209,6 +209,36 @@ def test_a_future_through_both_branches_passes(topology, no_trace_checks):
   assert hazards(r) == [], [str(h) for h in hazards(r)]
 
 
+def ref_source_written_on_a_branch(x):
+  """The Ref API: each branch awaits, one writes the source first."""
+  from asyncops import stateful
+
+  a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+  fa = stateful.ppermute_start(a, b, "i", shift=1)  # REF_BRANCH
+
+  def write_then_wait(f):
+    a[...] = jnp.sin(x)
+    stateful.ppermute_done(f, a, b)
+
+  p = lax.axis_index("i") == 0
+  lax.cond(p, lambda f: stateful.ppermute_done(f, a, b), write_then_wait, fa)
+  return b[...] + a[...]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_a_ref_source_written_on_a_branch_is_refused(topology, no_trace_checks):
+  # One pair per branch (each has its own done): the writing branch's done
+  # takes the new value of ``a``, computed into a buffer of its own, not
+  # the one the DMA reads. Refused per pair, before this change too.
+  f, x = _compile(ref_source_written_on_a_branch, topology)
+  r = analyze(f, x)
+  pairs = r.kernel_pairs
+  assert len(pairs) == 2 and not r.unawaited_branches
+  assert sorted(p.source_live for p in pairs) == [False, True]
+  (h,) = [h for h in hazards(r) if h.kind == "source not live"]
+  assert h.start_line.startswith(f"{THIS}:{_line('REF_BRANCH')} in ")
+
+
 # A loop that may run zero times ----------------------------------------------
 
 
