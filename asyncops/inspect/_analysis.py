@@ -112,14 +112,23 @@ class _Graph:
     return None
 
   def trace(
-    self, starts: list[Pos], through_aliasing: bool, stop=lambda i: False
+    self,
+    starts: list[Pos],
+    through_aliasing: bool,
+    stop=lambda i: False,
+    blocked: frozenset[Pos] | set[Pos] = frozenset(),
+    seen: set[Pos] | None = None,
   ) -> Iterator[_Hit]:
-    """Yields each non-structural use reached from ``starts``."""
-    seen: set[Pos] = set()
+    """Yields each non-structural use reached from ``starts``.
+
+    ``blocked``: positions the trace does not enter (a conditional's
+    result slot that not every branch fills from ``starts``:
+    :func:`_reaches`). ``seen``: filled with every position reached."""
+    seen = set() if seen is None else seen
     queue = collections.deque((s, ()) for s in starts)
     while queue:
       (name, idx), crossing = queue.popleft()
-      if (name, idx) in seen:
+      if (name, idx) in seen or (name, idx) in blocked:
         continue
       seen.add((name, idx))
       instr = self.m.instr(name)
@@ -308,6 +317,7 @@ def _find_pairs(m: Module, g: _Graph):
     if _is_kernel_start(i) or _is_xla_start(i)
   ]
   found = []
+  dropped: list[tuple[Instr, str]] = []
   for s in starts:
     kernel = _is_kernel_start(s)
     leaves = [
@@ -316,7 +326,8 @@ def _find_pairs(m: Module, g: _Graph):
       if (lf.memory_space == SEM) or not kernel
     ]
     seen = set()
-    for hit in g.trace(leaves, through_aliasing=False):
+    reached: set[Pos] = set()
+    for hit in g.trace(leaves, through_aliasing=False, seen=reached):
       u = hit.user
       is_done = (
         u.opcode == "custom-call" if kernel else u.opcode.endswith("-done")
@@ -328,7 +339,58 @@ def _find_pairs(m: Module, g: _Graph):
         continue
       seen.add(key)
       found.append((s, u, hit.crossing, kernel))
-  return starts, found
+    if kernel:
+      crossings = [c for (_, c) in seen]
+      dropped += [
+        (s, b) for b in _unawaited_branches(m, g, s, reached, crossings)
+      ]
+  return starts, found, dropped
+
+
+def _unawaited_branches(
+  m: Module, g: _Graph, s: Instr, reached, crossings
+) -> list[str]:
+  """Branches of the conditionals a start's semaphores enter on which no
+  done waits for them.
+
+  ``reached``: every position the semaphore trace of start ``s`` reached;
+  ``crossings``: the boundaries crossed to each done found. A conditional
+  the semaphores enter (some branch's parameter is reached) must lead to a
+  done on every branch: traced afresh from that branch's parameter (the
+  trace of the start visits each position once, so a second branch that
+  passes the semaphores out of the conditional is not seen reaching the
+  done), unless a done takes them without entering the conditional at
+  all. A branch that does not take them, or drops them, leaves the DMA
+  running with nothing waiting for it on that path; XLA sees its buffers
+  dead there.
+  """
+  by_param = collections.defaultdict(list)
+  for pos in reached:
+    by_param[pos[0]].append(pos)
+  out = []
+  for c in m.computations.values():
+    for i in c.instrs:
+      if i.opcode != "conditional":
+        continue
+      params = [g.param(b, 0) for b in i.branches]
+      if not any(p is not None and p.name in by_param for p in params):
+        continue
+      tag = f" of %{i.name}"
+      if any(
+        not [
+          st for st in cr if st.startswith("into branch ") and st.endswith(tag)
+        ]
+        for cr in crossings
+      ):
+        continue  # a done waits for them outside this conditional
+      for k, p in enumerate(params):
+        starts = by_param.get(p.name, []) if p is not None else []
+        if not starts or not any(
+          h.user.opcode == "custom-call" and h.user.name != s.name
+          for h in g.trace(starts, through_aliasing=False)
+        ):
+          out.append(f"branch {k}{tag}")
+  return out
 
 
 def _is_ref_kernel(s: Instr) -> bool:
@@ -372,18 +434,55 @@ def _aliased_role(s: Instr) -> str:
 
 
 def _reaches(g: _Graph, positions: list[Pos], done: Instr) -> bool:
-  """Whether a buffer at ``positions`` is an operand of ``done``.
+  """Whether a buffer at ``positions`` is an operand of ``done`` on every
+  path.
 
   Each position is first resolved to the value defining it (through
   get-tuple-element, tuple, bitcast, optimization barriers): a done that
-  takes another bitcast of the same value holds the same buffer."""
+  takes another bitcast of the same value holds the same buffer.
+
+  A conditional's result slot counts only if *every* branch root fills it
+  with the traced value (:func:`_partial_merges`). XLA gives the branch
+  roots and the result one buffer and takes branches as exclusive: where
+  one branch passes the source through and another computes a new value
+  into that slot, the other branch writes into the very buffer the DMA
+  reads, and on that path the done holds something else (XLA sees the
+  source dead there). Any-path reachability called that source live
+  (``design/inspect.md``, "Every path")."""
   if not positions:
     return True
   positions = [_resolve(g.m, p) for p in positions]
-  for hit in g.trace(positions, through_aliasing=True):
-    if hit.user.name == done.name:
-      return True
+  blocked: set[Pos] = set()
+  for _ in range(16):
+    seen: set[Pos] = set()
+    hit_done = any(
+      hit.user.name == done.name
+      for hit in g.trace(
+        positions, through_aliasing=True, blocked=blocked, seen=seen
+      )
+    )
+    partial = _partial_merges(g, seen) - blocked
+    if not partial:
+      return hit_done
+    blocked |= partial
   return False
+
+
+def _partial_merges(g: _Graph, seen: set[Pos]) -> set[Pos]:
+  """Conditional result slots some but not all branch roots fill from
+  ``seen`` (positions a trace reached, with the branch parameters)."""
+  out: set[Pos] = set()
+  m = g.m
+  for name, idx in list(seen):
+    i = m.instr(name)
+    if i.opcode != "conditional":
+      continue
+    for b in dict.fromkeys(i.branches):
+      comp = m.computations.get(b)
+      if comp is None or _resolve(m, (comp.root.name, idx)) not in seen:
+        out.add((name, idx))
+        break
+  return out
 
 
 def analyze_module(
@@ -395,7 +494,7 @@ def analyze_module(
   """Builds a :class:`Report` from a parsed module."""
   g = _Graph(m)
   uf = _alias_classes(m, g)
-  starts, found = _find_pairs(m, g)
+  starts, found, dropped = _find_pairs(m, g)
   start_done_names = {s.name for s in starts} | {f[1].name for f in found}
 
   pairs: list[Pair] = []
@@ -433,14 +532,14 @@ def analyze_module(
       continue
     for key, why in _inflight(m, g, s, d, srcs, dsts, between).items():
       records[key].append((s, d, pairs[-1], why))
-      inflight.setdefault(
-        key,
-        (
-          f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
-          + (f" [{', '.join(crossing)}]" if crossing else ""),
-          (s.name, d.name),
-          "destination" in why or not pairs[-1].source_live,
-        ),
+      hazard = "destination" in why or not pairs[-1].source_live
+      if key in inflight and (inflight[key][2] or not hazard):
+        continue  # a copy in flight for several transfers: the worst grade
+      inflight[key] = (
+        f"{why} %{s.name} ({_label(s)}) while in flight to %{d.name}"
+        + (f" [{', '.join(crossing)}]" if crossing else ""),
+        (s.name, d.name),
+        hazard,
       )
 
   comm = _comm_classes(m, uf, starts)
@@ -468,6 +567,12 @@ def analyze_module(
     else c
     for c in copies
   ]
+  copies = [
+    dataclasses.replace(c, feeds_source=True)
+    if c.kind == "defensive" and not c.inflight and _feeds_source(m, g, c)
+    else c
+    for c in copies
+  ]
   return Report(
     hlo_text=hlo_text,
     compile_seconds=compile_seconds,
@@ -478,6 +583,7 @@ def analyze_module(
     starts=tuple(starts),
     dones=tuple(dict.fromkeys(m.instr(p.done) for p in pairs)),
     schedule={name: c.instrs for name, c in m.computations.items()},
+    unawaited_branches=tuple((st.name, b) for st, b in dropped),
   )
 
 
@@ -620,8 +726,8 @@ def _inflight(
     slots.setdefault(k, "destination")
   for i in between:
     for out_idx, _ in copy_ops(m, i):
-      if (i.name, out_idx) in found:
-        continue
+      if found.get((i.name, out_idx), "").startswith("destination"):
+        continue  # already the worst grade
       result = [(i.name, out_idx)]
       if i.opcode == "copy-start":  # the copy's value is the copy-done's
         result = [
@@ -735,6 +841,48 @@ def _read_only_source(m: Module, g: _Graph, copy: Copy, records) -> bool:
       if hit.user.name in (s.name, d.name):
         return False
   return True
+
+
+def _feeds_source(m: Module, g: _Graph, copy: Copy) -> bool:
+  """Whether a copy not in flight makes the buffer a library start sends.
+
+  The copy's value (its ``copy-done`` for a ``copy-start``), through
+  get-tuple-element/tuple/bitcast/optimization barriers only, is an operand
+  of a start that :func:`_roles` knows, in the operand's role of a source
+  the DMA only reads (not the Ref destination it writes), and the copy is
+  scheduled before that start in the same computation, and is used by
+  nothing else. Then the copy reads no buffer in flight (else
+  ``copy.inflight``) and writes a new buffer before any DMA reads it; from
+  the start on it is the start's source, which the pair's own checks cover
+  (live until the done, no copy or write of it in the window). XLA adds
+  such a copy because a start aliases its operand to an output, so it must
+  not take a value that is read again afterwards.
+  """
+  c = copy.instr
+  value = c.name
+  if c.opcode == "copy-start":
+    done = [u for u, _ in g.users[c.name] if u.opcode == "copy-done"]
+    if len(done) != 1:
+      return False
+    value = done[0].name
+  elif copy.output_index != () or c.opcode != "copy":
+    return False
+  users = list(g.trace([(value, ())], through_aliasing=False))
+  if len(users) != 1:
+    return False
+  s = users[0].user
+  if (
+    s.computation != c.computation
+    or s.position <= m.instr(value).position
+    or users[0].crossing
+  ):
+    return False
+  roles = _roles(m, s) if _is_kernel_start(s) else None
+  if roles is None:
+    return False
+  srcs, dsts = roles
+  pos = _resolve(m, (s.operands[users[0].operand], users[0].index))
+  return pos == (value, ()) and pos in srcs and pos not in dsts
 
 
 _IN_PLACE = {"dynamic-update-slice": 0, "scatter": 0}

@@ -20,13 +20,17 @@ What is refused (each a *hazard*):
   source or destination;
 - a start whose source or destination does not reach its done (XLA may
   free or reuse it while the DMA uses it);
-- a start that reaches no done at all (its DMA is never waited for), and
+- a start that reaches no done at all (its DMA is never waited for), or
+  none on some branch of a conditional its semaphores enter, and
   any copy of a DMA semaphore (a done waiting on the copy waits on a
   semaphore the DMA never signals; the start then reaches no done).
 
 Not refused: a move between memory spaces that only reads the source of
 the transfers in flight around it, which each of their dones still holds
-(``Copy.read_only_source``; the argument is in ``design/inspect.md``),
+(``Copy.read_only_source``; the argument is in ``design/inspect.md``), a
+copy outside every window whose only reader is the start that then sends
+it (``Copy.feeds_source``: copy insertion giving the start its own
+buffer),
 copies between memory spaces (HBM <-> VMEM) outside windows, scalar copies,
 and ``boundary`` copies at the program's edge (a parameter copied before it
 is sent, a received buffer copied before it is returned: TPU XLA keeps a
@@ -84,7 +88,8 @@ class Hazard:
   Attributes:
     kind: ``"in-flight copy"``, ``"defensive copy"``, ``"semaphore
       copy"``, ``"in-place write"``, ``"source not live"`` /
-      ``"destination not live"`` or ``"start with no done"``.
+      ``"destination not live"``, ``"start with no done"`` or ``"start
+      with no done on a branch"``.
     instr: the offending instruction (the copy, the write, or the start).
     detail: one line on what it does.
     start: the start instruction of the transfer it concerns.
@@ -132,8 +137,8 @@ def hazards(report: Report) -> list[Hazard]:
   for c in report.copies:
     if "SEM" in c.spaces:
       kind = "semaphore copy"
-    elif c.read_only_source:
-      continue  # reads a live source only: design/inspect.md
+    elif c.read_only_source or c.feeds_source:
+      continue  # reads a live source / makes one: design/inspect.md
     elif c.inflight:
       kind = "in-flight copy"
     elif c.kind == "defensive" and c.pair:
@@ -168,6 +173,22 @@ def hazards(report: Report) -> list[Hazard]:
         stack,
       )
     )
+  for name, branch in report.unawaited_branches:
+    line, stack = _start_info(report, name)
+    out.append(
+      Hazard(
+        "start with no done on a branch",
+        name,
+        f"%{name}'s semaphores enter a conditional, and on {branch} no "
+        "done waits for them: on that path the DMA runs on while XLA "
+        "treats its buffers as dead (await the future in every branch, or "
+        "after the lax.cond/switch)",
+        name,
+        "",
+        line,
+        stack,
+      )
+    )
   for p in report.kernel_pairs:
     line, stack = _start_info(report, p.start)
     for w in p.inplace_writes:
@@ -181,8 +202,12 @@ def hazards(report: Report) -> list[Hazard]:
           Hazard(
             f"{role} not live",
             p.start,
-            f"the {role} buffer of %{p.start} does not reach %{p.done}: "
-            "XLA may free or reuse it while the DMA uses it",
+            f"the {role} buffer of %{p.start} does not reach %{p.done} "
+            "on every path: XLA may free or reuse it while the DMA uses "
+            "it (a copy on the way, or a lax.cond/switch branch that "
+            "replaces it: XLA computes that branch's value into the very "
+            "buffer; pass the future through every branch unchanged, or "
+            "await it before the branch)",
             p.start,
             p.done,
             line,

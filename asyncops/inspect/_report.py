@@ -95,6 +95,13 @@ class Copy:
       around it, which stays the operand each of their dones waits on
       (``_analysis._read_only_source`` has the conditions,
       ``design/inspect.md`` the argument).
+    feeds_source: a copy not in flight whose result *is* the source a
+      library start then sends (scheduled before the start, in its
+      computation): copy insertion giving the start a buffer of its own,
+      because the start aliases its operand and the value copied is used
+      again (a loop-carried residual, a donated parameter, a remat
+      constant). Costs a copy; endangers no transfer (the guard accepts
+      it; ``_analysis._feeds_source``, ``design/inspect.md``).
   """
 
   name: str
@@ -113,6 +120,7 @@ class Copy:
   grade: str = ""
   read_only_source: bool = False
   nbytes: int = 0
+  feeds_source: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +194,9 @@ class Report:
     starts: start instructions found.
     dones: done instructions found.
     schedule: per computation, its instructions in scheduled order.
+    unawaited_branches: ``(start, "branch K of %conditional")`` for each
+      branch of a conditional the start's semaphores enter on which no done
+      waits for them (the DMA runs on with its buffers dead to XLA).
   """
 
   hlo_text: str = dataclasses.field(repr=False)
@@ -197,6 +208,7 @@ class Report:
   starts: tuple[Instr, ...]
   dones: tuple[Instr, ...]
   schedule: dict[str, tuple[Instr, ...]] = dataclasses.field(repr=False)
+  unawaited_branches: tuple[tuple[str, str], ...] = ()
 
   @property
   def defensive_copies(self) -> list[Copy]:
@@ -278,6 +290,7 @@ class Report:
     only cost time and pass)."""
     lines = [_copy_line(c) for c in self.hazardous_copies]
     lines += [_orphan_line(s) for s in self.unawaited_starts]
+    lines += [f"  %{s} has no done on {b}" for s, b in self.unawaited_branches]
     if lines:
       raise AssertionError("hazards found:\n" + "\n".join(lines))
 
@@ -400,6 +413,11 @@ def _summary(r: Report) -> str:
         "writing, or the source buffer may be freed before the DMA has "
         "read it -> wrong results"
       )
+    elif c.feeds_source:
+      out.append(
+        "      cost only: copy insertion gives the start a buffer of its own "
+        "before it sends it; no transfer is in flight on it"
+      )
     elif c.grade == "cost":
       out.append(
         "      cost only: a read-only copy of a source that stays live "
@@ -416,6 +434,12 @@ def _summary(r: Report) -> str:
       "waited for; its buffers may be reused while it runs)"
     )
     out.extend(_orphan_line(s) for s in orphans)
+  if r.unawaited_branches:
+    out.append(
+      f"Branches with no done: {len(r.unawaited_branches)} (DANGER: on "
+      "that branch the DMA is never waited for)"
+    )
+    out.extend(f"  %{s}: {b}" for s, b in r.unawaited_branches)
   for p in r.pairs:
     out.append(_pair_line(p))
     if p.start_source or p.done_source:
