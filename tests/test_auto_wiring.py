@@ -530,9 +530,9 @@ _TP8_RS_PANELS_MODEL = {
 def test_tp8_reducescatter_panel_charge_holds_the_two_way_ring(kind, m):
   """At tp 8 the two-way value ring beats the fused kernel's row panels
   (the model), and auto runs it. The panel charge (``CAL.rs_panel_s``,
-  v5e 74 us, v6e 15) is over what the model finds per extra panel (v6e
-  about 0: the estimate without it is within 1% of the model; v5e 37 to
-  46 us): it stands in for the two-way ring's estimate, 4% to 8% over
+  v5e 74 us, v6e 15) is over what the model finds per extra panel here
+  (v6e about 0: the estimate without it is within 1% of the model; v5e
+  37 to 46 us): it stands in for the two-way ring's estimate, 4% to 8% over
   the model here (its per-step fixed cost and contention while the
   transfer hides under the dots). Fixing that estimate is when to refit
   the charge to the model's figure (design/benchmarks.md, "The fused
