@@ -109,7 +109,7 @@ class Cal:
       tp 4; was 12, fit to the panels with their slice and concatenate).
       v5e and v6e keep 74 and 15 us, over what the model now finds
       beyond the estimate without the charge (copy-free panels, h-rsfit:
-      v5e 37 to 46 us per extra panel at tp 8, 74 at tp 4 M = 4096; v6e
+      v5e 37 to 46 us per extra panel at tp 8, 60 to 74 at tp 4; v6e
       -5 to -1 at tp 8 and tp 4 M = 4096, 35 at tp 4 M = 16384, where
       15 keeps the one-way ring, 12% faster than the fused kernel): at
       tp 8 M = 4096 the two-way value ring's estimate is
