@@ -107,6 +107,16 @@ class Cal:
       place (the model at the Llama-3-70B shard, beyond the estimate
       without it: 2.5 to 4.9 us per extra panel at tp 8, -6.1 to -0.5 at
       tp 4; was 12, fit to the panels with their slice and concatenate).
+      v5e and v6e keep 74 and 15 us, over what the model now finds
+      beyond the estimate without the charge (copy-free panels, h-rsfit:
+      v5e 37 to 46 us per extra panel at tp 8, 60 to 74 at tp 4; v6e
+      -5 to -1 at tp 8 and tp 4 M = 4096, 35 at tp 4 M = 16384, where
+      15 keeps the one-way ring, 12% faster than the fused kernel): at
+      tp 8 M = 4096 the two-way value ring's estimate is
+      5% (v5e) and 7% (v6e) over the model, and the model's figures (40,
+      0) would pick the fused kernel there, 5.1% and 3.3% slower than the
+      ring (design/benchmarks.md, "The fused reduce-scatter's panel
+      charge on v5e and v6e").
     fused_acc: the share of the fused all-gather's float32 accumulator
       pass (read and write per step) its steps are charged beside their
       rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
