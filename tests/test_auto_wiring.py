@@ -333,10 +333,12 @@ def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
   [
     # v5p tp 4 (per device [M, 2048] @ [8192, 7168]), the model: M = 4096
     # the one-way ring 1470.1 us, the two-way ring of whole chunks 1436.6
-    # (in two row pieces; 1442.4 before); M = 16384 5527.8 against 5185.0;
-    # M = 1024 (halves) 332.4 against 405.1.
+    # (in two row pieces; 1442.4 before), both over the memory target, the
+    # fused kernel 1322.5 within it (branch h-mem2: auto runs it,
+    # ``test_memory_target_takes_the_fused_kernel``); M = 16384 5527.8
+    # against 5185.0; M = 1024 (halves) 332.4 against 405.1.
     ("TPU v5p", 1024, "ring"),
-    ("TPU v5p", 4096, "ring_bidi"),
+    ("TPU v5p", 4096, "fused"),
     ("TPU v5p", 16384, "ring_bidi"),
     # v5e takes the fused kernel at M = 4096 since its 4 row panels lost
     # their copies (2593.3 against the one-way ring's 2742.8 and the
@@ -390,6 +392,76 @@ def test_memory_target_holds_the_one_way_ring(kind, n):
   assert c.ring_us is not None
   if kind == "TPU v5p" and n == 4:
     assert c.ring_bidi_us < c.ring_us, str(c)
+
+
+@pytest.mark.parametrize(
+  "kind,m,method",
+  [
+    # The Llama shard at tp 4 (per device [M, 2048] @ [8192, 7168]),
+    # bf16; the model (design/benchmarks.md, branch h-mem2), time and
+    # HBM temporaries (the buffer assignment's, MiB) against the target
+    # (jit plus one chunk's buffers). v5p M = 4096: the fused kernel
+    # 1322.5 us at 12.2 MiB, the two-way ring 1436.6 at 188.1, the
+    # one-way ring 1470.1 at 144.1, limit 80.1, xla_best 1457.8.
+    ("TPU v5p", 4096, "fused"),
+    # v5p M = 1024 (a 28 MiB accumulator, time alone): the one-way ring
+    # 332.4 us at 36.0 MiB (limit 20.1), the fused kernel 361.5 at 12.1,
+    # xla_best 331.7.
+    ("TPU v5p", 1024, "ring"),
+    # v5p M = 16384: the fused kernel's 32 panels (7618.2 us) are not
+    # under XLA's program; the two-way ring in one panel (5292.8 us,
+    # 668.1 MiB against 320.1) stays.
+    ("TPU v5p", 16384, "ring_bidi"),
+    # v5e and v6e M = 4096: the fused kernel, the fastest anyway.
+    ("TPU v5 lite", 4096, "fused"),
+    ("TPU v6 lite", 4096, "fused"),
+  ],
+)
+def test_memory_target_takes_the_fused_kernel(kind, m, method):
+  """Where the value rings hold a float32 accumulator of 64 MiB or more
+  in one panel, over the memory target (``n + 1`` chunks of ``x``: jit's
+  all-gather's ``n - 1`` and one chunk's two buffers), the fused kernel
+  runs when it is estimated 3% under XLA's program, though a ring is
+  estimated faster."""
+  k, f, n = 2048, 7168, 4
+  over = _auto._ag_memory(
+    m, k, f, n, 2, m * f * 4, m * f * 4, 1, 1, {1: 1.0, 2: 1.0}
+  )
+  assert over == ({1, 2} if m >= 4096 else set())
+  c = _auto.explain_allgather(
+    m, k, f, n, jnp.bfloat16, precision="DEFAULT", device_kind=kind
+  )
+  assert c.method == method, str(c)
+  if (kind, m) == ("TPU v5p", 4096):
+    assert c.ring_bidi_us < c.fused_us < 0.97 * c.xla_us, str(c)
+    assert "within the memory target" in c.reason, str(c)
+    assert "(112 MiB) in one panel" in c.reason, str(c)
+    # CAL.fused_panels_w and fused_panel (v5p): 8 panels within 5% of
+    # the model (1773.6 us estimated before, 2.4 weight reads a panel).
+    assert abs(c.fused_us / 1322.5 - 1) < 0.05, str(c)
+  if m == 16384:
+    assert c.fused_us > 0.97 * c.xla_us, str(c)
+
+
+def test_memory_target_counts_panels_and_narrow_accumulators():
+  """The two-way ring of whole chunks in row panels meets the target
+  (``_gather_rings.whole_panels``); a one-way ring whose accumulator is
+  within ``n + 1`` chunks is not over (tp 8: 224 MiB and two 32 MiB
+  buffers at M = 16384, the limit 288), nor is a small accumulator."""
+  rings = {1: 1.0, 2: 1.0}
+
+  def over(m, k, f, n, one_acc, acc, panels, whole_panels):
+    args = (m, k, f, n, 2, one_acc, acc, panels, whole_panels, rings)
+    return _auto._ag_memory(*args)
+
+  acc = 16384 * 7168 * 4
+  assert over(16384, 2048, 7168, 4, acc, acc, 16, 4) == {1}
+  acc = 16384 * 3584 * 4
+  assert not over(16384, 1024, 3584, 8, acc, acc, 8, 2)
+  acc = 1024 * 7168 * 4
+  assert not over(1024, 2048, 7168, 4, acc, acc, 1, 1)
+  acc = 4096 * 7168 * 2  # accumulation="output": bfloat16
+  assert over(4096, 2048, 7168, 4, acc, 2 * acc, 4, 1) == {1, 2}
 
 
 @pytest.mark.parametrize(

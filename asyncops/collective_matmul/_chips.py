@@ -78,10 +78,20 @@ class Cal:
       against 2907.9), and M = 16384 keeps the two-way ring (11602.3
       against 12885.0; estimated 11130.5 against 11942.2), tp 8 M = 4096
       and 16384 too (1421.1 and 5912.3 against 1721.1 and 6742.9). v5p
-      keeps 2.4: no one v5p value moves only the points where the
-      fused kernel is now the faster (0.5 takes it at tp 4 M = 4096,
-      1322.5 against 1436.6, but also at tp 4 M = 1024 and tp 8 M =
-      16384, where it is the slower).
+      kept 2.4 until branch h-mem2: no one v5p value moves only the
+      points where the fused kernel is now the faster (0.5 takes it at
+      tp 4 M = 4096, 1322.5 against 1436.6, but also at tp 4 M = 1024
+      and tp 8 M = 16384, where it is the slower). v5p 0.85 with a knee
+      of 8 and ``fused_panels_w`` 1 (h-mem2): the model's fused kernel
+      over the estimate without a panel charge is 2.3, 6.2 and 79.5
+      weight reads at tp 4 in 2, 8 and 32 panels (M = 1024, 4096,
+      16384) and 8.7 and 35 at tp 8 in 4 and 16 (M = 4096, 16384);
+      this charges 1.85, 6.95, 106, 3.55 and 26.5 (2.4 per panel
+      charged 2.4, 16.8, 74.4, 7.2 and 36: the tp 4 M = 4096 estimate
+      1773.6 us against the model's 1322.5, now 1355.2). Alone it moves
+      no pick (the two-way ring's estimate at tp 4 M = 4096, 1197.7, is
+      17% under the model); the memory rule of ``_auto`` then takes the
+      fused kernel there.
     fused_panel_knee: from this many row panels on, each extra panel
       costs ``P / fused_panel_knee`` times ``fused_panel`` for ``P``
       panels (inf: never). Merged with auto's refit (e5d33df: the one-way
@@ -97,6 +107,9 @@ class Cal:
       754.3 and 3532.9; of the 72 sweep points only v5e and v6e tp 4 M =
       4096 (the fused kernel) and v5p tp 8 M = 64 move against main
       41ba2f4, as the model has them (``/work/sweeps/refit_picks.py``).
+    fused_panels_w: weight reads a fused all-gather in row panels is
+      charged once, beside ``fused_panel`` per extra panel (its first
+      restart; 0: none). v5p 1 (above).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -219,6 +232,7 @@ class Cal:
   rs_x_vmem: float = 0.0
   bidi_rs_acc_from: float = float("inf")
   fused_panel_knee: float = float("inf")
+  fused_panels_w: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -229,8 +243,9 @@ class Cal:
 # estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
 # two-way ring of whole chunks, 2562.5). With v5p's paired steps and the
 # panels' copies gone (branch h-v5p) the model has 715.7 and 2862.7 us
-# there (the two-way ring 2618.1): the estimates are 5% and 1% under it,
-# the charge is not refit; v4 takes v5e's.
+# there (the two-way ring 2618.1): the estimates were 5% and 1% under it;
+# refit with a knee in branch h-mem2 (``Cal.fused_panel``); v4 takes
+# v5e's.
 _V5E = Cal(
   0.65,
   8e-6,
@@ -253,10 +268,12 @@ CAL = {
     13e-6,
     5e-6,
     0.5,
-    2.4,
+    0.85,
     0.76,
     2e-6,
     rs_overlap=0.45,
+    fused_panels_w=1.0,
+    fused_panel_knee=8,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
