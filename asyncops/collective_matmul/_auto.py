@@ -100,7 +100,7 @@ tp 4, M = 16384 of the Llama shard: 10814.3 us at 640.1 MiB against the
 two-way ring's 11602.3 at 256.6, jit 192.2 plus 128); where a ring holds
 it in one panel, over the target (:func:`_ag_memory`), the fused kernel
 runs if it is estimated 3% under XLA's program (v5p tp 4 M = 4096: 1322.5
-us at 12.2 MiB against the two-way ring's 1436.6 at 188.1). Smaller
+us at 6.3 MiB against the two-way ring's 1436.6 at 188.1). Smaller
 accumulators, and points where the fused kernel is not under XLA's
 program (v5p tp 4 M = 16384), are picked by time alone (v5p tp 4 M = 1024:
 the one-way ring 332.4 us at 36.0 MiB, over jit's 12.1 plus 8, against the
@@ -514,7 +514,7 @@ def _whole_ring_s(
   return two * make + p * panel
 
 
-def _ag_memory(m, k, f, n, b, one_acc, acc, panels, whole_panels, rings):
+def _ag_memory(m, k, f, n, b, one_acc, acc, whole_panels, rings):
   """The value rings (``1``: one-way, ``2``: two-way, of ``rings``) whose
   HBM temporaries are over the issue's memory target, where the float32
   accumulator is ``_gather_rings.WHOLE_ACC_BYTES`` or more (else none).
@@ -528,14 +528,14 @@ def _ag_memory(m, k, f, n, b, one_acc, acc, panels, whole_panels, rings):
   (``one_acc``, ``acc`` bytes) and a chunk's two buffers (the one-way
   ring at v5p tp 4 M = 1024: 28 + 8 = 36.0 MiB); the two-way ring of
   whole chunks in ``whole_panels`` row panels is cut to meet the target
-  (:func:`_gather_rings.whole_panels`). The fused kernel holds its
-  ``n - 1`` received chunks of one of its ``panels`` row panels in HBM
-  (12.1 MiB at M = 1024 and 4096 there), within the limit."""
+  (:func:`_gather_rings.whole_panels`). The fused kernel keeps its
+  accumulator in VMEM and holds at most ``n - 1`` received chunks in HBM
+  (v5p tp 4: 12.1 and 6.3 MiB at M = 1024 and 4096, in 2 and 8 row
+  panels), within the limit."""
   if not _gather_rings.whole_chunks(m, f, jnp.float32, n):
     return set()
   chunk = m * k * b
   limit = (n + 1) * chunk
-  assert (n - 1) * chunk // panels <= limit
   held = {1: one_acc, 2: acc}
   if whole_panels > 1:
     held.pop(2)
@@ -691,15 +691,13 @@ def explain_allgather(
   # target (:func:`_ag_memory`), the fused kernel, which keeps its
   # accumulator in VMEM, runs if it is estimated 3% under XLA's program,
   # whatever the rings' estimates: v5p tp 4, M = 4096 of the Llama shard,
-  # the fused kernel 1322.5 us and 12.2 MiB against the two-way ring's
+  # the fused kernel 1322.5 us and 6.3 MiB against the two-way ring's
   # 1436.6 and 188.1 (jit 48.1 plus a chunk's 32; the two-way ring's
   # estimate there, 1197.7, is 17% under the model). Smaller
   # accumulators are weighed by time alone (v5p tp 4, M = 1024: the
   # one-way ring 332.4 us at 36.0 MiB against 20.1, the fused kernel
   # 361.5 at 12.1, xla_best 331.7).
-  over = _ag_memory(
-    m, k, f, n, b, one_acc // 2, acc // 2, panels, whole_panels, rings
-  )
+  over = _ag_memory(m, k, f, n, b, one_acc // 2, acc // 2, whole_panels, rings)
   spill = bool(over) and reason is None and fused < _MARGIN * xla
   drop = over if spill else set()
   choice = _decide(
