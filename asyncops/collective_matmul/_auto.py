@@ -98,7 +98,9 @@ float32 accumulator to a panel's rows to meet the target), the one-way
 ring, which holds the whole accumulator ``[M, f]``, is no candidate (v5e
 tp 4, M = 16384 of the Llama shard: 10814.3 us at 640.1 MiB against the
 two-way ring's 11602.3 at 256.6, jit 192.2 plus 128); where a ring holds
-it in one panel, over the target (:func:`_ag_memory`), the fused kernel
+it in one panel, over the target (:func:`_ag_memory`; not on v6e, whose
+memory-space assignment keeps it in VMEM, ``Cal.ring_acc_hbm``), the fused
+kernel
 runs if it is estimated 3% under XLA's program (v5p tp 4 M = 4096: 1322.5
 us at 6.3 MiB against the two-way ring's 1436.6 at 188.1). Smaller
 accumulators, and points where the fused kernel is not under XLA's
@@ -697,7 +699,11 @@ def explain_allgather(
   # accumulators are weighed by time alone (v5p tp 4, M = 1024: the
   # one-way ring 332.4 us at 36.0 MiB against 20.1, the fused kernel
   # 361.5 at 12.1, xla_best 331.7).
-  over = _ag_memory(m, k, f, n, b, one_acc // 2, acc // 2, whole_panels, rings)
+  over = set()
+  if cal.ring_acc_hbm:  # (v6e keeps them in VMEM: ``Cal.ring_acc_hbm``)
+    over = _ag_memory(
+      m, k, f, n, b, one_acc // 2, acc // 2, whole_panels, rings
+    )
   spill = bool(over) and reason is None and fused < _MARGIN * xla
   drop = over if spill else set()
   choice = _decide(

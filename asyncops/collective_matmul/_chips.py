@@ -110,6 +110,15 @@ class Cal:
     fused_panels_w: weight reads a fused all-gather in row panels is
       charged once, beside ``fused_panel`` per extra panel (its first
       restart; 0: none). v5p 1 (above).
+    ring_acc_hbm: whether the all-gather value rings' float32
+      accumulator and chunks are taken to live in HBM, where the memory
+      target counts them (``_auto._ag_memory``). v6e False: its
+      memory-space assignment keeps them in VMEM at sizes where v5e and
+      v5p do not (per device ``x [4096, 1024]``, ``w [4096, 4096]`` on a
+      ring of 4, a 64 MiB accumulator: the two-way ring 16.1 MiB of HBM
+      temporaries, the fused kernel 24.2, jit 0.0; the Llama-3-70B shard
+      at tp 4 M = 1024: the one-way ring 0.0, the fused kernel 12.1), so
+      the rule's premise does not hold there.
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -233,6 +242,7 @@ class Cal:
   bidi_rs_acc_from: float = float("inf")
   fused_panel_knee: float = float("inf")
   fused_panels_w: float = 0.0
+  ring_acc_hbm: bool = True
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -289,6 +299,7 @@ CAL = {
     0.75,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
+    ring_acc_hbm=False,
     fused_panel_knee=4,
   ),
 }
