@@ -100,13 +100,13 @@ tp 4, M = 16384 of the Llama shard: 10814.3 us at 640.1 MiB against the
 two-way ring's 11602.3 at 256.6, jit 192.2 plus 128); where a ring holds
 it in one panel, over the target (:func:`_ag_memory`; not on v6e, whose
 memory-space assignment keeps it in VMEM, ``Cal.ring_acc_hbm``), the fused
-kernel
-runs if it is estimated 3% under XLA's program (v5p tp 4 M = 4096: 1322.5
-us at 6.3 MiB against the two-way ring's 1436.6 at 188.1). Smaller
-accumulators, and points where the fused kernel is not under XLA's
-program (v5p tp 4 M = 16384), are picked by time alone (v5p tp 4 M = 1024:
-the one-way ring 332.4 us at 36.0 MiB, over jit's 12.1 plus 8, against the
-fused kernel's 361.5 at 12.1 and ``xla_best``'s 331.7).
+kernel runs if it is estimated 3% under XLA's program (v5p tp 4, M = 4096
+and 16384: 1322.5 and 5290.2 us at 6.3 and 7.0 MiB against the two-way
+ring's 1436.6 and 5292.8 at 188.1 and 668.1). Smaller accumulators, and
+points where the fused kernel is not under XLA's program, are picked by
+time alone (v5p tp 4 M = 1024: the one-way ring 332.4 us at 36.0 MiB, over
+jit's 12.1 plus 8, against the fused kernel's 361.5 at 12.1 and
+``xla_best``'s 331.7).
 
 For the all-gather, a matmul bound by reading ``w`` (``C < M / 2``, decode
 sizes) keeps XLA's program (no extra kernels, no barrier) when
@@ -631,7 +631,8 @@ def explain_allgather(
   )
   if panels > 1:
     knee = max(1.0, panels / cal.fused_panel_knee)
-    fused += w_s * (cal.fused_panels_w + (panels - 1) * cal.fused_panel * knee)
+    fused += (panels - 1) * (cal.fused_panel * w_s * knee + cal.fused_panel_s)
+    fused += cal.fused_panels_s
   rings = {}
   # The two-way ring of whole chunks runs in row panels to hold its
   # float32 accumulator (``_gather_rings.whole_panels``).
@@ -695,7 +696,8 @@ def explain_allgather(
   # whatever the rings' estimates: v5p tp 4, M = 4096 of the Llama shard,
   # the fused kernel 1322.5 us and 6.3 MiB against the two-way ring's
   # 1436.6 and 188.1 (jit 48.1 plus a chunk's 32; the two-way ring's
-  # estimate there, 1197.7, is 17% under the model). Smaller
+  # estimate there, 1197.7, is 17% under the model); M = 16384, 5290.2
+  # and 7.0 against 5292.8 and 668.1 (limit 320.1). Smaller
   # accumulators are weighed by time alone (v5p tp 4, M = 1024: the
   # one-way ring 332.4 us at 36.0 MiB against 20.1, the fused kernel
   # 361.5 at 12.1, xla_best 331.7).

@@ -81,17 +81,8 @@ class Cal:
       kept 2.4 until branch h-mem2: no one v5p value moves only the
       points where the fused kernel is now the faster (0.5 takes it at
       tp 4 M = 4096, 1322.5 against 1436.6, but also at tp 4 M = 1024
-      and tp 8 M = 16384, where it is the slower). v5p 0.85 with a knee
-      of 8 and ``fused_panels_w`` 1 (h-mem2): the model's fused kernel
-      over the estimate without a panel charge is 2.3, 6.2 and 79.5
-      weight reads at tp 4 in 2, 8 and 32 panels (M = 1024, 4096,
-      16384) and 8.7 and 35 at tp 8 in 4 and 16 (M = 4096, 16384);
-      this charges 1.85, 6.95, 106, 3.55 and 26.5 (2.4 per panel
-      charged 2.4, 16.8, 74.4, 7.2 and 36: the tp 4 M = 4096 estimate
-      1773.6 us against the model's 1322.5, now 1355.2). Alone it moves
-      no pick (the two-way ring's estimate at tp 4 M = 4096, 1197.7, is
-      17% under the model); the memory rule of ``_auto`` then takes the
-      fused kernel there.
+      and tp 8 M = 16384, where it is the slower). v5p 0 since branch
+      h-mem2, its panels charged in time (``fused_panel_s``).
     fused_panel_knee: from this many row panels on, each extra panel
       costs ``P / fused_panel_knee`` times ``fused_panel`` for ``P``
       panels (inf: never). Merged with auto's refit (e5d33df: the one-way
@@ -107,9 +98,23 @@ class Cal:
       754.3 and 3532.9; of the 72 sweep points only v5e and v6e tp 4 M =
       4096 (the fused kernel) and v5p tp 8 M = 64 move against main
       41ba2f4, as the model has them (``/work/sweeps/refit_picks.py``).
-    fused_panels_w: weight reads a fused all-gather in row panels is
-      charged once, beside ``fused_panel`` per extra panel (its first
-      restart; 0: none). v5p 1 (above).
+    fused_panel_s: a fused all-gather's cost per extra row panel, in
+      seconds, beside ``fused_panel``'s weight reads; ``fused_panels_s``
+      is charged once when it runs in panels. v5p 33 and 50 us (branch
+      h-mem2): the model's fused kernel over the estimate without a
+      panel charge is 97, 262 and 1052 us at tp 4 in 2, 8 and 32 panels
+      (the Llama-3-70B shard at M = 1024, 4096, 16384: 361.5, 1322.5 and
+      5290.2 us) and 185 and 741 us at tp 8 in 4 and 16 (M = 4096, 16384:
+      715.7, 2862.7), which this charges 83, 281, 1073, 149 and 545 (the
+      estimates 348.0, 1341.0, 5313.0, 679.0, 2665.0). 2.4 weight reads
+      per panel charged 102, 714, 3162, 153 and 764 (estimates 366.9,
+      1773.6, 7400.1, 682.9, 2884.6): per weight read no charge fit both
+      tp 4 M = 4096 and tp 8 M = 16384 (``fused_panel``). Of the 72
+      sweep points the picks at v5p tp 4 M = 4096 and 16384 move, by the
+      memory rule (``_auto._ag_memory``; the two-way ring is estimated
+      1197.7 and 4596.5 there, 17% and 13% under the model): the fused
+      kernel, 6.3 and 7.0 MiB of HBM temporaries against the two-way
+      ring's 188.1 and 668.1.
     ring_acc_hbm: whether the all-gather value rings' float32
       accumulator and chunks are taken to live in HBM, where the memory
       target counts them (``_auto._ag_memory``). v6e False: its
@@ -241,7 +246,8 @@ class Cal:
   rs_x_vmem: float = 0.0
   bidi_rs_acc_from: float = float("inf")
   fused_panel_knee: float = float("inf")
-  fused_panels_w: float = 0.0
+  fused_panel_s: float = 0.0
+  fused_panels_s: float = 0.0
   ring_acc_hbm: bool = True
 
 
@@ -278,12 +284,12 @@ CAL = {
     13e-6,
     5e-6,
     0.5,
-    0.85,
+    0.0,
     0.76,
     2e-6,
     rs_overlap=0.45,
-    fused_panels_w=1.0,
-    fused_panel_knee=8,
+    fused_panel_s=33e-6,
+    fused_panels_s=50e-6,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
