@@ -82,10 +82,22 @@ class Cal:
       points where the fused kernel is now the faster (0.5 takes it at
       tp 4 M = 4096, 1322.5 against 1436.6, but also at tp 4 M = 1024
       and tp 8 M = 16384, where it is the slower). v5p 0 since branch
-      h-mem2, its panels charged in time (``fused_panel_s``).
+      h-mem2, its panels charged in time (``fused_panel_s``). Branch
+      h-mem2 re-measured the fused kernel at M = 16384 (tp 4): v5e
+      10373.3 us (12.5 MiB) and v6e 3082.8 (the cells above, 12885.0
+      and 6387.1, are of 9540c5d), 582 and 194 us over the estimate
+      without a charge in 16 panels (4.1 and 2.7 weight reads); v5e 0.3
+      and v6e 0.15 with no knee charge 4.5 and 2.25 (estimates 10436.5
+      and 3049.5, were 13232.7 and 3532.9; at M = 4096, 4 panels, 2576.9
+      and 754.3 against 2593.3 and 751.4). Of the 72 sweep points v5e
+      tp 4 M = 16384 moves, to the fused kernel (the two-way ring in 4
+      panels 11602.3 us at 192.3 MiB); v6e's two-way ring keeps tp 4 M
+      = 16384 (estimated 2887.7, 22% under the model's 3688.2).
     fused_panel_knee: from this many row panels on, each extra panel
       costs ``P / fused_panel_knee`` times ``fused_panel`` for ``P``
-      panels (inf: never). Merged with auto's refit (e5d33df: the one-way
+      panels (inf: never; every chip since branch h-mem2, the fused
+      kernel's M = 16384 re-measured, above). Merged with auto's refit
+      (e5d33df: the one-way
       ring's ``ag_ring_pass`` 0.1, panels counted in the two-way ring's
       estimate) one charge per panel no longer fits: on v5e tp 4 the
       fused kernel must be under the one-way ring's estimate (2735.8) at
@@ -260,20 +272,19 @@ class Cal:
 # two-way ring of whole chunks, 2562.5). With v5p's paired steps and the
 # panels' copies gone (branch h-v5p) the model has 715.7 and 2862.7 us
 # there (the two-way ring 2618.1): the estimates were 5% and 1% under it;
-# refit with a knee in branch h-mem2 (``Cal.fused_panel``); v4 takes
+# charged in time since branch h-mem2 (``Cal.fused_panel_s``); v4 takes
 # v5e's.
 _V5E = Cal(
   0.65,
   8e-6,
   1.4e-6,
   0.5,
-  0.4,
+  0.3,
   0.85,
   74e-6,
   rs_ring_w=0.25,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
-  fused_panel_knee=4,
 )
 
 CAL = {
@@ -306,6 +317,5 @@ CAL = {
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
-    fused_panel_knee=4,
   ),
 }
