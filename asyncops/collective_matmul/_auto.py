@@ -55,8 +55,9 @@ to the benchmark model's figures (:data:`CAL`):
   ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
   direct sends to every peer (the busiest link's load from the wiring)
   and the last step, whichever is longer; extra panels cost
-  ``CAL.fused_panel W`` each, times ``P / CAL.fused_panel_knee`` for
-  ``P`` panels beyond the knee.
+  ``CAL.fused_panel W + CAL.fused_panel_s`` each (the first term times
+  ``P / CAL.fused_panel_knee`` for ``P`` panels beyond the knee), and
+  ``CAL.fused_panels_s`` once.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
