@@ -5,19 +5,19 @@ Where the value rings hold a float32 accumulator of 64 MiB or more in one
 panel, over the memory target (jit's temporaries plus one chunk's send and
 receive buffers, in the buffer assignment's HBM bytes), ``method="auto"``
 runs the fused kernel if it is estimated 3% under XLA's program, though a
-ring is estimated faster (``_auto._ag_memory``). At per device ``x [4096,
-1024]``, ``w [4096, 7168]`` on a ring of 4 (a 112 MiB accumulator, 8 MiB
-chunks) both chips estimate a ring faster than the fused kernel in its
-row panels (v5e the one-way ring, 1442 us against 1526; v5p the two-way
-ring, 642 against 684) and the rule takes the fused kernel: its program
-holds no value-ring transfer and its HBM temporaries are at most its
-``n - 1`` received chunks, within the rule's limit (``n + 1`` chunks:
-jit's all-gather's ``n - 1`` and one chunk's two buffers), where the
-two-way ring's hold the accumulator. The rule's premise is XLA's
-memory-space assignment's: at smaller weights it keeps the rings'
-accumulator in VMEM (per device ``x [8192, 512]``, ``w [2048, 2048]``,
-a 64 MiB accumulator: the two-way ring 0.08 MiB of HBM temporaries on
-v5e, the fused kernel 24.1, jit 0.0), as on v6e at the sizes measured
+ring is estimated faster (``_auto._ag_memory``). On a ring of 4, per
+device ``x [4096, 1024]``, ``w [4096, 7168]`` on v5e (a 112 MiB
+accumulator, 8 MiB chunks; the one-way ring estimated 1442 us against the
+fused kernel's 1504) and ``x [4096, 2048]``, ``w [8192, 4096]`` on v5p
+(64 MiB, 16 MiB chunks; the two-way ring 685 against 981), the rule takes
+the fused kernel: its program holds no value-ring transfer and its HBM
+temporaries are at most its ``n - 1`` received chunks, within the rule's
+limit (``n + 1`` chunks: jit's all-gather's ``n - 1`` and one chunk's two
+buffers), where the two-way ring's hold the accumulator. The rule's
+premise is XLA's memory-space assignment's: at smaller weights it keeps
+the rings' accumulator in VMEM (per device ``x [8192, 512]``, ``w [2048,
+2048]``, 64 MiB: the two-way ring 0.08 MiB of HBM temporaries on v5e, the
+fused kernel 24.1, jit 0.0), as on v6e at the sizes measured
 (``Cal.ring_acc_hbm``, off there).
 """
 
@@ -32,21 +32,27 @@ from jax.sharding import PartitionSpec as P
 from asyncops.collective_matmul import _auto, allgather_matmul
 from benchmarks import _measure, _mesh
 
-TOPOLOGIES = ["v5e:2x4", "v5p:2x2x2"]
-M, K, F, N = 4096, 1024, 7168, 4  # per device x [M, K], w [N K, F]
-CHUNK = M * K * 2  # one chunk of x, bf16: 8 MiB
-ACC = M * F * 4  # the rings' float32 accumulator: 112 MiB
+# topology -> per device (M, K, F): x [M, K], w [N K, F].
+SHAPES = {"v5e:2x4": (4096, 1024, 7168), "v5p:2x2x2": (4096, 2048, 4096)}
+N = 4
+
+
+def _sizes(topology):
+  """One chunk of ``x`` (bf16) and the rings' float32 accumulator."""
+  m, k, f = SHAPES[topology]
+  return m * k * 2, m * f * 4
 
 
 def _lowered(topology, body):
+  m, k, f = SHAPES[topology]
   mesh = _measure.mesh_for(topology, "ring", N)
   specs = (P(None, "y"), P(None, "y"))
   args = (
     jax.ShapeDtypeStruct(
-      (M, N * K), jnp.bfloat16, sharding=NamedSharding(mesh, specs[0])
+      (m, N * k), jnp.bfloat16, sharding=NamedSharding(mesh, specs[0])
     ),
     jax.ShapeDtypeStruct(
-      (N * K, N * F), jnp.bfloat16, sharding=NamedSharding(mesh, specs[1])
+      (N * k, N * f), jnp.bfloat16, sharding=NamedSharding(mesh, specs[1])
     ),
   )
   fn = jax.jit(
@@ -72,7 +78,7 @@ def _compile(topology, method):
   return choices, compiled.as_text(), alloc
 
 
-@pytest.fixture(scope="module", params=TOPOLOGIES)
+@pytest.fixture(scope="module", params=sorted(SHAPES))
 def topology(request):
   return request.param
 
@@ -90,12 +96,14 @@ def test_auto_takes_the_fused_kernel_for_memory(topology):
   assert "asyncops_ppermute_start" not in text
   # Within the rule's limit, n + 1 chunks (jit's all-gather's n - 1 in
   # HBM, two more): at most the n - 1 received chunks.
-  assert alloc <= (N - 1) * CHUNK + 2**20, alloc
+  chunk, _ = _sizes(topology)
+  assert alloc <= (N - 1) * chunk + 2**20, alloc
 
 
 def test_the_two_way_ring_is_over_the_target(topology):
   # What the rule avoids: the two-way ring holds its accumulator in HBM.
   _, text, alloc = _compile(topology, "ring")
   assert "asyncops_bidirectional_start" in text
-  assert alloc >= ACC, alloc
-  assert alloc > (N + 1) * CHUNK + ACC / 2, alloc
+  chunk, acc = _sizes(topology)
+  assert alloc >= acc, alloc
+  assert alloc > (N + 1) * chunk + acc / 2, alloc
