@@ -333,22 +333,29 @@ def test_decode_rule_yields_to_an_exposed_allgather(kind, n, m, method):
   [
     # v5p tp 4 (per device [M, 2048] @ [8192, 7168]), the model: M = 4096
     # the one-way ring 1470.1 us, the two-way ring of whole chunks 1436.6
-    # (in two row pieces; 1442.4 before); M = 16384 5527.8 against 5185.0;
-    # M = 1024 (halves) 332.4 against 405.1.
+    # (in two row pieces; 1442.4 before), both over the memory target, the
+    # fused kernel 1322.5 within it (branch h-mem2: auto runs it,
+    # ``test_memory_target_takes_the_fused_kernel``); M = 16384 5527.8
+    # against 5292.8, and the fused kernel 5290.2 (h-mem2 likewise); M =
+    # 1024 (halves) 332.4 against 405.1.
     ("TPU v5p", 1024, "ring"),
-    ("TPU v5p", 4096, "ring_bidi"),
-    ("TPU v5p", 16384, "ring_bidi"),
+    ("TPU v5p", 4096, "fused"),
+    ("TPU v5p", 16384, "fused"),
     # v5e takes the fused kernel at M = 4096 since its 4 row panels lost
     # their copies (2593.3 against the one-way ring's 2742.8 and the
     # two-way ring's 3152.1; CAL.fused_panel 1 on v5e) and the two-way
-    # ring in 4 row panels at M = 16384 for its memory (11602.3 us, 256.6
-    # MiB; the one-way ring 10814.3 us, 640.1 MiB, over jit's 192.2 plus
-    # a chunk's 128). v6e takes the fused kernel at M = 4096 since its 4
-    # row panels lost their copies (751.4 against the two-way ring's 866.2
-    # and the one-way ring's 873.7; CAL.fused_panel 0 on v6e) and the
-    # two-way ring at M = 16384 (3688.2 against the fused kernel's 6387.1).
+    # ring in 4 row panels at M = 16384 for its memory (11602.3 us, 192.3
+    # MiB; the one-way ring 10814.3 us, 576.0 MiB, over jit's 192.1 plus
+    # a chunk's 128) until branch h-mem2, where the fused kernel models
+    # 10373.3 us at 12.5 MiB there (12885.0 at 9540c5d) and auto takes it
+    # (CAL.fused_panel 0.3, no knee). v6e takes the fused kernel at M =
+    # 4096 since its 4 row panels lost their copies (751.4 against the
+    # two-way ring's 866.2 and the one-way ring's 873.7) and the two-way
+    # ring at M = 16384 (3688.2; the fused kernel 3082.8 since h-mem2,
+    # 6387.1 at 9540c5d, estimated 3049.5 against the two-way ring's
+    # 2887.7, which is 22% under the model there).
     ("TPU v5 lite", 4096, "fused"),
-    ("TPU v5 lite", 16384, "ring_bidi"),
+    ("TPU v5 lite", 16384, "fused"),
     ("TPU v6 lite", 4096, "fused"),
     ("TPU v6 lite", 16384, "ring_bidi"),
   ],
@@ -370,8 +377,10 @@ def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):
     assert abs(c.ring_us / model - 1) < 0.01, str(c)
     assert c.ring_us < c.ring_bidi_us, str(c)
     if m == 16384:
-      assert "memory target in 4 row panels" in c.reason, str(c)
-      assert "(448 MiB)" in c.reason, str(c)
+      # The one-way ring, held for memory, is under the two-way ring and
+      # over the fused kernel (model 10373.3).
+      assert c.fused_us < c.ring_us < c.ring_bidi_us, str(c)
+      assert abs(c.fused_us / 10373.3 - 1) < 0.02, str(c)
 
 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite", "TPU v5p"])
@@ -381,15 +390,93 @@ def test_memory_target_holds_the_one_way_ring(kind, n):
   accumulator cut to a panel's rows), the one-way ring, which holds the
   whole ``[M, f]`` accumulator (448 MiB at tp 4, 224 at tp 8), is no
   candidate: auto runs the two-way ring at every M = 16384 point of the
-  Llama shard (v5p tp 4 keeps one panel, so there both are weighed)."""
+  Llama shard but v5p tp 4, where the two-way ring keeps one panel
+  (``_gather_rings.ONE_PANEL``): there both rings are over the target and
+  the fused kernel, within it, runs (branch h-mem2: 5290.2 us at 7.0 MiB
+  against the two-way ring's 5292.8 at 668.1), and v5e tp 4, where the
+  fused kernel is the faster (10373.3 us against 11602.3)."""
   k, f = 8192 // n, 28672 // n
   c = _auto.explain_allgather(
     16384, k, f, n, jnp.bfloat16, precision="DEFAULT", device_kind=kind
   )
-  assert c.method == "ring_bidi", str(c)
   assert c.ring_us is not None
   if kind == "TPU v5p" and n == 4:
+    assert c.method == "fused", str(c)
     assert c.ring_bidi_us < c.ring_us, str(c)
+  elif kind == "TPU v5 lite" and n == 4:
+    # Since h-mem2 the fused kernel (10373.3 us, 12.5 MiB) is faster.
+    assert c.method == "fused", str(c)
+  else:
+    assert c.method == "ring_bidi", str(c)
+
+
+@pytest.mark.parametrize(
+  "kind,m,method",
+  [
+    # The Llama shard at tp 4 (per device [M, 2048] @ [8192, 7168]),
+    # bf16; the model (design/benchmarks.md, branch h-mem2), time and
+    # HBM temporaries (the buffer assignment's, MiB) against the target
+    # (jit plus one chunk's buffers). v5p M = 4096: the fused kernel
+    # 1322.5 us at 6.3 MiB, the two-way ring 1436.6 at 188.1, the
+    # one-way ring 1470.1 at 144.1, limit 80.1, xla_best 1457.8.
+    ("TPU v5p", 4096, "fused"),
+    # v5p M = 1024 (a 28 MiB accumulator, time alone): the one-way ring
+    # 332.4 us at 36.0 MiB (limit 20.1), the fused kernel 361.5 at 12.1,
+    # xla_best 331.7.
+    ("TPU v5p", 1024, "ring"),
+    # v5p M = 16384: the fused kernel's 32 panels 5290.2 us at 7.0 MiB,
+    # the two-way ring in one panel 5292.8 at 668.1 (limit 320.1), the
+    # one-way ring 5527.8 at 576.0, xla_best 5484.3.
+    ("TPU v5p", 16384, "fused"),
+    # v5e and v6e M = 4096: the fused kernel, the fastest anyway.
+    ("TPU v5 lite", 4096, "fused"),
+    ("TPU v6 lite", 4096, "fused"),
+  ],
+)
+def test_memory_target_takes_the_fused_kernel(kind, m, method):
+  """Where the value rings hold a float32 accumulator of 64 MiB or more
+  in one panel, over the memory target (``n + 1`` chunks of ``x``: jit's
+  all-gather's ``n - 1`` and one chunk's two buffers), the fused kernel
+  runs when it is estimated 3% under XLA's program, though a ring is
+  estimated faster."""
+  k, f, n = 2048, 7168, 4
+  over = _auto._ag_memory(m, k, f, n, 2, m * f * 4, m * f * 4, 1, {1: 1, 2: 1})
+  assert over == ({1, 2} if m >= 4096 else set())
+  c = _auto.explain_allgather(
+    m, k, f, n, jnp.bfloat16, precision="DEFAULT", device_kind=kind
+  )
+  assert c.method == method, str(c)
+  if (kind, m) == ("TPU v5p", 4096):
+    assert c.ring_bidi_us < c.fused_us < 0.97 * c.xla_us, str(c)
+    assert "within the memory target" in c.reason, str(c)
+    assert "(112 MiB) in one panel" in c.reason, str(c)
+  if kind == "TPU v5p" and m > 1024:
+    # CAL.fused_panel_s and fused_panels_s (v5p): 8 and 32 panels within
+    # 2% of the model (estimated 1773.6 and 7400.1 us before, 2.4 weight
+    # reads a panel).
+    model = {4096: 1322.5, 16384: 5290.2}[m]
+    assert abs(c.fused_us / model - 1) < 0.02, str(c)
+
+
+def test_memory_target_counts_panels_and_narrow_accumulators():
+  """The two-way ring of whole chunks in row panels meets the target
+  (``_gather_rings.whole_panels``); a one-way ring whose accumulator is
+  within ``n + 1`` chunks is not over (tp 8: 224 MiB and two 32 MiB
+  buffers at M = 16384, the limit 288), nor is a small accumulator."""
+  rings = {1: 1.0, 2: 1.0}
+
+  def over(m, k, f, n, one_acc, acc, whole_panels):
+    args = (m, k, f, n, 2, one_acc, acc, whole_panels, rings)
+    return _auto._ag_memory(*args)
+
+  acc = 16384 * 7168 * 4
+  assert over(16384, 2048, 7168, 4, acc, acc, 4) == {1}
+  acc = 16384 * 3584 * 4
+  assert not over(16384, 1024, 3584, 8, acc, acc, 2)
+  acc = 1024 * 7168 * 4
+  assert not over(1024, 2048, 7168, 4, acc, acc, 1)
+  acc = 4096 * 7168 * 2  # accumulation="output": bfloat16
+  assert over(4096, 2048, 7168, 4, acc, 2 * acc, 1) == {1, 2}
 
 
 @pytest.mark.parametrize(

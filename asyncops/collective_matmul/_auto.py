@@ -55,8 +55,9 @@ to the benchmark model's figures (:data:`CAL`):
   ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
   direct sends to every peer (the busiest link's load from the wiring)
   and the last step, whichever is longer; extra panels cost
-  ``CAL.fused_panel W`` each, times ``P / CAL.fused_panel_knee`` for
-  ``P`` panels beyond the knee.
+  ``CAL.fused_panel W + CAL.fused_panel_s`` each (the first term times
+  ``P / CAL.fused_panel_knee`` for ``P`` panels beyond the knee), and
+  ``CAL.fused_panels_s`` once.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
@@ -89,18 +90,27 @@ start as the model does and each with XLA's prefetch of ``x`` into VMEM
 where that fits beside the kernel's scoped VMEM (``CAL.rs_x_vmem``, v6e):
 of the benchmark's points only v6e's prefill shape (198.3 us against
 206.3). Memory (the issue's target: peak temporary memory within jit's
-plus one chunk's send and receive buffers) is a constraint of the pick in
-one place: where the two-way all-gather ring of whole chunks runs in row
-panels (``_gather_rings.whole_panels``, which cuts its float32 accumulator
-to a panel's rows to meet the target), the one-way ring, which holds the
-whole accumulator ``[M, f]``, is no candidate (v5e tp 4, M = 16384 of the
-Llama shard: 10814.3 us at 640.1 MiB against the two-way ring's 11602.3
-at 256.6, jit 192.2 plus 128). Elsewhere no candidate within the target
-is near the fastest (v5e tp 4 M = 4096: the one-way ring at 160.1 MiB
-against jit's 110.7 plus 32, 2742.8 us; XLA's program 3540 us by its
-estimate, the fused kernel in 4 panels 3271.8), and the pick is by time
-alone. For the all-gather, a matmul bound by reading ``w`` (``C < M /
-2``, decode sizes) keeps XLA's program (no extra kernels, no barrier) when
+plus one chunk's send and receive buffers, in the buffer assignment's
+sense: ``n + 1`` chunks of ``x``) is a constraint of the all-gather's pick
+where its float32 accumulator is 64 MiB or more
+(``_gather_rings.WHOLE_ACC_BYTES``): where the two-way ring of whole
+chunks runs in row panels (``_gather_rings.whole_panels``, which cuts its
+float32 accumulator to a panel's rows to meet the target), the one-way
+ring, which holds the whole accumulator ``[M, f]``, is no candidate (v5e
+tp 4, M = 16384 of the Llama shard: 10814.3 us at 640.1 MiB against the
+two-way ring's 11602.3 at 256.6, jit 192.2 plus 128); where a ring holds
+it in one panel, over the target (:func:`_ag_memory`; not on v6e, whose
+memory-space assignment keeps it in VMEM, ``Cal.ring_acc_hbm``), the fused
+kernel runs if it is estimated 3% under XLA's program (v5p tp 4, M = 4096
+and 16384: 1322.5 and 5290.2 us at 6.3 and 7.0 MiB against the two-way
+ring's 1436.6 and 5292.8 at 188.1 and 668.1). Smaller accumulators, and
+points where the fused kernel is not under XLA's program, are picked by
+time alone (v5p tp 4 M = 1024: the one-way ring 332.4 us at 36.0 MiB, over
+jit's 12.1 plus 8, against the fused kernel's 361.5 at 12.1 and
+``xla_best``'s 331.7).
+
+For the all-gather, a matmul bound by reading ``w`` (``C < M / 2``, decode
+sizes) keeps XLA's program (no extra kernels, no barrier) when
 XLA's all-gather takes less than the weight read ``W`` and than the fused
 kernel's fixed costs, ``n`` steps of ``CAL.ag_step_s`` (which its
 estimate leaves out): the step is about the weight read either way. When
@@ -507,6 +517,34 @@ def _whole_ring_s(
   return two * make + p * panel
 
 
+def _ag_memory(m, k, f, n, b, one_acc, acc, whole_panels, rings):
+  """The value rings (``1``: one-way, ``2``: two-way, of ``rings``) whose
+  HBM temporaries are over the issue's memory target, where the float32
+  accumulator is ``_gather_rings.WHOLE_ACC_BYTES`` or more (else none).
+
+  The target, in the benchmark's buffer-assignment sense
+  (``peak_alloc_mib``): jit's temporaries plus one chunk's send and
+  receive buffers. jit's are its all-gather's ``n - 1`` received chunks
+  of ``x`` (the Llama-3-70B shard at tp 4: 12.1, 48.1 and 192.1 MiB at M
+  = 1024, 4096 and 16384, three 4, 16 and 64 MiB chunks), so the limit
+  is ``n + 1`` chunks. A ring in one panel holds its accumulator
+  (``one_acc``, ``acc`` bytes) and a chunk's two buffers (the one-way
+  ring at v5p tp 4 M = 1024: 28 + 8 = 36.0 MiB); the two-way ring of
+  whole chunks in ``whole_panels`` row panels is cut to meet the target
+  (:func:`_gather_rings.whole_panels`). The fused kernel keeps its
+  accumulator in VMEM and holds at most ``n - 1`` received chunks in HBM
+  (v5p tp 4: 12.1 and 6.3 MiB at M = 1024 and 4096, in 2 and 8 row
+  panels), within the limit."""
+  if not _gather_rings.whole_chunks(m, f, jnp.float32, n):
+    return set()
+  chunk = m * k * b
+  limit = (n + 1) * chunk
+  held = {1: one_acc, 2: acc}
+  if whole_panels > 1:
+    held.pop(2)
+  return {d for d, a in held.items() if d in rings and a + 2 * chunk > limit}
+
+
 def explain_allgather(
   m: int,
   k: int,
@@ -591,9 +629,11 @@ def explain_allgather(
     chunk,
     chip.link,
     wr,
-  ) + (panels - 1) * cal.fused_panel * w_s * max(
-    1.0, panels / cal.fused_panel_knee
   )
+  if panels > 1:
+    knee = max(1.0, panels / cal.fused_panel_knee)
+    fused += (panels - 1) * (cal.fused_panel * w_s * knee + cal.fused_panel_s)
+    fused += cal.fused_panels_s
   rings = {}
   # The two-way ring of whole chunks runs in row panels to hold its
   # float32 accumulator (``_gather_rings.whole_panels``).
@@ -650,6 +690,25 @@ def explain_allgather(
   held = (
     whole_panels > 1 and one_dt == jnp.float32 and 2 in rings and 1 in rings
   )
+  # Where the value rings hold a float32 accumulator of
+  # ``_gather_rings.WHOLE_ACC_BYTES`` or more in one panel, over the
+  # target (:func:`_ag_memory`), the fused kernel, which keeps its
+  # accumulator in VMEM, runs if it is estimated 3% under XLA's program,
+  # whatever the rings' estimates: v5p tp 4, M = 4096 of the Llama shard,
+  # the fused kernel 1322.5 us and 6.3 MiB against the two-way ring's
+  # 1436.6 and 188.1 (jit 48.1 plus a chunk's 32; the two-way ring's
+  # estimate there, 1197.7, is 17% under the model); M = 16384, 5290.2
+  # and 7.0 against 5292.8 and 668.1 (limit 320.1). Smaller
+  # accumulators are weighed by time alone (v5p tp 4, M = 1024: the
+  # one-way ring 332.4 us at 36.0 MiB against 20.1, the fused kernel
+  # 361.5 at 12.1, xla_best 331.7).
+  over = set()
+  if cal.ring_acc_hbm:  # (v6e keeps them in VMEM: ``Cal.ring_acc_hbm``)
+    over = _ag_memory(
+      m, k, f, n, b, one_acc // 2, acc // 2, whole_panels, rings
+    )
+  spill = bool(over) and reason is None and fused < _MARGIN * xla
+  drop = over if spill else set()
   choice = _decide(
     reason,
     fused,
@@ -657,8 +716,8 @@ def explain_allgather(
     compute,
     hbm,
     chip,
-    ring_s=None if held else rings.get(1),
-    ring_bidi_s=rings.get(2),
+    ring_s=None if held or 1 in drop else rings.get(1),
+    ring_bidi_s=None if 2 in drop else rings.get(2),
     xla_comm_s=xla_ring,
     # The decode rule yields once XLA's all-gather outlasts the fused
     # kernel's fixed cost per step (``CAL.ag_step_s``) over the ring.
@@ -674,6 +733,24 @@ def explain_allgather(
         f"({m * f * 4 / 2**20:.0f} MiB)"
       )
     choice = dataclasses.replace(choice, ring_us=rings[1] * 1e6, reason=why)
+  if spill:
+    dropped = min(over, key=rings.get)
+    held_acc = {1: one_acc // 2, 2: acc // 2}
+    name = {1: "one-way", 2: "two-way"}[dropped]
+    why = choice.reason
+    if choice.method == "fused" and rings[dropped] < fused:
+      why = (
+        f"the fused kernel keeps its accumulator in VMEM, within the "
+        f"memory target; the {name} value ring, estimated faster, holds "
+        f"its whole accumulator ({held_acc[dropped] / 2**20:.0f} MiB) in "
+        f"one panel, over it"
+      )
+    choice = dataclasses.replace(
+      choice,
+      reason=why,
+      ring_us=None if 1 not in rings else rings[1] * 1e6,
+      ring_bidi_us=None if 2 not in rings else rings[2] * 1e6,
+    )
   if panels > 1 and choice.method == "fused":
     choice = dataclasses.replace(
       choice, reason=f"{choice.reason} ({panels} row panels)"

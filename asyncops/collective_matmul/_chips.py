@@ -78,13 +78,26 @@ class Cal:
       against 2907.9), and M = 16384 keeps the two-way ring (11602.3
       against 12885.0; estimated 11130.5 against 11942.2), tp 8 M = 4096
       and 16384 too (1421.1 and 5912.3 against 1721.1 and 6742.9). v5p
-      keeps 2.4: no one v5p value moves only the points where the
-      fused kernel is now the faster (0.5 takes it at tp 4 M = 4096,
-      1322.5 against 1436.6, but also at tp 4 M = 1024 and tp 8 M =
-      16384, where it is the slower).
+      kept 2.4 until branch h-mem2: no one v5p value moves only the
+      points where the fused kernel is now the faster (0.5 takes it at
+      tp 4 M = 4096, 1322.5 against 1436.6, but also at tp 4 M = 1024
+      and tp 8 M = 16384, where it is the slower). v5p 0 since branch
+      h-mem2, its panels charged in time (``fused_panel_s``). Branch
+      h-mem2 re-measured the fused kernel at M = 16384 (tp 4): v5e
+      10373.3 us (12.5 MiB) and v6e 3082.8 (the cells above, 12885.0
+      and 6387.1, are of 9540c5d), 582 and 194 us over the estimate
+      without a charge in 16 panels (4.1 and 2.7 weight reads); v5e 0.3
+      and v6e 0.15 with no knee charge 4.5 and 2.25 (estimates 10436.5
+      and 3049.5, were 13232.7 and 3532.9; at M = 4096, 4 panels, 2576.9
+      and 754.3 against 2593.3 and 751.4). Of the 72 sweep points v5e
+      tp 4 M = 16384 moves, to the fused kernel (the two-way ring in 4
+      panels 11602.3 us at 192.3 MiB); v6e's two-way ring keeps tp 4 M
+      = 16384 (estimated 2887.7, 22% under the model's 3688.2).
     fused_panel_knee: from this many row panels on, each extra panel
       costs ``P / fused_panel_knee`` times ``fused_panel`` for ``P``
-      panels (inf: never). Merged with auto's refit (e5d33df: the one-way
+      panels (inf: never; every chip since branch h-mem2, the fused
+      kernel's M = 16384 re-measured, above). Merged with auto's refit
+      (e5d33df: the one-way
       ring's ``ag_ring_pass`` 0.1, panels counted in the two-way ring's
       estimate) one charge per panel no longer fits: on v5e tp 4 the
       fused kernel must be under the one-way ring's estimate (2735.8) at
@@ -97,6 +110,32 @@ class Cal:
       754.3 and 3532.9; of the 72 sweep points only v5e and v6e tp 4 M =
       4096 (the fused kernel) and v5p tp 8 M = 64 move against main
       41ba2f4, as the model has them (``/work/sweeps/refit_picks.py``).
+    fused_panel_s: a fused all-gather's cost per extra row panel, in
+      seconds, beside ``fused_panel``'s weight reads; ``fused_panels_s``
+      is charged once when it runs in panels. v5p 33 and 50 us (branch
+      h-mem2): the model's fused kernel over the estimate without a
+      panel charge is 97, 262 and 1052 us at tp 4 in 2, 8 and 32 panels
+      (the Llama-3-70B shard at M = 1024, 4096, 16384: 361.5, 1322.5 and
+      5290.2 us) and 185 and 741 us at tp 8 in 4 and 16 (M = 4096, 16384:
+      715.7, 2862.7), which this charges 83, 281, 1073, 149 and 545 (the
+      estimates 348.0, 1341.0, 5313.0, 679.0, 2665.0). 2.4 weight reads
+      per panel charged 102, 714, 3162, 153 and 764 (estimates 366.9,
+      1773.6, 7400.1, 682.9, 2884.6): per weight read no charge fit both
+      tp 4 M = 4096 and tp 8 M = 16384 (``fused_panel``). Of the 72
+      sweep points the picks at v5p tp 4 M = 4096 and 16384 move, by the
+      memory rule (``_auto._ag_memory``; the two-way ring is estimated
+      1197.7 and 4596.5 there, 17% and 13% under the model): the fused
+      kernel, 6.3 and 7.0 MiB of HBM temporaries against the two-way
+      ring's 188.1 and 668.1.
+    ring_acc_hbm: whether the all-gather value rings' float32
+      accumulator and chunks are taken to live in HBM, where the memory
+      target counts them (``_auto._ag_memory``). v6e False: its
+      memory-space assignment keeps them in VMEM at sizes where v5e and
+      v5p do not (per device ``x [4096, 1024]``, ``w [4096, 4096]`` on a
+      ring of 4, a 64 MiB accumulator: the two-way ring 16.1 MiB of HBM
+      temporaries, the fused kernel 24.2, jit 0.0; the Llama-3-70B shard
+      at tp 4 M = 1024: the one-way ring 0.0, the fused kernel 12.1), so
+      the rule's premise does not hold there.
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -229,6 +268,9 @@ class Cal:
   rs_x_vmem: float = 0.0
   bidi_rs_acc_from: float = float("inf")
   fused_panel_knee: float = float("inf")
+  fused_panel_s: float = 0.0
+  fused_panels_s: float = 0.0
+  ring_acc_hbm: bool = True
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -239,20 +281,20 @@ class Cal:
 # estimated 683) and 16384 (16 panels, 4881.5, estimated 2885; above the
 # two-way ring of whole chunks, 2562.5). With v5p's paired steps and the
 # panels' copies gone (branch h-v5p) the model has 715.7 and 2862.7 us
-# there (the two-way ring 2618.1): the estimates are 5% and 1% under it,
-# the charge is not refit; v4 takes v5e's.
+# there (the two-way ring 2618.1): the estimates were 5% and 1% under it;
+# charged in time since branch h-mem2 (``Cal.fused_panel_s``); v4 takes
+# v5e's.
 _V5E = Cal(
   0.65,
   8e-6,
   1.4e-6,
   0.5,
-  0.4,
+  0.3,
   0.85,
   74e-6,
   rs_ring_w=0.25,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
-  fused_panel_knee=4,
 )
 
 CAL = {
@@ -263,10 +305,12 @@ CAL = {
     13e-6,
     5e-6,
     0.5,
-    2.4,
+    0.0,
     0.76,
     2e-6,
     rs_overlap=0.45,
+    fused_panel_s=33e-6,
+    fused_panels_s=50e-6,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
@@ -282,6 +326,6 @@ CAL = {
     0.75,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
-    fused_panel_knee=4,
+    ring_acc_hbm=False,
   ),
 }

@@ -1,0 +1,109 @@
+"""Auto's memory rule for the all-gather matmul, on compiled TPU programs
+(ahead of time, v5e and v5p; no wall time).
+
+Where the value rings hold a float32 accumulator of 64 MiB or more in one
+panel, over the memory target (jit's temporaries plus one chunk's send and
+receive buffers, in the buffer assignment's HBM bytes), ``method="auto"``
+runs the fused kernel if it is estimated 3% under XLA's program, though a
+ring is estimated faster (``_auto._ag_memory``). On a ring of 4, per
+device ``x [4096, 1024]``, ``w [4096, 7168]`` on v5e (a 112 MiB
+accumulator, 8 MiB chunks; the one-way ring estimated 1442 us against the
+fused kernel's 1504) and ``x [4096, 2048]``, ``w [8192, 4096]`` on v5p
+(64 MiB, 16 MiB chunks; the two-way ring 685 against 981), the rule takes
+the fused kernel: its program holds no value-ring transfer and its HBM
+temporaries are at most its ``n - 1`` received chunks, within the rule's
+limit (``n + 1`` chunks: jit's all-gather's ``n - 1`` and one chunk's two
+buffers), where the two-way ring's hold the accumulator. The rule's
+premise is XLA's memory-space assignment's: at smaller weights it keeps
+the rings' accumulator in VMEM (per device ``x [8192, 512]``, ``w [2048,
+2048]``, 64 MiB: the two-way ring 0.08 MiB of HBM temporaries on v5e, the
+fused kernel 24.1, jit 0.0), as on v6e at the sizes measured
+(``Cal.ring_acc_hbm``, off there).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncops.collective_matmul import _auto, allgather_matmul
+from benchmarks import _measure, _mesh
+
+# topology -> per device (M, K, F): x [M, K], w [N K, F].
+SHAPES = {"v5e:2x4": (4096, 1024, 7168), "v5p:2x2x2": (4096, 2048, 4096)}
+N = 4
+
+
+def _sizes(topology):
+  """One chunk of ``x`` (bf16) and the rings' float32 accumulator."""
+  m, k, f = SHAPES[topology]
+  return m * k * 2, m * f * 4
+
+
+def _lowered(topology, body):
+  m, k, f = SHAPES[topology]
+  mesh = _measure.mesh_for(topology, "ring", N)
+  specs = (P(None, "y"), P(None, "y"))
+  args = (
+    jax.ShapeDtypeStruct(
+      (m, N * k), jnp.bfloat16, sharding=NamedSharding(mesh, specs[0])
+    ),
+    jax.ShapeDtypeStruct(
+      (N * k, N * f), jnp.bfloat16, sharding=NamedSharding(mesh, specs[1])
+    ),
+  )
+  fn = jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, "y"))
+  )
+  with _auto.recording() as choices, _mesh.quiet_fd2():
+    lowered = fn.trace(*args).lower()
+  return lowered, choices
+
+
+@functools.cache
+def _compile(topology, method):
+  """``(choices, HLO text, HBM temporary bytes)`` of one program."""
+  body = functools.partial(
+    allgather_matmul,
+    axis_name="y",
+    method=method,
+    bidirectional=method == "ring",
+  )
+  lowered, choices = _lowered(topology, body)
+  compiled, assignment = _measure.compile_with_assignment(lowered)
+  alloc = _measure.peak_alloc_bytes(_measure.assignment_temps(assignment))
+  return choices, compiled.as_text(), alloc
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def topology(request):
+  return request.param
+
+
+def test_auto_takes_the_fused_kernel_for_memory(topology):
+  choices, text, alloc = _compile(topology, "auto")
+  [(_, c)] = choices
+  assert c.method == "fused", str(c)
+  assert "within the memory target" in c.reason, str(c)
+  assert min(c.ring_us, c.ring_bidi_us) < c.fused_us, str(c)
+  assert c.fused_us < 0.97 * c.xla_us, str(c)
+  # The fused kernel's program: its ring kernels, no value-ring transfer.
+  assert "allgather_matmul" in text
+  assert "asyncops_bidirectional_start" not in text
+  assert "asyncops_ppermute_start" not in text
+  # Within the rule's limit, n + 1 chunks (jit's all-gather's n - 1 in
+  # HBM, two more): at most the n - 1 received chunks.
+  chunk, _ = _sizes(topology)
+  assert alloc <= (N - 1) * chunk + 2**20, alloc
+
+
+def test_the_two_way_ring_is_over_the_target(topology):
+  # What the rule avoids: the two-way ring holds its accumulator in HBM.
+  _, text, alloc = _compile(topology, "ring")
+  assert "asyncops_bidirectional_start" in text
+  chunk, acc = _sizes(topology)
+  assert alloc >= acc, alloc
+  assert alloc > (N + 1) * chunk + acc / 2, alloc
