@@ -271,6 +271,7 @@ class Cal:
   fused_panel_s: float = 0.0
   fused_panels_s: float = 0.0
   ring_acc_hbm: bool = True
+  whole_unhidden: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -327,5 +328,6 @@ CAL = {
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
+    whole_unhidden=0.5,
   ),
 }
