@@ -503,7 +503,12 @@ def _whole_ring_s(
   the stacked rows and each panel's exposed first step (here 1% to 4%);
   the model's differences (-7% to +4% at these points, up to +17% in 4
   panels at v5e tp 8 and v5p tp 4) are mostly XLA's tiling of the
-  smaller dots, which this estimate does not follow."""
+  smaller dots, which this estimate does not follow.
+
+  ``unhidden`` (``Cal.whole_unhidden``) of the shorter of a piece's dot
+  and pass is charged beside the longer: v6e 0.5 (its dot is short
+  against the pass; the estimates there become 3174.2 us at tp 4 in 4
+  panels and 2077.9 at tp 8 in 1, models 3688.2 and 2153.6)."""
   p = panels
   c = compute / n / p
   a = acc / chip.hbm / p

@@ -136,6 +136,16 @@ class Cal:
       temporaries, the fused kernel 24.2, jit 0.0; the Llama-3-70B shard
       at tp 4 M = 1024: the one-way ring 0.0, the fused kernel 12.1), so
       the rule's premise does not hold there.
+    whole_unhidden: the share of the shorter of a two-chunk piece's dot
+      and its accumulator pass (``_auto._whole_ring_s``, the two-way
+      ring of whole chunks) that does not hide under the longer. v6e 0.5
+      (the model, tp 8 M = 16384 in one panel: a piece 212 us from 131
+      us of FLOPs and a 143 us half pass; the ring 2153.6 us, estimated
+      2077.9 with it, 1684.9 without): at tp 4 M = 16384 in 4 panels the
+      estimate is 3174.2 (model 3688.2; 2887.7 without it), over the
+      fused kernel's 3049.5 (model 3082.8), which auto then runs; no
+      other sweep pick moves. 0 elsewhere (v5e's estimate is within 3%
+      of the model without it).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
