@@ -92,7 +92,8 @@ class Cal:
       and 754.3 against 2593.3 and 751.4). Of the 72 sweep points v5e
       tp 4 M = 16384 moves, to the fused kernel (the two-way ring in 4
       panels 11602.3 us at 192.3 MiB); v6e's two-way ring keeps tp 4 M
-      = 16384 (estimated 2887.7, 22% under the model's 3688.2).
+      = 16384 (estimated 2887.7, 22% under the model's 3688.2) until
+      ``whole_unhidden`` (branch h-v6epick: 3174.2, the fused kernel).
     fused_panel_knee: from this many row panels on, each extra panel
       costs ``P / fused_panel_knee`` times ``fused_panel`` for ``P``
       panels (inf: never; every chip since branch h-mem2, the fused
