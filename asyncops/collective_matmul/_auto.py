@@ -475,7 +475,7 @@ def _ring_s(
 
 
 def _whole_ring_s(
-  n, compute, acc, chunk, out_bytes, w_rows, chip, panels=1
+  n, compute, acc, chunk, out_bytes, w_rows, chip, panels=1, unhidden=0.0
 ) -> float:
   """The two-way ring of whole chunks (``_gather_rings.whole_chunks``) in
   two row pieces: every transfer is half a chunk each way, the first two
@@ -503,14 +503,20 @@ def _whole_ring_s(
   the stacked rows and each panel's exposed first step (here 1% to 4%);
   the model's differences (-7% to +4% at these points, up to +17% in 4
   panels at v5e tp 8 and v5p tp 4) are mostly XLA's tiling of the
-  smaller dots, which this estimate does not follow."""
+  smaller dots, which this estimate does not follow.
+
+  ``unhidden`` (``Cal.whole_unhidden``) of the shorter of a piece's dot
+  and pass is charged beside the longer: v6e 0.5 (its dot is short
+  against the pass; the estimates there become 3174.2 us at tp 4 in 4
+  panels and 2077.9 at tp 8 in 1, models 3688.2 and 2153.6)."""
   p = panels
   c = compute / n / p
   a = acc / chip.hbm / p
   half = chunk / p / 2 / chip.link + _HOP_S  # a piece: half a chunk each way
   make = 2 * 2 * w_rows / chip.hbm  # a step's rows of w read and stacked
   read = 2 * w_rows / chip.hbm  # and read back by its dots
-  piece = max(max(c, a / 2) + a / 8 + read / 2, half)
+  both = max(c, a / 2) + unhidden * min(c, a / 2)
+  piece = max(both + a / 8 + read / 2, half)
   two = n // 2 - (1 - n % 2)  # steps carrying two chunks
   tail = (c + a / 2 if n % 2 == 0 else 0.0) + out_bytes / p / chip.hbm
   panel = _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + tail
@@ -678,6 +684,7 @@ def explain_allgather(
         k * f * b,
         chip,
         whole_panels,
+        cal.whole_unhidden,
       )
   # The memory target (peak temporary memory within jit's plus one chunk's
   # buffers): where the two-way ring of whole chunks runs in row panels to

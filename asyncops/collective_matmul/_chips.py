@@ -92,7 +92,8 @@ class Cal:
       and 754.3 against 2593.3 and 751.4). Of the 72 sweep points v5e
       tp 4 M = 16384 moves, to the fused kernel (the two-way ring in 4
       panels 11602.3 us at 192.3 MiB); v6e's two-way ring keeps tp 4 M
-      = 16384 (estimated 2887.7, 22% under the model's 3688.2).
+      = 16384 (estimated 2887.7, 22% under the model's 3688.2) until
+      ``whole_unhidden`` (branch h-v6epick: 3174.2, the fused kernel).
     fused_panel_knee: from this many row panels on, each extra panel
       costs ``P / fused_panel_knee`` times ``fused_panel`` for ``P``
       panels (inf: never; every chip since branch h-mem2, the fused
@@ -136,6 +137,16 @@ class Cal:
       temporaries, the fused kernel 24.2, jit 0.0; the Llama-3-70B shard
       at tp 4 M = 1024: the one-way ring 0.0, the fused kernel 12.1), so
       the rule's premise does not hold there.
+    whole_unhidden: the share of the shorter of a two-chunk piece's dot
+      and its accumulator pass (``_auto._whole_ring_s``, the two-way
+      ring of whole chunks) that does not hide under the longer. v6e 0.5
+      (the model, tp 8 M = 16384 in one panel: a piece 212 us from 131
+      us of FLOPs and a 143 us half pass; the ring 2153.6 us, estimated
+      2077.9 with it, 1684.9 without): at tp 4 M = 16384 in 4 panels the
+      estimate is 3174.2 (model 3688.2; 2887.7 without it), over the
+      fused kernel's 3049.5 (model 3082.8), which auto then runs; no
+      other sweep pick moves. 0 elsewhere (v5e's estimate is within 3%
+      of the model without it).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -271,6 +282,7 @@ class Cal:
   fused_panel_s: float = 0.0
   fused_panels_s: float = 0.0
   ring_acc_hbm: bool = True
+  whole_unhidden: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -327,5 +339,6 @@ CAL = {
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
+    whole_unhidden=0.5,
   ),
 }
