@@ -440,6 +440,12 @@ def _captured(case):
       st.ppermute_done(fut, a, b)
     elif case == "twice in a branch":
       jax.lax.cond(p, wait(3.0), lambda: (wait(5.0)(), wait(5.0)())[0])
+    elif case == "source written in a branch":
+      jax.lax.cond(
+        p, wait(3.0), lambda: (a.__setitem__(..., y), wait(5.0)())[1]
+      )
+    elif case == "loop body":
+      jax.lax.fori_loop(0, 2, lambda i, c: (wait(3.0)(), c)[1], 0)
     elif case == "two jits":
       jax.jit(wait(3.0))()
       jax.jit(wait(5.0))()
@@ -471,6 +477,8 @@ def test_done_in_every_branch_on_a_captured_future():
     ("and after", r"was already awaited at .*test_stateful.py:\d+"),
     ("twice in a branch", r"was already awaited at .*test_stateful.py:\d+"),
     ("two jits", r"awaited or handed on 2 times"),
+    ("source written in a branch", r"writes the source Ref"),
+    ("loop body", r"captured by a scan/fori_loop body as a constant"),
   ],
 )
 def test_captured_future_misused_is_refused(case, match):
