@@ -529,6 +529,7 @@ def test_future_through_every_branch_unchanged(op, n, mode):
     e for e in _eqns(_trace(body).jaxpr.jaxpr) if e.primitive.name == "cond"
   ]
   assert len(cond.outvars) == 1
+  asyncops.futures.check_futures(_jit(body), _spec())  # the strict form
 
   def lax(x):
     k = jax.lax.axis_index("i")
