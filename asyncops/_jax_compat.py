@@ -572,6 +572,18 @@ def current_frame(x: Any) -> Any:
   )
 
 
+def captured(x: Any) -> bool:
+  """Whether ``x`` is a tracer of an enclosing jaxpr trace, closed over by
+  the one tracing now (a ``lax.cond`` branch, a loop body, a ``jit``)."""
+  trace = getattr(x, "_trace", None)
+  now = current_trace()
+  return (
+    isinstance(trace, _pe.DynamicJaxprTrace)
+    and isinstance(now, _pe.DynamicJaxprTrace)
+    and trace is not now
+  )
+
+
 def live_eqns(frame: Any) -> list[Any]:
   """The frame's equations traced so far, in order (dead ones skipped)."""
   out = []
@@ -766,6 +778,8 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   compute above the start (measured on v5e). Equations stay in the frame,
   so user tracers of their results remain valid.
   """
+  if captured(sems[0]):  # traced in a nested trace: its eqns are elsewhere
+    return sems
   frame = current_frame(sems[0])
   trace = sems[0]._trace
   eqns = live_eqns(frame)

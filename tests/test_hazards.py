@@ -468,10 +468,114 @@ def test_switch_branches_all_await_or_it_is_refused(awaits):
 
   if all(awaits):
     _trace(body)
+  elif not any(awaits):  # no branch takes it: dropped before the switch
+    with pytest.raises(FutureError, match=r"is never awaited\. "):
+      _trace(body)
   else:
     bad = awaits.index(False)
     with pytest.raises(FutureError, match=f"never awaited in branch {bad}"):
       _trace(body)
+
+
+# A future every branch passes through unchanged: JAX forwards the output
+# out of the cond (it *is* the operand) and keeps the operand, unused.
+_BRANCHES = [("cond", 2), ("switch", 2), ("switch", 3)]
+
+
+def _branch_op(op, n, branches, *args):
+  if op == "cond":
+    # branches[k] on device k % 2, as the switch: index k is branch k
+    pred = jax.lax.axis_index("i") % 2 == 1
+    return jax.lax.cond(pred, branches[1], branches[0], *args)
+  return jax.lax.switch(jax.lax.axis_index("i") % n, branches, *args)
+
+
+def _eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for sub in jc.jaxprs_in_params(e.params):
+      yield from _eqns(getattr(sub, "jaxpr", sub))
+
+
+def _branch(how, k):
+  """Branch ``k`` of a cond taking ``(future, z)``; ``how`` it treats it."""
+
+  def run(f, z):
+    if how == "through":  # returns the future unchanged
+      return f, z * (k + 1)
+    if how == "await_and_pass" and k == 0:
+      return f, z + asyncops.ppermute_done(f)
+    if how == "await_and_pass":
+      return f, z * (k + 1)
+    if how == "await_one" and k == 0:
+      return asyncops.ppermute_done(f) + z
+    return z * (k + 1)  # ignores the future
+
+  return run
+
+
+@pytest.mark.parametrize(("op", "n"), _BRANCHES)
+@pytest.mark.parametrize("mode", ["start", "done"])
+def test_future_through_every_branch_unchanged(op, n, mode):
+  def body(x):
+    _, fut = asyncops.ppermute_start(x * 2.0, "i", shift=1)
+    branches = [_branch("through", k) for k in range(n)]
+    fut, z = _branch_op(op, n, branches, fut, x)
+    return asyncops.ppermute_done(fut) + z
+
+  # The case this is about: JAX takes the future out of the cond, so the
+  # cond returns z only and its branches never touch the semaphores.
+  (cond,) = [
+    e for e in _eqns(_trace(body).jaxpr.jaxpr) if e.primitive.name == "cond"
+  ]
+  assert len(cond.outvars) == 1
+  asyncops.futures.check_futures(_jit(body), _spec())  # the strict form
+
+  def lax(x):
+    k = jax.lax.axis_index("i")
+    return jax.lax.ppermute(x * 2.0, "i", SHIFT) + x * (k % n + 1)
+
+  x = jnp.arange(N * 2 * 128, dtype=jnp.float32).reshape(N * 2, 128)
+  want = np.asarray(
+    _jit(lax)(jax.device_put(x, NamedSharding(_mesh(), P("i"))))
+  )
+  np.testing.assert_array_equal(_run(body, mode), want)
+
+
+@pytest.mark.parametrize(("op", "n"), _BRANCHES)
+@pytest.mark.parametrize(
+  ("how", "match"),
+  [
+    # branch 0 awaits it, the others ignore it
+    ("await_one", r"never awaited in branch 1"),
+    # ... and it is awaited again after the cond
+    ("await_one_and_after", r"never awaited in branch 1"),
+    # every branch ignores it and nothing awaits it after the cond
+    ("ignore", r"test_hazards.py:\d+.*is never awaited\. "),
+    # every branch passes it on and it is awaited twice after the cond
+    ("twice", r"awaited or handed on 2 times"),
+    # every branch passes it on, branch 0 also awaits it
+    ("await_and_pass", r"never awaited in branch 1"),
+  ],
+)
+def test_future_through_branches_misused_is_refused(op, n, how, match):
+  def body(x):
+    _, fut = asyncops.ppermute_start(x * 2.0, "i", shift=1)
+    kind = {"await_one_and_after": "await_one", "twice": "through"}
+    branches = [_branch(kind.get(how, how), k) for k in range(n)]
+    if how in ("twice", "await_and_pass"):
+      fut, z = _branch_op(op, n, branches, fut, x)
+    else:
+      z = _branch_op(op, n, branches, fut, x)
+    if how == "twice":
+      wait = jax.jit(asyncops.ppermute_done)  # past the Python-side check
+      return wait(fut) + wait(fut) + z
+    if how in ("await_and_pass", "await_one_and_after"):
+      return asyncops.ppermute_done(fut) + z
+    return z
+
+  with pytest.raises(FutureError, match=match):
+    _trace(body)
 
 
 def test_start_dropped_in_a_loop_body():

@@ -410,3 +410,103 @@ def test_tpu_matmul_scheduled_inside_window(topology):
   (pair,) = r.pairs_for("asyncops_ppermute_ref_start")
   ops = [f"{i.opcode} {i.op_name}" for i in pair.between]
   assert any(re.search(r"convolution|dot_general", o) for o in ops), ops
+
+
+# A future a lax.cond branch closes over ---------------------------------------
+
+
+def _captured(case):
+  """A Ref future captured (closed over) by ``lax.cond`` branches."""
+
+  def f(x, w):
+    a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+    fut = st.ppermute_start(a, b, "y", shift=1)
+    y = x @ w  # compute between the start and the cond
+    p = jax.lax.axis_index("y") % 2 == 0
+
+    def wait(scale):
+      def run():
+        st.ppermute_done(fut, a, b)
+        a[...] = a[...] * scale  # after the done: no hazard
+
+      return run
+
+    if case == "every branch":
+      jax.lax.cond(p, wait(3.0), wait(5.0))
+    elif case == "one branch":
+      jax.lax.cond(p, wait(3.0), lambda: None)
+    elif case == "and after":
+      jax.lax.cond(p, wait(3.0), wait(5.0))
+      st.ppermute_done(fut, a, b)
+    elif case == "twice in a branch":
+      jax.lax.cond(p, wait(3.0), lambda: (wait(5.0)(), wait(5.0)())[0])
+    elif case == "source written in a branch":
+      jax.lax.cond(
+        p, wait(3.0), lambda: (a.__setitem__(..., y), wait(5.0)())[1]
+      )
+    elif case == "loop body":
+      jax.lax.fori_loop(0, 2, lambda i, c: (wait(3.0)(), c)[1], 0)
+    elif case == "two jits":
+      jax.jit(wait(3.0))()
+      jax.jit(wait(5.0))()
+    return (b[...] + a[...] + y,)
+
+  return f
+
+
+def test_done_in_every_branch_on_a_captured_future():
+  # Crashed in tie_between before (IndexError, or ValueError with compute
+  # reading outer values in the window): the done, traced in the
+  # branch, looked for the start among the branch's equations.
+  def lax(x, w):
+    b = jax.lax.ppermute(x * 2.0, "y", [(i, (i + 1) % 4) for i in range(4)])
+    even = jax.lax.axis_index("y") % 2 == 0
+    return (b + x * 2.0 * jnp.where(even, 3.0, 5.0) + x @ w,)
+
+  x, w = _inputs(7)
+  (want,) = _run(lax, 1, x, w, "start")
+  for transfer in ("start", "done"):
+    (got,) = _run(_captured("every branch"), 1, x, w, transfer)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+  ("case", "match"),
+  [
+    ("one branch", r"never awaited in branch 0 of a cond"),
+    ("and after", r"was already awaited at .*test_stateful.py:\d+"),
+    ("twice in a branch", r"was already awaited at .*test_stateful.py:\d+"),
+    ("two jits", r"awaited or handed on 2 times"),
+    ("source written in a branch", r"writes the source Ref"),
+    ("loop body", r"captured by a scan/fori_loop body as a constant"),
+  ],
+)
+def test_captured_future_misused_is_refused(case, match):
+  x, w = _inputs(7)
+  with pytest.raises(FutureError, match=match):
+    _run(_captured(case), 1, x, w, "start")
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_captured_future_awaited_in_every_branch_on_tpu(topology):
+  mesh = tpu_mesh(topology, (2, 4), AXES)
+  x = jax.ShapeDtypeStruct(
+    (8 * TPU_SHARD[0], TPU_SHARD[1]),
+    jnp.float32,
+    sharding=NamedSharding(mesh, SPEC),
+  )
+  w = jax.ShapeDtypeStruct(
+    (TPU_SHARD[1],) * 2, jnp.float32, sharding=NamedSharding(mesh, P())
+  )
+  f = jax.jit(
+    jax.shard_map(
+      _captured("every branch"),
+      mesh=mesh,
+      in_specs=(SPEC, P()),
+      out_specs=(SPEC,),
+    )
+  )
+  r = analyze(f, x, w)
+  assert len(r.kernel_pairs) == 2  # one done per branch
+  assert not r.unawaited_branches
+  r.assert_no_hazards()

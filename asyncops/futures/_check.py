@@ -363,6 +363,14 @@ class _Flow:
     branches = eqn.params["branches"]
     ops = in_sems[1:]
     results = [self.sub(b, ops).run() for b in branches]
+    # An operand no branch uses is not handed to the cond: JAX forwards a
+    # future every branch returns unchanged out of the cond (the result is
+    # the operand itself) and keeps the operand, unused by every branch.
+    # It stays with this trace, to be awaited once after the cond.
+    ops = [
+      None if all(r[1][k] == 0 for r in results) else s
+      for k, s in enumerate(ops)
+    ]
     for k, s in enumerate(ops):
       if s is not None:
         for i, (_, uses) in enumerate(results):

@@ -159,7 +159,10 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
       f"are laid out as {layout}, but the future (started at "
       f"{fut._origin}) is for {fut.layout}. Pass the start's Refs."
     )
-  fut.consume(fn, here)
+  # A future a cond branch closes over: its start is in an enclosing trace
+  # (awaited once per branch, each branch its own trace).
+  nested = jc.current_trace() if fut.sems and jc.captured(fut.sems[0]) else None
+  fut.consume(fn, here, nested)
   sems = list(fut.sems)
   if fut._track is not None:
     sems = jc.tie_between(fut._track[0], sems)

@@ -73,6 +73,7 @@ class RefFuture:
     "_status",
     "_track",
     "_awaited_at",
+    "_awaited_in",
     "_token",
   )
 
@@ -86,6 +87,7 @@ class RefFuture:
     self._status = "fresh"  # fresh | awaited | handed_off
     self._track = None  # (start_eqn, src_view, dst_view) while tracing
     self._awaited_at = "unknown"
+    self._awaited_in = []  # the nested traces that awaited it (captured)
     self._token = token
     if token is not None:
       _pending[token] = origin or "unknown"
@@ -108,8 +110,20 @@ class RefFuture:
     fut._status = "handed_off"
     return fut
 
-  def consume(self, fn: str, where: str) -> None:
+  def consume(self, fn: str, where: str, nested=None) -> None:
+    """Marks the future awaited (once).
+
+    ``nested``: the trace awaiting it, when that is a ``lax.cond`` branch
+    (or a ``jit``) closing over the future. Each branch traces its own
+    await, so an await in another such trace is not refused here; the
+    jaxpr check counts the awaits on every path (twice after a ``jit``,
+    once per branch of a ``cond``).
+    """
     if self._status == "awaited":
+      known = any(t is nested for t in self._awaited_in)
+      if nested is not None and self._awaited_in and not known:
+        self._awaited_in.append(nested)
+        return
       raise FutureError(
         f"asyncops.stateful.{fn}: the {self.spec.short()} started at "
         f"{self._origin or 'unknown'} was already awaited at "
@@ -118,6 +132,7 @@ class RefFuture:
       )
     self._settle("awaited")
     self._awaited_at = where
+    self._awaited_in = [nested] if nested is not None else []
 
   def __del__(self):
     if getattr(self, "_status", None) == "fresh":
