@@ -125,8 +125,8 @@ def allgather_matmul(
       dot) and the two-way ring when ``method="auto"`` picks it (it was
       slower with a bfloat16 accumulator at some shapes) and the
       ``api="ref"`` two-way ring of halves (its accumulator halves sit
-      in VMEM, and in bfloat16 it is slower on v5e and v6e) still round
-      once; ``method="ring"`` rings (one- or two-way)
+      in VMEM; in bfloat16 it is slower on v5e, and on v6e at the
+      prefill shape) still round once; ``method="ring"`` rings (one- or two-way)
       and auto's one-way ring, whose estimate then charges the narrower
       accumulator, use it. float32 and integer ``lhs`` are unchanged
       (their accumulator is already ``lhs.dtype``: integers add exactly,
