@@ -69,9 +69,10 @@ def _acc_shapes(report, dtype: str) -> list[str]:
 
 
 # The two-way Ref ring of halves keeps float32 with "output": with a
-# bfloat16 accumulator (2 MiB here, 4 in float32) XLA prefetched a
-# received half into VMEM (HBM -> VMEM) while it was the source of the
-# next transfer, an in-flight copy (``_gather_rings.contracting``).
+# bfloat16 accumulator (2 MiB here, 4 in float32) XLA prefetches a
+# received half into VMEM while it is the source of the next transfer (a
+# read-only copy the guard accepts), and the ring is slower on v5e (and
+# v6e at the prefill shape; ``_gather_rings.contracting``).
 CASES = [(False, "value"), (True, "value"), (False, "ref")]
 
 

@@ -124,8 +124,9 @@ def allgather_matmul(
       (its accumulator stays in VMEM in float32), ``method="xla"`` (one
       dot) and the two-way ring when ``method="auto"`` picks it (it was
       slower with a bfloat16 accumulator at some shapes) and the
-      ``api="ref"`` two-way ring of halves (XLA would copy a half in
-      flight) still round once; ``method="ring"`` rings (one- or two-way)
+      ``api="ref"`` two-way ring of halves (its accumulator halves sit
+      in VMEM; in bfloat16 it is slower on v5e, and on v6e at the
+      prefill shape) still round once; ``method="ring"`` rings (one- or two-way)
       and auto's one-way ring, whose estimate then charges the narrower
       accumulator, use it. float32 and integer ``lhs`` are unchanged
       (their accumulator is already ``lhs.dtype``: integers add exactly,

@@ -461,11 +461,13 @@ def contracting(
     accumulation: ``"float32"`` or ``"output"`` (:func:`accumulator_dtype`):
       the dtype every chunk's dot produces and the accumulator adds in,
       in every form of this ring (halves, whole chunks, panels), but the
-      Ref API's two-way ring of halves, which keeps float32: with a
-      bfloat16 accumulator XLA prefetches a received half into VMEM while
-      it is the source of the next transfer, a copy of an in-flight
-      buffer (``tests/test_accumulation_tpu.py``; ``"output"`` permits
-      the rounding, it does not require it).
+      Ref API's two-way ring of halves, which keeps float32: its
+      accumulator halves sit in VMEM, and in bfloat16 XLA's dot fusions
+      are slower on v5e (chapter shape 58.2 -> 86.0 us, prefill 772.1 ->
+      852.7) and v6e at the prefill shape (272.9 -> 291.2); the guard
+      accepts that program (its in-flight copies only read a held
+      source). ``"output"`` permits the rounding, it does not require it
+      (``design/benchmarks.md``, "Opt-in output-dtype accumulation").
 
   Returns:
     ``(outs, gathered)``: a tuple of ``[M, f_i]`` in ``x.dtype``, and
@@ -473,7 +475,7 @@ def contracting(
   """
   (m, k), dt = x.shape, x.dtype
   if api == "ref" and bidirectional:
-    accumulation = "float32"  # no in-flight copy (above)
+    accumulation = "float32"  # faster (above)
   acc_dt = accumulator_dtype(dt, accumulation)
   f = sum(w.shape[1] for w in ws)
   if (
