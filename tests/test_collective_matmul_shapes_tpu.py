@@ -235,10 +235,11 @@ def test_llama_up_weights_pass_the_barrier(topology):
   """The gated MLP's one-way up ring keeps its two weights (gate and up,
   per device ``[D, F / 4]``) behind the step barriers
   (``_gather_rings.weights_barrier``): XLA prefetches neither into VMEM
-  across programs and every up-projection chunk dot reads both entry
-  parameters. Closed over (a single weight's form), v5e prefetched one of
-  the two and tiled the step dots slower (4522.9 against 4314.4 us,
-  ``design/benchmarks.md``, "The one-way value ring's weight")."""
+  across programs and every up-projection chunk dot reads a weight's
+  entry parameter (not a VMEM copy). Closed over (a single weight's
+  form), v5e prefetched one of the two and tiled the step dots slower
+  (4522.9 against 4314.4 us, ``design/benchmarks.md``, "The one-way value
+  ring's weight")."""
   r = _report(topology, "llama", "value", False)
   entry = r.hlo_text[r.hlo_text.index("\nENTRY") :]
   params = re.findall(r"%(param\S*) = bf16\[(\d+),(\d+)\]", entry)
