@@ -166,11 +166,11 @@ def weights_barrier(bidirectional: bool, ws) -> bool:
   Two-way rings: yes (closed over, the ring of halves was slower). One
   way: a single weight is closed over, so XLA may prefetch it into VMEM
   across programs (v5e tp 4 M = 4096, 3070.0 -> 2742.8 us). Several
-  weights (a gated MLP's gate and up projections) pass the barrier: XLA
-  prefetches at most one entry parameter, and with one of the two
-  weights in VMEM it tiled the step dots that read both slower (the v5e
-  Llama-3-70B gated MLP block, 4522.9 us closed over, 4314.4 through the
-  barrier, no prefetch; ``design/benchmarks.md``).
+  weights (a gated MLP's gate and up projections) pass the barrier:
+  closed over, XLA prefetched one of the two into VMEM and tiled the
+  step dots slower (the v5e Llama-3-70B gated MLP block, 4522.9 us
+  closed over, 4314.4 through the barrier, no prefetch;
+  ``design/benchmarks.md``).
   """
   return bidirectional or len(ws) > 1
 
