@@ -14,6 +14,7 @@ step's transfer.
 import collections
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +228,40 @@ CASES = [
 def test_copy_free_and_overlapped(topology, program, api, bidirectional):
   r = _report(topology, program, api, bidirectional)
   check(r, program, api, bidirectional, topology)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_llama_up_weights_pass_the_barrier(topology):
+  """The gated MLP's one-way up ring keeps its two weights (gate and up,
+  per device ``[D, F / 4]``) behind the step barriers
+  (``_gather_rings.weights_barrier``): XLA prefetches neither into VMEM
+  across programs and every up-projection chunk dot reads a weight's
+  entry parameter (not a VMEM copy). Closed over (a single weight's
+  form), v5e prefetched one of the two and tiled the step dots slower
+  (4522.9 against 4314.4 us, ``design/benchmarks.md``, "The one-way value
+  ring's weight")."""
+  r = _report(topology, "llama", "value", False)
+  entry = r.hlo_text[r.hlo_text.index("\nENTRY") :]
+  params = re.findall(r"%(param\S*) = bf16\[(\d+),(\d+)\]", entry)
+  ws = {p for p, a, b in params if (int(a), int(b)) == (D, F // N)}
+  assert len(ws) == 2, params
+  prefetched = set(
+    re.findall(r"copy-start\(%(\S+)\), cross_program_prefetch_index", entry)
+  )
+  assert not prefetched & ws, f"cross-program prefetched: {prefetched & ws}"
+  dots = [
+    line
+    for line in entry.splitlines()
+    if " fusion(" in line
+    and "dot_general" in line
+    and "/up/" in line
+    and "chunk" in line
+  ]
+  assert len(dots) >= 2 * (N - 1), len(dots)
+  for line in dots:
+    operands = line.split(" fusion(", 1)[1].split(")", 1)[0] + ","
+    assert any(f"%{w}," in operands for w in ws), line[:300]
+  check(r, "llama", "value", False, topology)
 
 
 def test_check_catches_a_matmul_outside_its_window():

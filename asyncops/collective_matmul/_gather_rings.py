@@ -92,6 +92,7 @@ def run(
   api: str,
   consume,
   stash: list | None = None,
+  barrier: bool | None = None,
 ):
   """Runs an all-gather ring.
 
@@ -109,6 +110,10 @@ def run(
       after the ring (a backward pass): reading them there costs no copy,
       reading ``bufs`` would (the start kernel aliases its source in
       place, so XLA copies a source that is read later).
+    barrier: whether the operands (the weights) pass each step's barrier
+      with the futures (default: only on two-way rings). One-way rings
+      close a single weight over so that XLA may prefetch it into VMEM
+      across programs; see :func:`weights_barrier`.
 
   Returns:
     A function ``carry -> carry`` running the ``n`` steps.
@@ -119,6 +124,9 @@ def run(
     shifts = ("both",)
   else:
     shifts = (1, -1)
+
+  if barrier is None:
+    barrier = bidirectional
 
   def go(operands, carry):
     ring = _ring.Ring(bufs, shifts, axis_name, api, keep=stash is not None)
@@ -131,12 +139,13 @@ def run(
       # shard's weight (v5e tp 4, M = 4096) reached VMEM only for step 2
       # and step 1's dot read it from HBM: 991.6 us against 662.1. The
       # two-way ring of halves keeps the barrier: closed over, it was
-      # slower at v5e tp 4 M = 1024 (758.3 us against 731.7).
+      # slower at v5e tp 4 M = 1024 (758.3 us against 731.7). Several
+      # weights keep it too (``weights_barrier``).
       def compute(sent, operands, carry, s=s):
         return consume(s, sent, operands, carry)
 
       with jax.named_scope(f"chunk{s}"):
-        if bidirectional:
+        if barrier:
           carry = ring.step(compute, operands, carry)
         else:
           carry = ring.step(
@@ -149,6 +158,21 @@ def run(
     return carry
 
   return go
+
+
+def weights_barrier(bidirectional: bool, ws) -> bool:
+  """Whether a forward ring's weights ``ws`` pass the step barriers.
+
+  Two-way rings: yes (closed over, the ring of halves was slower). One
+  way: a single weight is closed over, so XLA may prefetch it into VMEM
+  across programs (v5e tp 4 M = 4096, 3070.0 -> 2742.8 us). Several
+  weights (a gated MLP's gate and up projections) pass the barrier:
+  closed over, XLA prefetched one of the two into VMEM and tiled the
+  step dots slower (the v5e Llama-3-70B gated MLP block, 4522.9 us
+  closed over, 4314.4 through the barrier, no prefetch;
+  ``design/benchmarks.md``).
+  """
+  return bidirectional or len(ws) > 1
 
 
 def _empty(shape, dtype):
@@ -519,9 +543,16 @@ def contracting(
           g = jax.lax.dynamic_update_slice(g, xj, (jnp.int32(0), c * k))
     return tuple(accs), g
 
-  accs, g = run(bufs, bidirectional, axis_name, n, api, consume, stash)(
-    ws, (accs, g)
-  )
+  accs, g = run(
+    bufs,
+    bidirectional,
+    axis_name,
+    n,
+    api,
+    consume,
+    stash,
+    barrier=weights_barrier(bidirectional, ws),
+  )(ws, (accs, g))
   outs = tuple(a.reshape(m, a.shape[-1]).astype(dt) for a in accs)
   return outs, (None if g is None else g.reshape(m, n * k))
 
@@ -598,8 +629,15 @@ def rows(
             g = lay.write(g, x[a, i], j, i, cs[j])
     return tuple(outs), g
 
-  outs, g = run(bufs, bidirectional, axis_name, n, api, consume, stash)(
-    ws, (outs, g)
-  )
+  outs, g = run(
+    bufs,
+    bidirectional,
+    axis_name,
+    n,
+    api,
+    consume,
+    stash,
+    barrier=weights_barrier(bidirectional, ws),
+  )(ws, (outs, g))
   outs = tuple(o.reshape(p, n * r, o.shape[-1]) for o in outs)
   return outs, (None if g is None else g.reshape(p, n * r, k))
