@@ -9,19 +9,17 @@ nested ``jit``, ``custom_vjp``, two starts on one buffer);
 ``test_guard.py`` has the semaphore and orphan-start cases it found.
 """
 
-import functools
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops import scheduling as sch
-from asyncops.inspect import CopyHazardError, analyze, hazards, tpu_mesh
+from asyncops.inspect import CopyHazardError, analyze, hazards
+from tests import util as u
 
 THIS = pathlib.Path(__file__).name
 TOPOLOGIES = ("v5e:2x4", "v6e:2x4")
@@ -164,24 +162,11 @@ CLEAN = {
 
 
 def _marker_line(marker: str) -> int:
-  for n, text in enumerate(pathlib.Path(__file__).read_text().splitlines()):
-    if text.rstrip().endswith(f"# {marker}"):
-      return n + 1
-  raise AssertionError(marker)
-
-
-@functools.cache
-def _mesh(topology):
-  return tpu_mesh(topology, (8,), ("i",))
+  return u.marker_line(__file__, marker)
 
 
 def _compile(fn, topology):
-  mesh = _mesh(topology)
-  x = jax.ShapeDtypeStruct(
-    (8 * SHARD[0], SHARD[1]), jnp.float32, sharding=NamedSharding(mesh, P("i"))
-  )
-  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
-  return f, x
+  return u.ring_program(fn, topology, SHARD)
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

@@ -486,3 +486,31 @@ def mlp_loss(mesh):
     for p, s in zip(specs, [(8, 64), (64, 64), (64, 64)], strict=True)
   )
   return f, args
+
+
+def marker_line(path, marker: str) -> int:
+  """The 1-based line of the file at ``path`` that ends in ``# marker``
+  (the user's line a guard error must name)."""
+  import pathlib  # noqa: PLC0415
+
+  for n, text in enumerate(pathlib.Path(path).read_text().splitlines()):
+    if text.rstrip().endswith(f"# {marker}"):
+      return n + 1
+  raise AssertionError(marker)
+
+
+@functools.cache
+def ring_mesh(topology):
+  """A 1-D mesh ``i`` over the 8 devices of ``topology``."""
+  return tpu_mesh(topology, (8,), ("i",))
+
+
+def ring_program(fn, topology, shard):
+  """``(jitted shard_map of fn over ring_mesh, its float32 argument)``,
+  each device holding a ``shard`` of rows."""
+  mesh = ring_mesh(topology)
+  x = jax.ShapeDtypeStruct(
+    (8 * shard[0], shard[1]), jnp.float32, sharding=NamedSharding(mesh, P("i"))
+  )
+  f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+  return f, x
