@@ -475,7 +475,19 @@ def _ring_s(
 
 
 def _whole_ring_s(
-  n, compute, acc, chunk, out_bytes, w_rows, chip, panels=1, unhidden=0.0
+  n,
+  compute,
+  acc,
+  chunk,
+  out_bytes,
+  w_rows,
+  chip,
+  panels=1,
+  unhidden=0.0,
+  *,
+  tail=0.0,
+  stack=0.0,
+  panel=0.0,
 ) -> float:
   """The two-way ring of whole chunks (``_gather_rings.whole_chunks``) in
   two row pieces: every transfer is half a chunk each way, the first two
@@ -508,7 +520,23 @@ def _whole_ring_s(
   ``unhidden`` (``Cal.whole_unhidden``) of the shorter of a piece's dot
   and pass is charged beside the longer: v6e 0.5 (its dot is short
   against the pass; the estimates there become 3174.2 us at tp 4 in 4
-  panels and 2077.9 at tp 8 in 1, models 3688.2 and 2153.6)."""
+  panels and 2077.9 at tp 8 in 1, models 3688.2 and 2153.6); 0 on every
+  chip since branch h-agest, whose terms below fit the model's phases.
+
+  Three terms the model's phases show (branch h-agest: the model's
+  timelines at the sweep's whole-chunk points, ``design/benchmarks.md``,
+  "The two-way all-gather ring's estimate on v6e and v5p"): ``tail``
+  (``Cal.whole_tail``) of the antipode's FLOPs charged again (its two
+  half-row dots of one chunk read their rows of ``w`` through a slice
+  inside the dot's fusion, with the accumulator's read and the output's
+  write: XLA tiles them below the MXU rate, v6e 137.6 us a piece for 65.5
+  of FLOPs, v5p 220 for 131); ``stack`` (``Cal.whole_stack``) of the
+  stacked rows' making charged again (v5p: 76.6 us for 42.5 of bytes);
+  and ``panel`` (``Cal.whole_panel``) of each later panel's accumulator
+  write and stacked-row read (its local dot writes its float32 rows
+  beside its FLOPs, and v6e copies the stacked rows into VMEM before each
+  panel's pieces, exposed: per panel 221 us against a lone panel's 152.5,
+  and 34 us of ``slice-done``)."""
   p = panels
   c = compute / n / p
   a = acc / chip.hbm / p
@@ -518,9 +546,11 @@ def _whole_ring_s(
   both = max(c, a / 2) + unhidden * min(c, a / 2)
   piece = max(both + a / 8 + read / 2, half)
   two = n // 2 - (1 - n % 2)  # steps carrying two chunks
-  tail = (c + a / 2 if n % 2 == 0 else 0.0) + out_bytes / p / chip.hbm
-  panel = _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + tail
-  return two * make + p * panel
+  anti = (1 + tail) * c + a / 2 if n % 2 == 0 else 0.0  # the antipode
+  end = anti + out_bytes / p / chip.hbm
+  one = _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + end
+  restart = (p - 1) * panel * (a / 2 + two * read)
+  return two * make * (1 + stack) + p * one + restart
 
 
 def _ag_memory(m, k, f, n, b, one_acc, acc, whole_panels, rings):
@@ -685,6 +715,9 @@ def explain_allgather(
         chip,
         whole_panels,
         cal.whole_unhidden,
+        tail=cal.whole_tail,
+        stack=cal.whole_stack,
+        panel=cal.whole_panel,
       )
   # The memory target (peak temporary memory within jit's plus one chunk's
   # buffers): where the two-way ring of whole chunks runs in row panels to

@@ -146,7 +146,42 @@ class Cal:
       estimate is 3174.2 (model 3688.2; 2887.7 without it), over the
       fused kernel's 3049.5 (model 3082.8), which auto then runs; no
       other sweep pick moves. 0 elsewhere (v5e's estimate is within 3%
-      of the model without it).
+      of the model without it). v6e 0 since branch h-agest: the model's
+      pieces at the sweep's points are the longer of the dot and the
+      pass plus their rows' share (v6e tp 4: 146.1 us for 131 of FLOPs
+      and a 71.6 us pass; 202.6 with it), and what the estimate missed
+      is the antipode and the panels (``whole_tail``, ``whole_panel``).
+    whole_tail: the share of the antipode's FLOPs (its two half-row dots
+      of one chunk, ``_auto._whole_ring_s``) charged again: each reads
+      its rows of ``w`` through a slice inside the dot's fusion, which
+      also reads the accumulator and writes the output, and XLA tiles it
+      below the MXU rate (the model: v6e 137.6 us a piece for 65.5 of
+      FLOPs at tp 4, v5p 220 for 131 at tp 4 M = 4096 and 794.7 for 524
+      at M = 16384). v6e and v5p 0.5, fit with ``whole_panel`` and
+      ``whole_stack`` to the sweep's six whole-chunk points of the two
+      chips (design/benchmarks.md, "The two-way all-gather ring's
+      estimate on v6e and v5p"): v6e tp 4 M = 4096 and 16384 and tp 8 M
+      = 16384 estimated 841.1, 3633.1 and 1927.0 us against the model's
+      866.2, 3688.2 and 1993.5 (847.3, 3174.2 and 2106.8 before); v5p
+      1371.1, 5163.0 and 2579.4 against 1436.6, 5292.8 and 2618.1
+      (1197.7, 4596.5 and 2416.6 before). The model's figures include
+      the benchmark's copy of its undonated ``x`` (20.5 to 81.8 us on
+      v6e, 12.1 to 48.5 on v5p), which the estimate leaves out. 0 on
+      v5e (within 3% at M = 16384 without it).
+    whole_stack: the share of the two-way ring of whole chunks' stacking
+      of ``w``'s rows (read and written once) charged again: v5p 1.0
+      (the model's stacking fusion 76.6 us for 42.5 us of bytes at tp 4,
+      79.5 for 31.9 at tp 8); 0 elsewhere.
+    whole_panel: per row panel after the first, this share of the panel's
+      accumulator write (half a pass) and its re-read of the stacked rows
+      of ``w`` is charged beside the panel's ring: its local dot writes
+      its float32 rows beside its FLOPs, and v6e copies the stacked rows
+      into VMEM before the panel's pieces with exposed ``slice-done``s
+      (the model at v6e tp 4 M = 16384 in 4 panels: the local dot 221 us
+      a panel against 152.5 in one panel at M = 4096, same shapes, and
+      34 us of ``slice-done`` a panel). v6e 1.5; 0 elsewhere (v5p's
+      panelled point, tp 8, is within 1% without it; v5e keeps its
+      estimate).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -283,6 +318,9 @@ class Cal:
   fused_panels_s: float = 0.0
   ring_acc_hbm: bool = True
   whole_unhidden: float = 0.0
+  whole_tail: float = 0.0
+  whole_stack: float = 0.0
+  whole_panel: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -326,6 +364,8 @@ CAL = {
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
+    whole_tail=0.5,
+    whole_stack=1.0,
   ),
   "v6e": Cal(
     0.9,
@@ -339,6 +379,7 @@ CAL = {
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
-    whole_unhidden=0.5,
+    whole_tail=0.5,
+    whole_panel=1.5,
   ),
 }
