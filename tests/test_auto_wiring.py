@@ -372,7 +372,15 @@ def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):
   )
   assert c.method == method, str(c)
   if kind == "TPU v5p" and m > 1024:
-    assert c.ring_bidi_us < c.ring_us < 1.2 * c.ring_bidi_us
+    # Both value rings within 10% of the model (one-way 1470.1 and 5527.8
+    # us, two-way 1436.6 and 5292.8). Since branch h-agest the two-way
+    # ring's estimate (1371.1 at M = 4096) is over the one-way ring's
+    # (1344.2, 8.6% under the model; the model has them 2% apart); the
+    # memory rule holds both there.
+    one, two = {4096: (1470.1, 1436.6), 16384: (5527.8, 5292.8)}[m]
+    assert abs(c.ring_us / one - 1) < 0.1, str(c)
+    assert abs(c.ring_bidi_us / two - 1) < 0.1, str(c)
+    assert c.ring_us < 1.2 * c.ring_bidi_us
   if kind == "TPU v5 lite":
     # CAL.ag_ring_pass 0.1, fit to the one-way ring with its weight
     # prefetched: within 1% of the model at both M.
@@ -384,6 +392,62 @@ def test_large_accumulator_one_way_ring_on_v5p(kind, m, method):
       # over the fused kernel (model 10373.3).
       assert c.fused_us < c.ring_us < c.ring_bidi_us, str(c)
       assert abs(c.fused_us / 10373.3 - 1) < 0.02, str(c)
+
+
+# The model's two-way ring of whole chunks (allgather_matmul_bidi, bf16,
+# the Llama-3-70B shard, design/benchmarks.md "The two-way all-gather
+# ring's estimate on v6e and v5p"): (chip, tp, M) -> (us, the estimate's
+# allowed error). v6e and v5p within 5% since branch h-agest (before: v6e
+# tp 4 M = 16384 14% under, tp 8 6% over; v5p tp 4 17% and 13% under,
+# tp 8 8% under); v5e, whose constants it did not touch, within its error
+# (tp 4 M = 4096 7% under).
+WHOLE_RING_MODEL = {
+  ("TPU v6 lite", 4, 4096): (866.2, 0.05),
+  ("TPU v6 lite", 4, 16384): (3688.2, 0.05),
+  ("TPU v6 lite", 8, 16384): (1993.5, 0.05),
+  ("TPU v5p", 4, 4096): (1436.6, 0.05),
+  ("TPU v5p", 4, 16384): (5292.8, 0.05),
+  ("TPU v5p", 8, 16384): (2618.1, 0.05),
+  ("TPU v5 lite", 4, 4096): (3152.1, 0.07),
+  ("TPU v5 lite", 4, 16384): (11602.3, 0.03),
+  ("TPU v5 lite", 8, 16384): (5912.3, 0.02),
+}
+
+
+@pytest.mark.parametrize("kind,n,m", sorted(WHOLE_RING_MODEL))
+def test_whole_chunk_ring_estimate_follows_the_model(kind, n, m):
+  """Auto's estimate of the two-way ring of whole chunks
+  (``_auto._whole_ring_s``: row pieces, row panels) at the sweep's points
+  with a float32 accumulator of 64 MiB or more, against the model's
+  recorded figure: it charges the antipode's slow dots
+  (``CAL.whole_tail``), v5p's stacking of ``w``'s rows
+  (``CAL.whole_stack``) and v6e's panel restarts (``CAL.whole_panel``).
+  At v6e tp 4 M = 16384 the fused kernel's pick is then clear of the
+  two-way ring's estimate by more than 10% (the model: 3082.8 us against
+  3688.2; 3049.5 against 3174.2 estimated before, 4%); at v5p tp 8 the
+  two-way ring stays the pick (2618.1 us against the fused kernel's
+  2862.7)."""
+  model, err = WHOLE_RING_MODEL[kind, n, m]
+  wiring = None
+  if (kind, n) == ("TPU v5p", 8):
+    cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
+    cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
+    wiring = _wiring.from_coords([cycle], _wiring.wraps(kind, (2, 2, 2)))
+  c = _auto.explain_allgather(
+    m,
+    8192 // n,
+    28672 // n,
+    n,
+    jnp.bfloat16,
+    precision="DEFAULT",
+    device_kind=kind,
+    wiring=wiring,
+  )
+  assert abs(c.ring_bidi_us / model - 1) < err, str(c)
+  if (kind, n, m) == ("TPU v6 lite", 4, 16384):
+    assert c.method == "fused" and c.ring_bidi_us > 1.1 * c.fused_us, str(c)
+  if (kind, n, m) == ("TPU v5p", 8, 16384):
+    assert c.method == "ring_bidi", str(c)
 
 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite", "TPU v5p"])
@@ -451,10 +515,14 @@ def test_memory_target_takes_the_fused_kernel(kind, m, method):
     m, k, f, n, jnp.bfloat16, precision="DEFAULT", device_kind=kind
   )
   assert c.method == method, str(c)
-  if (kind, m) == ("TPU v5p", 4096):
+  if (kind, m) == ("TPU v5p", 16384):
+    # The two-way ring, estimated faster (5163.0 us against 5313.0), held
+    # for its memory. (At M = 4096 too until branch h-agest; there its
+    # estimate, 1371.1, is now over the fused kernel's, 1341.0, as the
+    # model has them.)
     assert c.ring_bidi_us < c.fused_us < 0.97 * c.xla_us, str(c)
     assert "within the memory target" in c.reason, str(c)
-    assert "(112 MiB) in one panel" in c.reason, str(c)
+    assert "(448 MiB) in one panel" in c.reason, str(c)
   if kind == "TPU v5p" and m > 1024:
     # CAL.fused_panel_s and fused_panels_s (v5p): 8 and 32 panels within
     # 2% of the model (estimated 1773.6 and 7400.1 us before, 2.4 weight
@@ -497,14 +565,22 @@ def test_whole_ring_estimate_counts_panels(kind, model_panels):
   """``_whole_ring_s`` runs the ring once per row panel (each panel's
   first step, its steps, its antipode) and the stacked rows of ``w`` once:
   more panels cost a little (each panel's dots read the stacked rows
-  again), and the v5e estimate in 4 panels is within 3% of the model."""
+  again; on v6e each later panel's accumulator write and stacked-row
+  copy, ``CAL.whole_panel``), and the estimate in 4 panels is within 3%
+  (v5e) and 5% (v6e) of the model."""
   chip = _auto.chip_for(kind)
+  cal = _auto.CAL[chip.name]
   m, k, f, n = 16384, 2048, 7168, 4
   args = (n, 2 * m * k * n * f / chip.bf16_flops, 2 * m * f * 4)
   args += (m * k * 2, m * f * 2, k * f * 2, chip)
-  hidden = _auto.CAL[chip.name].whole_unhidden
-  one, four = (_auto._whole_ring_s(*args, p, hidden) for p in (1, 4))
-  assert one < four < 1.05 * one
+  terms = dict(tail=cal.whole_tail, stack=cal.whole_stack)
+  terms["panel"] = cal.whole_panel
+  one, four = (
+    _auto._whole_ring_s(*args, p, cal.whole_unhidden, **terms) for p in (1, 4)
+  )
+  assert one < four
+  if kind == "TPU v5 lite":
+    assert four < 1.05 * one
   c = _auto.explain_allgather(
     m, k, f, n, jnp.bfloat16, precision="DEFAULT", device_kind=kind
   )
@@ -512,11 +588,15 @@ def test_whole_ring_estimate_counts_panels(kind, model_panels):
   if kind == "TPU v5 lite":
     assert abs(four * 1e6 / model_panels[1] - 1) < 0.03
   if kind == "TPU v6 lite":
-    # Half the shorter of a piece's dot and pass unhidden
-    # (CAL.whole_unhidden 0.5): 3174.2 in 4 panels, 14% under the model
-    # (2887.7 without it, 22% under), over the fused kernel's 3049.5.
-    assert 0.8 < four * 1e6 / model_panels[1] < 1.0
-    assert c.fused_us < c.ring_bidi_us, str(c)
+    # 3633.1 in 4 panels since branch h-agest (CAL.whole_tail and
+    # whole_panel; whole_unhidden 0): 1.5% under the model, 19% over the
+    # fused kernel's 3049.5 (model 3082.8). Before: 3174.2 with half the
+    # shorter of a piece's dot and pass unhidden (14% under, 4% over the
+    # fused kernel), 2887.7 without it. The one-panel estimate (3039.3)
+    # is 24% under the model's one panel (3983.6, a program auto does not
+    # run: ``_gather_rings.whole_panels`` takes 4).
+    assert abs(four * 1e6 / model_panels[1] - 1) < 0.05
+    assert c.fused_us < 0.9 * c.ring_bidi_us, str(c)
 
 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite", "TPU v5p"])
