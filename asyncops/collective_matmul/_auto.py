@@ -74,7 +74,10 @@ to the benchmark model's figures (:data:`CAL`):
   its column block's read beside its FLOPs. The one-way all-gather ring
   with a float32 accumulator large enough for the two-way ring's whole
   chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step; the
-  two-way ring of whole chunks counts its row panels; the two-way
+  two-way ring of whole chunks counts its row panels (each later one's
+  restart, ``CAL.whole_panel``), its antipode's slower dots
+  (``CAL.whole_tail``) and its stacking of ``w``'s rows
+  (``CAL.whole_stack``); the two-way
   reduce-scatter ring with float32 partial sums of 128 MiB or more (on
   v5p 32 MiB, ``CAL.bidi_rs_acc_from``) is charged ``CAL.bidi_rs_acc``
   of a pass over them per step. A 32-bit
