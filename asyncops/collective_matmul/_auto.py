@@ -707,6 +707,11 @@ def explain_allgather(
       # A float32 accumulator this large: a share of its pass per step
       # (``CAL.ag_ring_pass``) does not hide under the step's dot.
       rings[d] += n * cal.ag_ring_pass * ring_acc / chip.hbm
+    if d == 2 and not whole:
+      # The ring of halves: a share of a pass over its float32
+      # accumulator per step does not hide under the step's two dots
+      # (``CAL.bidi_ag_acc``, v5p).
+      rings[d] += n * cal.bidi_ag_acc * ring_acc / chip.hbm
     if d == 2 and whole:
       rings[d] = _whole_ring_s(
         n,

@@ -182,6 +182,18 @@ class Cal:
       34 us of ``slice-done`` a panel). v6e 1.5; 0 elsewhere (v5p's
       panelled point, tp 8, is within 1% without it; v5e keeps its
       estimate).
+    bidi_ag_acc: the share of a pass over the two-way all-gather ring of
+      halves' float32 accumulator (read and written) charged beside each
+      step's two dots (below ``_gather_rings.WHOLE_ACC_BYTES``, where the
+      ring of whole chunks takes over). v5p 0.7 (branch h-agest): the
+      model's step at tp 8 M = 4096 is two 61.1 us dots for 32.7 us of
+      FLOPs each, about their FLOPs plus their rows' accumulator pass;
+      the estimates at tp 4 M = 1024 and tp 8 M = 1024 and 4096 become
+      404.0, 345.4 and 944.1 us against the model's 405.1, 340.1 and
+      973.6 (344.5, 285.9 and 706.3 without it; at tp 8 M = 4096 the
+      fused kernel, 679.0 estimated and 715.7 modelled, was picked on 4%
+      of estimate). 0 elsewhere (v6e within 2% at tp 4 M = 1024 and tp 8
+      M = 4096; v5e within 9%).
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
@@ -321,6 +333,7 @@ class Cal:
   whole_tail: float = 0.0
   whole_stack: float = 0.0
   whole_panel: float = 0.0
+  bidi_ag_acc: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -366,6 +379,7 @@ CAL = {
     bidi_rs_acc_from=32 * 2**20,
     whole_tail=0.5,
     whole_stack=1.0,
+    bidi_ag_acc=0.7,
   ),
   "v6e": Cal(
     0.9,
