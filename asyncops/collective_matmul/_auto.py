@@ -77,7 +77,8 @@ to the benchmark model's figures (:data:`CAL`):
   two-way ring of whole chunks counts its row panels (each later one's
   restart, ``CAL.whole_panel``), its antipode's slower dots
   (``CAL.whole_tail``) and its stacking of ``w``'s rows
-  (``CAL.whole_stack``); the two-way
+  (``CAL.whole_stack``), the two-way ring of halves a share of a pass
+  over its accumulator per step (``CAL.bidi_ag_acc``); the two-way
   reduce-scatter ring with float32 partial sums of 128 MiB or more (on
   v5p 32 MiB, ``CAL.bidi_rs_acc_from``) is charged ``CAL.bidi_rs_acc``
   of a pass over them per step. A 32-bit
@@ -707,10 +708,11 @@ def explain_allgather(
       # A float32 accumulator this large: a share of its pass per step
       # (``CAL.ag_ring_pass``) does not hide under the step's dot.
       rings[d] += n * cal.ag_ring_pass * ring_acc / chip.hbm
-    if d == 2 and not whole:
+    if d == 2 and not whole and not _off_mxu(dtype):
       # The ring of halves: a share of a pass over its float32
       # accumulator per step does not hide under the step's two dots
-      # (``CAL.bidi_ag_acc``, v5p).
+      # (``CAL.bidi_ag_acc``, v5p; off the MXU the pass streams under
+      # the longer dots, as ``_ring_s``'s extra bytes do).
       rings[d] += n * cal.bidi_ag_acc * ring_acc / chip.hbm
     if d == 2 and whole:
       rings[d] = _whole_ring_s(
