@@ -283,6 +283,9 @@ class Cal:
   fused_panels_s: float = 0.0
   ring_acc_hbm: bool = True
   whole_unhidden: float = 0.0
+  rs_add: float = 3.0
+  rs_step_s: float = 1.5e-6
+  rs_panel_w: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -303,8 +306,9 @@ _V5E = Cal(
   0.5,
   0.3,
   0.85,
-  74e-6,
-  rs_ring_w=0.25,
+  0.0,
+  rs_ring_w=0.45,
+  rs_panel_w=0.35,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
 )
@@ -319,8 +323,11 @@ CAL = {
     0.5,
     0.0,
     0.76,
-    2e-6,
+    0.0,
     rs_overlap=0.45,
+    rs_ring_w=0.45,
+    rs_add=8.0,
+    rs_step_s=13e-6,
     fused_panel_s=33e-6,
     fused_panels_s=50e-6,
     ag_step_s=2e-6,
@@ -334,8 +341,10 @@ CAL = {
     0.5,
     0.15,
     0.76,
-    15e-6,
+    0.0,
     0.75,
+    rs_ring_w=0.5,
+    rs_panel_w=0.35,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
