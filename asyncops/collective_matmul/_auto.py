@@ -61,23 +61,28 @@ to the benchmark model's figures (:data:`CAL`):
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
-  panel's dots hides) plus the larger of its dots and its ring ``T(2)``;
-  extra panels cost ``CAL.rs_panel_s`` each.
-- ``ring(d)``: ``n`` steps, each ``max(C / n + rho bytes / HBM + fixed,
-  T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
-  ``ring_step_s``, ``ring_dot_s`` for the second direction's dot). The
-  two-way ring's two dots per step meet different rows (columns, for the
-  reduce-scatter) of ``w``: its bytes count them twice. A reduce-scatter
-  ring's dot is never shorter than its own bytes (its column block of
-  ``w``, its rows, its partial sums) at HBM bandwidth (float32 at the
-  prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
-  its column block's read beside its FLOPs. The one-way all-gather ring
+  panel's dots hides) plus the larger of its dots and its ring ``T(2)``,
+  then its finish kernel (its rows' float32 products and received sums
+  read, its result written); extra panels cost ``CAL.rs_panel_w`` weight
+  reads (v5e and v6e 0.35) and ``CAL.rs_panel_s`` each.
+- the reduce-scatter's ``ring(d)`` (:func:`_rs_ring_s`), the model's
+  steps: the first block's ``d`` dots, then ``n - 1`` steps of the
+  start, ``max(d dots, T(d))``, the done and the add of what arrived
+  (``CAL.rs_add`` passes over the partial sums). A dot is its FLOPs plus
+  ``CAL.rs_ring_w`` of its column block's read, never less than its own
+  bytes (float32 at the prefill shape). A 32-bit integer matmul keeps the
+  form below.
+- the all-gather's ``ring(d)``: ``n`` steps, each ``max(C / n + rho
+  bytes / HBM + fixed, T(d) / (n - 1))`` plus a tenth of the shorter
+  (``CAL.ring_rho``, ``ring_step_s``, ``ring_dot_s`` for the second
+  direction's dot). The two-way ring's two dots per step meet different
+  rows of ``w``: its bytes count them twice. The one-way all-gather ring
   with a float32 accumulator large enough for the two-way ring's whole
   chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step; the
   two-way ring of whole chunks counts its row panels; the two-way
   reduce-scatter ring with float32 partial sums of 128 MiB or more (on
   v5p 32 MiB, ``CAL.bidi_rs_acc_from``) is charged ``CAL.bidi_rs_acc``
-  of a pass over them per step. A 32-bit
+  of a pass over them per step (beside its adds). A 32-bit
   integer matmul runs off the MXU (``CAL.int32_flops`` of the bf16
   peak), and a ring step's other traffic hides under its dots.
 
@@ -360,7 +365,10 @@ def _fused_s(
   benchmark model does (v6e prefill, one-way: 139.8 us of transfer under
   a 186.6 us kernel); the two kernels are compared in that form.
   ``x_copy_s`` is XLA's prefetch of a panel's ``x`` into VMEM before the
-  kernel (``Cal.rs_x_vmem``), exposed."""
+  kernel (``Cal.rs_x_vmem``), exposed. ``finish_s`` is the finish kernel
+  over all the rows (the own float32 products and the last received
+  partial sums read, the result written), after each panel's steps (the
+  model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel)."""
   p = panels
   w = wiring
   c = max(compute / p, rest_s / p)
