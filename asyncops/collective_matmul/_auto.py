@@ -510,7 +510,7 @@ def _rs_ring_s(n, d, compute, m, k, c, b, chip, cal, wiring, *, sums_s=0.0):
   rows, cost about their bytes)."""
   cr = k * c * b / chip.hbm
   one_dot = (k * c + (m // d) * (k + c)) * b / chip.hbm
-  flops = compute / (n * d)
+  flops = compute / (n * d) * (1 + cal.rs_ring_f)
   w = cal.rs_ring_w
   floor = one_dot if d == 2 else (1 + w) * one_dot + flops / 2
   dots = d * max(flops + w * cr, floor)

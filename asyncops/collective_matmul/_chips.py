@@ -187,19 +187,24 @@ class Cal:
       0.77 of that read (tp 8 M = 4096 half-dots 80.4 us against 76.3 and
       9.0; tp 4 M = 1024 90.6 against 76.3 and 35.8, the one-way ring's
       166.0 against 152.6). v6e 0.5 (0.27 to 1.3 in the model; its
-      two-way ring at tp 8 is transfer-bound). v5p 0.45 (its timelines
-      not read). Was 0.25 on v5e for the one-way ring only, beside
-      ``ring_rho`` of the step's streamed bytes and ``ring_step_s``.
+      two-way ring at tp 8 is transfer-bound). v5p 0 (``rs_ring_f``).
+      Was 0.25 on v5e for the one-way ring only, beside ``ring_rho`` of
+      the step's streamed bytes and ``ring_step_s``.
+    rs_ring_f: the share of a value reduce-scatter ring dot's FLOPs
+      charged beyond them (XLA's estimate of the chunk dot). v5p 0.15:
+      the model's dots at tp 4 are 1.14 to 1.26 times their FLOPs (M =
+      4096: half-dots 152.9 us against 131.0, the one-way ring's 300.1
+      against 262.0; M = 1024: 41.2 against 32.7, 74.6 against 65.5),
+      where a share of the column block's read (10.6 us) would run from
+      0.8 to 3.6. 0 elsewhere.
     rs_add: the value reduce-scatter ring's add after each step's done,
       in passes over the ``[m, c]`` partial sums (read both, write one: 3,
-      the model's figure at tp 8 on v5e and v6e). The model charges XLA's
-      own estimate where the sum lands in VMEM: v5e tp 4 6 (two-way) and
-      8.2 (one-way) passes, which the estimate leaves out (it is 4% to 8%
-      under the model there). v5p 8, with ``rs_step_s`` 13 us (its old
-      ``ring_step_s``), fit to keep its picks (the fused kernel at all 12
-      points; its timelines not read).
+      the model's figure at tp 8 on v5e and v6e and at tp 4 on v5p). The
+      model charges XLA's own estimate where the sum lands in VMEM: v5e
+      tp 4 6 (two-way) and 8.2 (one-way) passes, which the estimate leaves
+      out (it is 4% to 8% under the model there).
     rs_step_s: a value reduce-scatter ring step's fixed cost: the start
-      and done (1.0 + 0.5 us in the model), v5p 13 us.
+      and done (1.0 + 0.5 us in the model, v5e, v6e and v5p).
     rs_overlap: the share of the shorter of a fused reduce-scatter
       panel's weight read and its dots that hides (XLA's estimate of the
       kernel's dots overlaps them in part). v5p: 0.45, fit to the tp 4
@@ -301,6 +306,7 @@ class Cal:
   rs_add: float = 3.0
   rs_step_s: float = 1.5e-6
   rs_panel_w: float = 0.0
+  rs_ring_f: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -340,9 +346,7 @@ CAL = {
     0.76,
     0.0,
     rs_overlap=0.45,
-    rs_ring_w=0.45,
-    rs_add=8.0,
-    rs_step_s=13e-6,
+    rs_ring_f=0.15,
     fused_panel_s=33e-6,
     fused_panels_s=50e-6,
     ag_step_s=2e-6,
