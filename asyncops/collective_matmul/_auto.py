@@ -382,7 +382,10 @@ def _fused_s(
     return p * (
       _FUSED_OVERHEAD_S + x_copy_s + max(read + c, ring + c / n) + fin
     )
-  return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring + c / n) + fin)
+  # The finish adds the last partial sums once they arrive: after the
+  # dots, or after the ring when it is the longer (the last step's own
+  # product is made while the last sums travel).
+  return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring) + fin)
 
 
 def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
