@@ -169,7 +169,7 @@ class Cal:
       6603.3, 3241.9, 12982.8). v6e 0.35 too: the model's figure there
       is still no one value (about 0 at tp 8, 35 us at tp 4 M = 16384,
       where 0.35 puts the estimate 0.5% over the model and keeps the
-      one-way ring, 12% faster); at tp 8 it is 11% to 14% over the
+      one-way ring, 12% faster); at tp 8 it is 5% to 7% over the
       model, where the two-way ring is the faster by 3% to 8%. v5p 0.
     fused_acc: the share of the fused all-gather's float32 accumulator
       pass (read and write per step) its steps are charged beside their
