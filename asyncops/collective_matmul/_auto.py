@@ -61,17 +61,22 @@ to the benchmark model's figures (:data:`CAL`):
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
-  panel's dots hides) plus the larger of its dots and its ring ``T(2)``;
-  extra panels cost ``CAL.rs_panel_s`` each.
-- ``ring(d)``: ``n`` steps, each ``max(C / n + rho bytes / HBM + fixed,
-  T(d) / (n - 1))`` plus a tenth of the shorter (``CAL.ring_rho``,
-  ``ring_step_s``, ``ring_dot_s`` for the second direction's dot). The
-  two-way ring's two dots per step meet different rows (columns, for the
-  reduce-scatter) of ``w``: its bytes count them twice. A reduce-scatter
-  ring's dot is never shorter than its own bytes (its column block of
-  ``w``, its rows, its partial sums) at HBM bandwidth (float32 at the
-  prefill shape), and the one-way ring's is charged ``CAL.rs_ring_w`` of
-  its column block's read beside its FLOPs. The one-way all-gather ring
+  panel's dots hides) plus the larger of its dots and its ring ``T(2)``,
+  then its finish kernel (its rows' float32 products and received sums
+  read, its result written); extra panels cost ``CAL.rs_panel_w`` weight
+  reads (v5e and v6e 0.35) and ``CAL.rs_panel_s`` each.
+- the reduce-scatter's ``ring(d)`` (:func:`_rs_ring_s`), the model's
+  steps: the first block's ``d`` dots, then ``n - 1`` steps of the
+  start, ``max(d dots, T(d))``, the done and the add of what arrived
+  (``CAL.rs_add`` passes over the partial sums). A dot is its FLOPs plus
+  ``CAL.rs_ring_w`` of its column block's read, never less than its own
+  bytes (float32 at the prefill shape). A 32-bit integer matmul keeps the
+  form below.
+- the all-gather's ``ring(d)``: ``n`` steps, each ``max(C / n + rho
+  bytes / HBM + fixed, T(d) / (n - 1))`` plus a tenth of the shorter
+  (``CAL.ring_rho``, ``ring_step_s``, ``ring_dot_s`` for the second
+  direction's dot). The two-way ring's two dots per step meet different
+  rows of ``w``: its bytes count them twice. The one-way all-gather ring
   with a float32 accumulator large enough for the two-way ring's whole
   chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step; the
   two-way ring of whole chunks counts its row panels (each later one's
@@ -81,7 +86,7 @@ to the benchmark model's figures (:data:`CAL`):
   over its accumulator per step (``CAL.bidi_ag_acc``); the two-way
   reduce-scatter ring with float32 partial sums of 128 MiB or more (on
   v5p 32 MiB, ``CAL.bidi_rs_acc_from``) is charged ``CAL.bidi_rs_acc``
-  of a pass over them per step. A 32-bit
+  of a pass over them per step (beside its adds). A 32-bit
   integer matmul runs off the MXU (``CAL.int32_flops`` of the bf16
   peak), and a ring step's other traffic hides under its dots.
 
@@ -347,6 +352,7 @@ def _fused_s(
   directions=2,
   x_copy_s=0.0,
   from_start=False,
+  finish_s=0.0,
 ):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
@@ -363,7 +369,10 @@ def _fused_s(
   benchmark model does (v6e prefill, one-way: 139.8 us of transfer under
   a 186.6 us kernel); the two kernels are compared in that form.
   ``x_copy_s`` is XLA's prefetch of a panel's ``x`` into VMEM before the
-  kernel (``Cal.rs_x_vmem``), exposed."""
+  kernel (``Cal.rs_x_vmem``), exposed. ``finish_s`` is the finish kernel
+  over all the rows (the own float32 products and the last received
+  partial sums read, the result written), after each panel's steps (the
+  model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel)."""
   p = panels
   w = wiring
   c = max(compute / p, rest_s / p)
@@ -372,9 +381,15 @@ def _fused_s(
   if directions == 2:
     load, hops = (w.bidi_load, w.bidi_hops)
   ring = (n - 1) * (chunk / p * load / link + hops * _HOP_S)
+  fin = finish_s / p
   if from_start:
-    return p * (_FUSED_OVERHEAD_S + x_copy_s + max(read + c, ring + c / n))
-  return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring + c / n))
+    return p * (
+      _FUSED_OVERHEAD_S + x_copy_s + max(read + c, ring + c / n) + fin
+    )
+  # The finish adds the last partial sums once they arrive: after the
+  # dots, or after the ring when it is the longer (the last step's own
+  # product is made while the last sums travel).
+  return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring) + fin)
 
 
 def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
@@ -476,6 +491,45 @@ def _ring_s(
   fixed = cal.ring_step_s + (d - 1) * cal.ring_dot_s
   step = max(dots + fixed, transfer) + _RING_CONTENTION * min(dots, transfer)
   return _XLA_OVERHEAD_S + n * step
+
+
+def _rs_ring_s(n, d, compute, m, k, c, b, chip, cal, wiring, *, sums_s=0.0):
+  """The value reduce-scatter ring over ``d`` directions (``x [m, k] @ w
+  [k, n c]``, ``b`` bytes an element), in the benchmark model's form (its
+  timelines, branch h-rsest): step 0 runs the ``d`` dots of the first
+  block, with no transfer; each of the other ``n - 1`` starts the previous
+  partial sums on their way (``m c / d`` elements a direction, the busiest
+  link's load from ``wiring``), runs its ``d`` dots under the transfer,
+  waits for it (``cal.rs_step_s``: the start and the done) and adds what
+  arrived to its dots' results (one fusion after the done:
+  ``cal.rs_add`` passes over the ``[m, c]`` partial sums, plus
+  ``sums_s``).
+
+  A dot ``[m / d, k] @ [k, c]`` is charged its FLOPs plus
+  ``cal.rs_ring_w`` of its column block's read (XLA's estimate of the
+  chunk dot: the model at v5e tp 8, M = 4096, half-dots of 80.4 us
+  against 76.3 of FLOPs and a 9.0 us read), and never less than its own
+  bytes (its column block, rows of ``x`` and result) at HBM bandwidth
+  (float32 at the prefill shape). The one-way ring's dot, bound by those
+  bytes, is charged them with ``cal.rs_ring_w`` more and half its FLOPs
+  beside (the model at v5e tp 8, M = 16 and 256: 16.4 and 21.4 us against
+  9.1 and 11.8 us of bytes; the two-way ring's half-dots at M = 16, 8
+  rows, cost about their bytes)."""
+  cr = k * c * b / chip.hbm
+  one_dot = (k * c + (m // d) * (k + c)) * b / chip.hbm
+  flops = compute / (n * d) * (1 + cal.rs_ring_f)
+  w = cal.rs_ring_w
+  floor = one_dot if d == 2 else (1 + w) * one_dot + flops / 2
+  dots = d * max(flops + w * cr, floor)
+  add = cal.rs_add * m * c * b / chip.hbm + sums_s
+  load, hops = (
+    (wiring.shift_load, wiring.shift_hops)
+    if d == 1
+    else (wiring.bidi_load, wiring.bidi_hops)
+  )
+  transfer = m * c * b * load / chip.link + hops * _HOP_S
+  step = cal.rs_step_s + max(dots, transfer) + add
+  return _XLA_OVERHEAD_S + dots + add + (n - 1) * step
 
 
 def _whole_ring_s(
@@ -864,13 +918,27 @@ def explain_reducescatter(
   reason = None if plan.spec is not None else plan.reason
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
+  # The finish kernel: the own float32 products and the last received
+  # partial sums read, the result written (its twin's bytes).
+  acc_b = 4 if b <= 4 else b
+  finish = m * c * (acc_b + t + b) / chip.hbm
 
   def fused_s(p, **kw):
     """The fused kernel in ``p`` row panels (``_fused_s``'s options)."""
     est = _fused_s(
-      p, compute, w_s, hbm - w_s, n, part, chip.link, wr, cal.rs_overlap, **kw
+      p,
+      compute,
+      w_s,
+      hbm - w_s,
+      n,
+      part,
+      chip.link,
+      wr,
+      cal.rs_overlap,
+      finish_s=finish,
+      **kw,
     )
-    return est + (p - 1) * cal.rs_panel_s
+    return est + (p - 1) * (cal.rs_panel_s + cal.rs_panel_w * w_s)
 
   fused = fused_s(panels)
   # The one-way kernel (whole blocks one way round the ring): its own
@@ -912,33 +980,32 @@ def explain_reducescatter(
   for d in (1, 2):
     if d == 2 and m % 2:
       continue
-    extra = m * k * b + 2 * m * c * b
     # The two-way ring's float32 partial sums, once large, are charged a
-    # pass beside its dots (``CAL.bidi_rs_acc``; the model at tp 4, M =
+    # pass beside its adds (``CAL.bidi_rs_acc``; the model at tp 4, M =
     # 16384: 3724.9 us on v6e against the one-way ring's 3368.4).
     sums = m * c * (4 if jnp.issubdtype(dtype, jnp.floating) else b)
+    sums_s = 0.0
     if d == 2 and sums >= min(_BIDI_ACC_BYTES, cal.bidi_rs_acc_from):
-      extra += cal.bidi_rs_acc * 2 * sums
-    # Each of a step's d dots reads its whole column block of w, its rows
-    # of x and writes its partial sums: HBM-bound in float32 at the prefill
-    # shape on v5e (tp 4: 95 us of bytes against 76 us of FLOPs per
-    # half-step dot of the two-way ring; the model 1038 us, the estimate
-    # without this floor 832).
-    one_dot = k * c * b + (m // d) * (k + c) * b
-    rings[d] = _ring_s(
-      n,
-      d,
-      compute,
-      d * k * c * b,
-      extra,
-      chip,
-      m * c * b,
-      cal,
-      wr,
-      # (the two-way ring's second dot covers the first's weight read)
-      w_share=cal.rs_ring_w if d == 1 else 0.0,
-      dot_bytes=one_dot,
-      off_mxu=_off_mxu(dtype),
+      sums_s = cal.ring_rho * cal.bidi_rs_acc * 2 * sums / chip.hbm
+    if _off_mxu(dtype):
+      # A 32-bit integer matmul (off the MXU, about ten times longer): the
+      # per-step form fit before h-rsest (its timelines not re-read).
+      rings[d] = _ring_s(
+        n,
+        d,
+        compute,
+        d * k * c * b,
+        m * k * b + 2 * m * c * b,
+        chip,
+        m * c * b,
+        cal,
+        wr,
+        dot_bytes=k * c * b + (m // d) * (k + c) * b,
+        off_mxu=True,
+      )
+      continue
+    rings[d] = _rs_ring_s(
+      n, d, compute, m, k, c, b, chip, cal, wr, sums_s=sums_s
     )
   # No decode rule here: XLA's reduce-scatter runs after the whole matmul
   # and stays exposed, while the fused kernel sends each partial sum as it

@@ -197,23 +197,27 @@ class Cal:
     ring_dot_s: the two-way ring's extra cost per step (a second dot).
     ring_acc: the share of the all-gather ring's float32 accumulator
       traffic (read and write per step) charged beside its dots.
-    rs_panel_s: a fused reduce-scatter's cost per extra row panel (the
-      model, tp 8, up to 16 MiB of sent partial sums per panel: 74 us on
-      v5e at 4 and 16 panels, 12 to 17 us on v6e). v5p: 2 us since its
-      panels read their rows of the whole ``x`` and write one result in
-      place (the model at the Llama-3-70B shard, beyond the estimate
-      without it: 2.5 to 4.9 us per extra panel at tp 8, -6.1 to -0.5 at
-      tp 4; was 12, fit to the panels with their slice and concatenate).
-      v5e and v6e keep 74 and 15 us, over what the model now finds
-      beyond the estimate without the charge (copy-free panels, h-rsfit:
-      v5e 37 to 46 us per extra panel at tp 8, 60 to 74 at tp 4; v6e
-      -5 to -1 at tp 8 and tp 4 M = 4096, 35 at tp 4 M = 16384, where
-      15 keeps the one-way ring, 12% faster than the fused kernel): at
-      tp 8 M = 4096 the two-way value ring's estimate is
-      5% (v5e) and 7% (v6e) over the model, and the model's figures (40,
-      0) would pick the fused kernel there, 5.1% and 3.3% slower than the
-      ring (design/benchmarks.md, "The fused reduce-scatter's panel
-      charge on v5e and v6e").
+    rs_panel_s: a fused reduce-scatter's cost per extra row panel, in
+      seconds, beside ``rs_panel_w``'s weight reads. 0 on every chip since
+      branch h-rsest, whose estimate counts the finish kernel (v5e and
+      v6e were 74 and 15 us, v5p 2; the finish kernel, the own float32
+      products and the received sums read and the result written, is
+      about 3 us a panel of v5p's 32 at tp 4 M = 16384).
+    rs_panel_w: a fused reduce-scatter's cost per extra row panel, in
+      weight reads (each panel's steps kernel reads all of ``w``; XLA's
+      estimate of its twin's dot charges it beyond the read the estimate
+      counts). v5e 0.35 (h-rsest): the model's fused kernel at the
+      Llama-3-70B shard in 4 and 16 panels, beyond the estimate with the
+      finish kernel, is 0.26 to 0.45 weight reads per extra panel (26 to
+      46 us) at tp 4 and 8, where no charge in microseconds fit both
+      rings (v5e tp 8 37 to 46 us, tp 4 60 to 74 before the finish
+      kernel, h-rsfit); the estimates are within 1.5% of the model at
+      all four points (1629.9, 6595.1, 3253.9, 13166.1 us against 1650.8,
+      6603.3, 3241.9, 12982.8). v6e 0.35 too: the model's figure there
+      is still no one value (about 0 at tp 8, 35 us at tp 4 M = 16384,
+      where 0.35 puts the estimate 0.5% over the model and keeps the
+      one-way ring, 12% faster); at tp 8 it is 5% to 7% over the
+      model, where the two-way ring is the faster by 3% to 8%. v5p 0.
     fused_acc: the share of the fused all-gather's float32 accumulator
       pass (read and write per step) its steps are charged beside their
       rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
@@ -223,15 +227,31 @@ class Cal:
     xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
       reading the weights bounds it (the reduce-scatter's matmul, which
       its collective waits for).
-    rs_ring_w: the share of a one-way value reduce-scatter ring step's
-      read of its column block of ``w`` charged beside its dot (the
-      dot's first and last tiles of ``w`` are read with no MXU work
-      beside them; the two-way ring's second dot covers them). v5e: 0.25,
-      fit to the tp 4 prefill shape's one-way ring (the model 780.1 us in
-      bf16, 933.0 in f32; estimates 789.4 and 935.0, were 753.6 and
-      863.3); the tp 8 sweep's ring at M = 4096, a quarter the column
-      block, goes from 1724 to 1744 us (the model 1712). 0 elsewhere
-      (v6e's picks are right without it).
+    rs_ring_w: the share of a value reduce-scatter ring dot's read of its
+      column block of ``w`` charged beside its FLOPs (``_auto._rs_ring_s``,
+      both directions; XLA's estimate of the chunk dot). v5e 0.45: the
+      model's dots at the Llama-3-70B shard are their FLOPs plus 0.29 to
+      0.77 of that read (tp 8 M = 4096 half-dots 80.4 us against 76.3 and
+      9.0; tp 4 M = 1024 90.6 against 76.3 and 35.8, the one-way ring's
+      166.0 against 152.6). v6e 0.5 (0.27 to 1.3 in the model; its
+      two-way ring at tp 8 is transfer-bound). v5p 0 (``rs_ring_f``).
+      Was 0.25 on v5e for the one-way ring only, beside ``ring_rho`` of
+      the step's streamed bytes and ``ring_step_s``.
+    rs_ring_f: the share of a value reduce-scatter ring dot's FLOPs
+      charged beyond them (XLA's estimate of the chunk dot). v5p 0.15:
+      the model's dots at tp 4 are 1.14 to 1.26 times their FLOPs (M =
+      4096: half-dots 152.9 us against 131.0, the one-way ring's 300.1
+      against 262.0; M = 1024: 41.2 against 32.7, 74.6 against 65.5),
+      where a share of the column block's read (10.6 us) would run from
+      0.8 to 3.6. 0 elsewhere.
+    rs_add: the value reduce-scatter ring's add after each step's done,
+      in passes over the ``[m, c]`` partial sums (read both, write one: 3,
+      the model's figure at tp 8 on v5e and v6e and at tp 4 on v5p). The
+      model charges XLA's own estimate where the sum lands in VMEM: v5e
+      tp 4 6 (two-way) and 8.2 (one-way) passes, which the estimate leaves
+      out (it is 4% to 8% under the model there).
+    rs_step_s: a value reduce-scatter ring step's fixed cost: the start
+      and done (1.0 + 0.5 us in the model, v5e, v6e and v5p).
     rs_overlap: the share of the shorter of a fused reduce-scatter
       panel's weight read and its dots that hides (XLA's estimate of the
       kernel's dots overlaps them in part). v5p: 0.45, fit to the tp 4
@@ -334,6 +354,10 @@ class Cal:
   whole_stack: float = 0.0
   whole_panel: float = 0.0
   bidi_ag_acc: float = 0.0
+  rs_add: float = 3.0
+  rs_step_s: float = 1.5e-6
+  rs_panel_w: float = 0.0
+  rs_ring_f: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -354,8 +378,9 @@ _V5E = Cal(
   0.5,
   0.3,
   0.85,
-  74e-6,
-  rs_ring_w=0.25,
+  0.0,
+  rs_ring_w=0.45,
+  rs_panel_w=0.35,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
 )
@@ -370,8 +395,9 @@ CAL = {
     0.5,
     0.0,
     0.76,
-    2e-6,
+    0.0,
     rs_overlap=0.45,
+    rs_ring_f=0.15,
     fused_panel_s=33e-6,
     fused_panels_s=50e-6,
     ag_step_s=2e-6,
@@ -388,8 +414,10 @@ CAL = {
     0.5,
     0.15,
     0.76,
-    15e-6,
+    0.0,
     0.75,
+    rs_ring_w=0.5,
+    rs_panel_w=0.35,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
