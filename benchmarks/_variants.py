@@ -465,6 +465,12 @@ def family_variants(family: str, ref: bool = False) -> list[str]:
   return out + [n for n in _REGISTERED if n.startswith(f"{family}:")]
 
 
+def _explicit(mesh) -> bool:
+  """Whether any axis of ``mesh`` is ``AxisType.Explicit``."""
+  types = getattr(mesh, "axis_types", ())
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
 def _build_family(name: str, mesh, precision):
   family, _, kind = name.partition(":")
   fam = FAMILIES[family]
@@ -478,6 +484,12 @@ def _build_family(name: str, mesh, precision):
     return jax.jit(_grad(local) if train else local)
   if kind == "jit":
     fn = _grad(local) if train else local
+    if _explicit(mesh):
+      # The chapter's mesh has Explicit axes, where a dot contracting a
+      # sharded dimension (the reduce-scatter and all-reduce families)
+      # must name its output's sharding: give the whole step to XLA's
+      # partitioner, as on the other layouts' Auto meshes.
+      fn = jax.sharding.auto_axes(fn, out_sharding=out_shardings)
     return jax.jit(fn, out_shardings=out_shardings)
   fns = {
     "ppermute": functools.partial(fam.ppermute, precision=precision),

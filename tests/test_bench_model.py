@@ -716,3 +716,22 @@ def test_x_input_enters_every_variant_alike():
   assert "multiply" in text
   with pytest.raises(ValueError, match="parameter, donated, produced"):
     _variants.with_x_input(f, "copied")
+
+
+@pytest.mark.parametrize("family", ["allgather", "reducescatter", "allreduce"])
+def test_chapter_layout_jit_lowers_every_family(family):
+  """``--layout chapter`` is the chapter's ``jax.make_mesh`` with Explicit
+  axes, where a dot that contracts a sharded dimension must name its
+  output's sharding: the reduce-scatter and all-reduce ``jit`` rows
+  raised a ShardingTypeError there. Each family's ``jit`` now compiles
+  with its communication on that mesh (XLA's partitioner places it, as
+  on the Auto meshes of the other layouts)."""
+  mesh = _measure.mesh_for("v5e:2x4", "chapter", 4)
+  assert _variants._explicit(mesh)
+  name = "jit" if family == "allgather" else f"{family}:jit"
+  fn = _variants.build(name, mesh)
+  args = _variants.abstract_args(name, mesh, (1024, 2048, 8192), jnp.bfloat16)
+  with _mesh.quiet_fd2():
+    text = fn.trace(*args).lower().compile().as_text()
+  collectives = ("all-gather", "all-reduce", "reduce-scatter", "permute")
+  assert any(f"{c}-start(" in text or f"{c}(" in text for c in collectives)
