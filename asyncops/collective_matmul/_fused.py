@@ -295,6 +295,9 @@ def plan_allgather(
       else choose_steps(n, rows, k, f, w_dtype, device_kind, t),
     )
     s = dataclasses.replace(s, tail=choose_tail(s, device_kind))
+    # The chunks land in the result's own rows, which the kernel writes
+    # last: no separate receive buffer in HBM (``AgSpec.recv_in_out``).
+    s = dataclasses.replace(s, recv_in_out=agk.recv_fits_out(s))
     need = agk.vmem_bytes(s)
     limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
     return dataclasses.replace(s, vmem_limit=limit), need
