@@ -625,6 +625,10 @@ def explain_allgather(
     device_kind,
     _fused.transfer_dtype(dtype, precision),
   )
+  if plan.spec is not None:
+    # The plan's own (one chunk per step where it runs one panel by
+    # ``Cal.fused_one_panel_vmem``; else the same).
+    plan_steps = plan.spec.plan
   fused = _fused_ag_s(
     panels,
     plan_steps,

@@ -137,6 +137,16 @@ class Cal:
       temporaries, the fused kernel 24.2, jit 0.0; the Llama-3-70B shard
       at tp 4 M = 1024: the one-way ring 0.0, the fused kernel 12.1), so
       the rule's premise does not hold there.
+    fused_one_panel_vmem: the share of VMEM the fused all-gather may
+      fill to run in one row panel, one chunk per step, where its chosen
+      plan needs more panels within ``_fused._VMEM_SHARE`` (0: never).
+      v5p 0.9 (branch h-mem1024): the Llama-3-70B shard at tp 4, M = 1024
+      (a 28 MiB accumulator) ran in 2 panels of the paired plan (1, 2, 1),
+      361.5 us; one panel of (1, 1, 1, 1) needs 56 MiB of 64, compiles,
+      and models 305.3 us (``xla_best`` 331.7, the one-way ring 332.4 at
+      36.0 MiB of HBM temporaries against a limit of 20.1). No other
+      point of the sweep moves (tp 4 M = 4096 and tp 8 M = 4096 need over
+      0.9 of VMEM in one panel).
     whole_unhidden: the share of the shorter of a two-chunk piece's dot
       and its accumulator pass (``_auto._whole_ring_s``, the two-way
       ring of whole chunks) that does not hide under the longer. v6e 0.5
@@ -283,6 +293,7 @@ class Cal:
   fused_panels_s: float = 0.0
   ring_acc_hbm: bool = True
   whole_unhidden: float = 0.0
+  fused_one_panel_vmem: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -326,6 +337,7 @@ CAL = {
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
+    fused_one_panel_vmem=0.9,
   ),
   "v6e": Cal(
     0.9,

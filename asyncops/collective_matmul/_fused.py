@@ -274,7 +274,7 @@ def plan_allgather(
     return AgPlan(None, 0, f"no w block of k = {k} rows fits VMEM")
   budget = int(vmem_capacity(device_kind) * _VMEM_SHARE)
 
-  def spec_for(rows):
+  def spec_for(rows, steps=steps):
     s = agk.AgSpec(
       axis_name=axis_name,
       mesh_axes=mesh_axes,
@@ -303,6 +303,8 @@ def plan_allgather(
     return dataclasses.replace(s, vmem_limit=limit), need
 
   sub = _sublanes(t)
+  one = _chips.CAL.get(_chips.chip_for(device_kind).name)
+  one = one.fused_one_panel_vmem if one is not None else 0.0
   for panels in range(1, m + 1):
     if m % panels:
       continue
@@ -312,6 +314,12 @@ def plan_allgather(
     spec, need = spec_for(rows)
     if need <= budget:
       return AgPlan(spec, panels)
+    if panels == 1 and steps is None and one and spec.g > 1:
+      # One chunk per step holds half the chunk buffers: one panel
+      # where the chip's share allows it (``Cal.fused_one_panel_vmem``).
+      spec, need = spec_for(rows, (1,) * n)
+      if need <= one * vmem_capacity(device_kind):
+        return AgPlan(spec, 1)
     if rows <= sub:
       break
   return AgPlan(None, 0, f"the accumulator of {m} x {f} does not fit VMEM")
