@@ -140,13 +140,15 @@ class Cal:
     fused_one_panel_vmem: the share of VMEM the fused all-gather may
       fill to run in one row panel, one chunk per step, where its chosen
       plan needs more panels within ``_fused._VMEM_SHARE`` (0: never).
-      v5p 0.9 (branch h-mem1024): the Llama-3-70B shard at tp 4, M = 1024
+      v5p 0.8 (branch h-mem1024): the Llama-3-70B shard at tp 4, M = 1024
       (a 28 MiB accumulator) ran in 2 panels of the paired plan (1, 2, 1),
-      361.5 us; one panel of (1, 1, 1, 1) needs 56 MiB of 64, compiles,
-      and models 305.3 us (``xla_best`` 331.7, the one-way ring 332.4 at
-      36.0 MiB of HBM temporaries against a limit of 20.1). No other
-      point of the sweep moves (tp 4 M = 4096 and tp 8 M = 4096 need over
-      0.9 of VMEM in one panel).
+      361.5 us; one panel of (1, 1, 1, 1) in 512-column blocks counts 50
+      MiB of 64 (``vmem_bytes``; 1024-column blocks, 56, failed to
+      compile one way round, 59.5 MiB taken against a 57.6 limit) and
+      models 305.3 us (``xla_best`` 331.7, the one-way ring 332.4 at 36.0
+      MiB of HBM temporaries against a limit of 20.1). No other point of
+      the sweep moves (tp 4 M = 4096 and tp 8 M = 4096 need more in one
+      panel).
     whole_unhidden: the share of the shorter of a two-chunk piece's dot
       and its accumulator pass (``_auto._whole_ring_s``, the two-way
       ring of whole chunks) that does not hide under the longer. v6e 0.5
@@ -337,7 +339,7 @@ CAL = {
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
-    fused_one_panel_vmem=0.9,
+    fused_one_panel_vmem=0.8,
   ),
   "v6e": Cal(
     0.9,

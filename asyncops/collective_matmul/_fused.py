@@ -274,7 +274,7 @@ def plan_allgather(
     return AgPlan(None, 0, f"no w block of k = {k} rows fits VMEM")
   budget = int(vmem_capacity(device_kind) * _VMEM_SHARE)
 
-  def spec_for(rows, steps=steps):
+  def spec_for(rows, steps=steps, bn=bn):
     s = agk.AgSpec(
       axis_name=axis_name,
       mesh_axes=mesh_axes,
@@ -315,11 +315,17 @@ def plan_allgather(
     if need <= budget:
       return AgPlan(spec, panels)
     if panels == 1 and steps is None and one and spec.g > 1:
-      # One chunk per step holds half the chunk buffers: one panel
-      # where the chip's share allows it (``Cal.fused_one_panel_vmem``).
-      spec, need = spec_for(rows, (1,) * n)
-      if need <= one * vmem_capacity(device_kind):
-        return AgPlan(spec, 1)
+      # One chunk per step holds half the chunk buffers (and narrower w
+      # blocks less): one panel where the chip's share allows it
+      # (``Cal.fused_one_panel_vmem``). Mosaic takes some MiB beyond
+      # ``vmem_bytes`` (v5p, one direction, 1024-column blocks: 59.5 MiB
+      # for 56 counted, over the 57.6 limit), hence the share's margin.
+      for cols in (bn, bn // 2):
+        if cols % 128 or f % cols:
+          continue
+        spec, need = spec_for(rows, (1,) * n, cols)
+        if need <= one * vmem_capacity(device_kind):
+          return AgPlan(spec, 1)
     if rows <= sub:
       break
   return AgPlan(None, 0, f"the accumulator of {m} x {f} does not fit VMEM")
