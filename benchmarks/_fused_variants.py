@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import _kernel_costs, _variants
+from benchmarks import _kernel_costs, _timeline, _variants
 
 AXIS = _variants.AXIS
 _F32 = jnp.float32
@@ -138,13 +138,22 @@ def _ag_twin(operands, results, attrs=""):
   # Operands: me, x, [x scales [d, m, 128]], w, recv, [recv scales], sems.
   _, x, *rest = operands
   w = next(o for o in rest if len(o.dims) == 2)
-  recv = next(o for o in rest if len(o.dims) == 4)
-  n = recv.dims[1] + 1
-  # A row panel's kernel may read all of x: its rows are the receive
-  # buffer's (``[d, n - 1, m, k / d]``).
-  m, k, f = recv.dims[2], x.dims[1], w.dims[1]
+  recv = next((o for o in rest if len(o.dims) == 4), None)
+  if recv is not None:
+    # A row panel's kernel may read all of x: its rows are the receive
+    # buffer's (``[d, n - 1, m, k / d]``).
+    nd, n, m = recv.dims[0], recv.dims[1] + 1, recv.dims[2]
+  else:
+    # The slots are rows of the result (``AgSpec.recv_in_out``): their
+    # layout is in the kernel's ``ring_slots_`` scope.
+    found = _timeline._SLOTS.search(attrs)
+    if found is None:
+      raise ValueError("ring_allgather_matmul: no receive buffer or slots")
+    nd, n1, m, _, _ = (int(v) for v in found.groups())
+    n = n1 + 1
+  k, f = x.dims[1], w.dims[1]
   plan, blocks = step_plan(attrs, n)
-  tail, nd = step_tail(attrs), recv.dims[0]
+  tail = step_tail(attrs)
   # A tail of ``t`` grid iterations (each ``[m, k/d] @ [k/d, bn]``) is
   # ``t / (blocks g d)`` of a step of ``g`` chunks.
   tails = (

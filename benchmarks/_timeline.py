@@ -318,6 +318,26 @@ _REF_DST_SLOT = "/ref_message_dst_slot/"
 _REF_DST_WHOLE = "/ref_message_dst_whole/"
 _RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
 _HOPS = re.compile(r"ring_hops_([\d-]+)")
+# A fused all-gather whose receive slots are rows of its result
+# (``AgSpec.recv_in_out``): ``ring_slots_<d>x<n - 1>x<m>x<k/d>x<bytes>``.
+_SLOTS = re.compile(r"ring_slots_(\d+)x(\d+)x(\d+)x(\d+)x(\d+)")
+
+
+def recv_slots(arrays, attrs: str) -> tuple[int, int, float] | None:
+  """``(directions, slots per direction, bytes per slot)`` of a fused
+  ring kernel's receive buffer (``arrays``: its start's results or its
+  compute kernel's operands, ``attrs`` their metadata): the 4-D buffer
+  ``[d, n - 1, m, k/d]``, or the slots a ``ring_slots_`` scope names
+  (they are rows of the result); None when neither."""
+  for a in arrays:
+    if len(a.dims) == 4:
+      d, n1 = a.dims[0], a.dims[1]
+      return d, n1, a.nbytes / d / n1
+  found = _SLOTS.search(attrs)
+  if found is None:
+    return None
+  d, n1, m, kh, item = (int(v) for v in found.groups())
+  return d, n1, float(m * kh * item)
 
 
 @dataclasses.dataclass
@@ -906,6 +926,10 @@ class _Sim:
     if ins.name[len("asyncops_") :].startswith("ring_allgather"):
       n1 = recv.dims[1] if len(recv.dims) > 1 else 1
       slot = recv.nbytes / d / n1
+      found = recv_slots(ins.arrays[:1], ins.attrs)
+      if found is not None:
+        d, n1, slot = found
+        shifts = (1, -1) if d == 2 else (-1,)
       for sh in shifts:
         for t in range(1, n1 + 1):
           part, lat = self._ici(ring_sends(self.rings, sh * t), slot)
@@ -926,12 +950,11 @@ class _Sim:
     first); empty for every other transfer."""
     if not ins.name.startswith("asyncops_ring_allgather") or not ins.arrays:
       return []
-    recv = ins.arrays[0]
-    if len(recv.dims) < 2:
+    found = recv_slots(ins.arrays[:1], ins.attrs)
+    if found is None:
       return []
-    d, n1 = recv.dims[0], recv.dims[1]
+    d, n1, size = found
     shifts = (1, -1) if d == 2 else (-1,)
-    size = recv.nbytes / d / n1
     # The peers' distances, slot by slot (``ring_hops_1-3-2`` in the op
     # name; slot t is t + 1 away when absent).
     found = _HOPS.search(ins.attrs)

@@ -156,6 +156,109 @@ def test_allgather_row_panels_write_one_result_in_place(capfd):
 
 
 @pytest.mark.parametrize(
+  "mesh_shape,directions,k,blocks,dtype,steps",
+  [
+    # (n - 1) k = 768 columns of slots in a 768-column result: all of it.
+    ((1, 4), 2, 256, 6, "bfloat16", None),
+    ((1, 4), 1, 128, 3, "float32", (1, 2, 1)),
+    ((2, 3), 2, 256, 4, "bfloat16", (1, 2)),
+    ((1, 4), 2, 256, 7, "bfloat16", (1, 1, 2)),
+  ],
+)
+def test_allgather_receive_slots_in_the_result(
+  mesh_shape, directions, k, blocks, dtype, steps, capfd
+):
+  """``AgSpec.recv_in_out``: the peers write their chunks into this
+  device's result rows (the slots' columns), which the kernel overwrites
+  only in its last step: the product is exact and the interpreter finds
+  no race between the chunks landing, their copies into VMEM and the
+  result's blocks."""
+  x_n, n = mesh_shape
+  dtype = jnp.dtype(dtype)
+  a = _ints((16 * x_n, n * k), dtype, 6)
+  w = _ints((n * k, n * 128 * blocks), dtype, 7)
+
+  def body(x, y):
+    name = dtype.name
+    spec = _ag_spec(
+      n, x, y, name, name, name, directions, steps=steps, recv_in_out=True
+    )
+    return _one_kernel(agk, x, y, spec, y.shape[1], dtype)
+
+  got = u.run_sharded(
+    body,
+    u.cpu_mesh(mesh_shape),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+    a,
+    w,
+    check_vma=False,
+  )
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _check_interpreter_output(capfd)
+
+
+def test_allgather_receive_slots_in_the_result_by_panels(capfd):
+  """Two row panels with ``recv_in_out``: panel 1's chunks land in its
+  rows of the result panel 0 wrote (the start takes that buffer), and
+  panel 0's rows survive."""
+  n, rows = 4, 16
+  a = _ints((2 * rows, n * 256), jnp.bfloat16, 8)
+  w = _ints((n * 256, n * 6 * 128), jnp.bfloat16, 9)
+
+  def body(x, y):
+    me = jax.lax.axis_index("y").astype(jnp.int32).reshape(1)
+    whole = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.bfloat16)
+    spec = _ag_spec(
+      n, x[:rows], y, "bfloat16", "bfloat16", "bfloat16", 2, recv_in_out=True
+    )
+    specs = [dataclasses.replace(spec, panel=p) for p in range(2)]
+    return _panels(agk, me, x, y, specs, whole)
+
+  got = u.run_sharded(
+    body,
+    u.cpu_mesh((1, n)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+    a,
+    w,
+    check_vma=False,
+  )
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _check_interpreter_output(capfd)
+
+
+@pytest.mark.parametrize(
+  "recv_in_out,reason",
+  [
+    (dict(out_dtype="float32"), "result's dtype"),
+    (dict(f=512), "(n - 1) k"),
+  ],
+)
+def test_receive_slots_in_the_result_are_checked(recv_in_out, reason):
+  kw = dict(
+    axis_name="y",
+    mesh_axes=("y",),
+    n=4,
+    m=8,
+    k=256,
+    f=768,
+    dtype="bfloat16",
+    w_dtype="bfloat16",
+    out_dtype="bfloat16",
+    bn=128,
+  )
+  assert agk.recv_fits_out(agk.AgSpec(**kw))
+  kw.update(recv_in_out)
+  assert not agk.recv_fits_out(agk.AgSpec(**kw))
+  with pytest.raises(ValueError, match="recv_in_out") as err:
+    agk.AgSpec(**kw, recv_in_out=True)
+  assert reason in str(err.value)
+
+
+@pytest.mark.parametrize(
   "mesh_shape,directions,blocks",
   [((1, 4), 2, 2), ((2, 3), 1, 1), ((1, 2), 2, 1)],
 )

@@ -4,7 +4,9 @@ Ahead-of-time compiles (no TPU) at the chapter's shape and a Llama decode
 shape, on v5e and v6e (the fused kernels' targets) and v5p: the start,
 compute and done kernels are there in program order, the start synchronises
 (collective id) and returns the receive buffer ``[d, n - 1, m, k/d]`` (what
-``benchmarks/`` routes), ``w`` is one operand of the compute kernel, the
+``benchmarks/`` routes) or, where the chunks fit in the result's rows
+(``AgSpec.recv_in_out``), writes them there and names their layout in a
+``ring_slots_`` scope, ``w`` is one operand of the compute kernel, the
 program has no defensive copy, and ``auto`` picks the fused kernels for
 prefill-size rows and XLA's collective at decode.
 """
@@ -86,26 +88,48 @@ def _ag_text(topology, dtype=jnp.bfloat16, precision="default"):
   return _compile(*_allgather(topology, f, dtype=dtype))
 
 
+def _assert_slots_in_result(text, start, compute, slots):
+  """``AgSpec.recv_in_out``: the start returns only its semaphores; the
+  receive slots (``slots``, the ``ring_slots_`` scope the model reads) are
+  rows of a result buffer made before it, which the start takes and the
+  compute kernel takes aliased to its result (one buffer: no receive
+  buffer of its own in HBM)."""
+  assert all(leaf.dtype == "s32" for leaf in start.leaves), start.leaves
+  assert f"ring_slots_{slots}" in start.attrs
+  assert f"ring_slots_{slots}" in compute.attrs
+  (buf,) = _calls(text, "asyncops_ring_allgather_buffer")
+  assert buf.name in start.operands and buf.name in compute.operands
+  assert compute.leaves[0].dims == buf.leaves[0].dims
+  assert "output_to_operand_aliasing" in compute.attrs
+
+
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_allgather_kernels_in_order(topology):
   text = _ag_text(topology)
   assert _entry_order(text) == [
+    "asyncops_ring_allgather_buffer",
     "asyncops_ring_allgather_start",
     "ring_allgather_matmul",
     "asyncops_ring_allgather_done",
   ]
   (start,) = _calls(text, "asyncops_ring_allgather_start")
   assert '"barrier_type":"CUSTOM"' in start.attrs  # it synchronises
-  recv = start.leaves[0]
   m, k = B // 2, D // 4
-  assert (recv.dtype, recv.dims) == ("bf16", (2, 3, m, k // 2))
   (compute,) = _calls(text, "ring_allgather_matmul")
-  w_operands = [
-    o
-    for o in compute.operands
-    if "parameter" in parse_module(text).instr(o).opcode
-  ]
-  assert len(w_operands) == 2  # x and w, each once
+  # (n - 1) k = 1536 <= f = 2048: the chunks land in the result's rows.
+  _assert_slots_in_result(text, start, compute, f"2x3x{m}x{k // 2}x2")
+  module = parse_module(text)
+
+  def param(name):
+    """The entry parameter ``name`` is, or is XLA's VMEM prefetch of
+    (``copy-done`` of a ``copy-start`` of it: ``x`` on v6e), else None."""
+    ins = module.instr(name)
+    if ins.opcode == "copy-done":
+      ins = module.instr(module.instr(ins.operands[0]).operands[0])
+    return ins.name if ins.opcode == "parameter" else None
+
+  params = [param(o) for o in compute.operands if param(o)]
+  assert len(set(params)) == len(params) == 2  # x and w, each once
   # The model reads the step plan and the order of the sends from these
   # scopes (one chunk per step at this shape; nearest peers first).
   assert re.search(r"ring_steps_1-1-1-1_nf\d+", compute.attrs)
@@ -134,10 +158,13 @@ def test_allgather_float32_travels_as_bf16_at_default_precision():
   as bf16; at HIGHEST they move (and multiply) in float32."""
   text = _ag_text("v5e:2x4", jnp.float32)
   (start,) = _calls(text, "asyncops_ring_allgather_start")
+  # bf16 chunks, a float32 result: a receive buffer of their own.
   assert start.leaves[0].dtype == "bf16"
   text = _ag_text("v5e:2x4", jnp.float32, "highest")
   (start,) = _calls(text, "asyncops_ring_allgather_start")
-  assert start.leaves[0].dtype == "f32"
+  (compute,) = _calls(text, "ring_allgather_matmul")
+  # float32 chunks land in the float32 result's rows (4 bytes each).
+  _assert_slots_in_result(text, start, compute, f"2x3x{B // 2}x{D // 8}x4")
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
@@ -175,8 +202,8 @@ def test_allgather_one_direction_with_a_step_plan(topology):
 
   text = _compile(*_allgather(topology, f))
   (start,) = _calls(text, "asyncops_ring_allgather_start")
-  assert start.leaves[0].dims == (1, 3, B // 2, D // 4)
   (compute,) = _calls(text, "ring_allgather_matmul")
+  _assert_slots_in_result(text, start, compute, f"1x3x{B // 2}x{D // 4}x2")
   assert re.search(r"ring_steps_1-2-1_nf\d+", compute.attrs)
   assert not analyze(text).defensive_copies
   _assert_result_written_in_place(text, compute)

@@ -713,6 +713,10 @@ def explain_allgather(
     device_kind,
     _fused.transfer_dtype(dtype, precision),
   )
+  if plan.spec is not None:
+    # The plan's own (one chunk per step where it runs one panel by
+    # ``Cal.fused_one_panel_vmem``; else the same).
+    plan_steps = plan.spec.plan
   fused = _fused_ag_s(
     panels,
     plan_steps,
@@ -805,7 +809,9 @@ def explain_allgather(
   # and 7.0 against 5292.8 and 668.1 (limit 320.1). Smaller
   # accumulators are weighed by time alone (v5p tp 4, M = 1024: the
   # one-way ring 332.4 us at 36.0 MiB against 20.1, the fused kernel
-  # 361.5 at 12.1, xla_best 331.7).
+  # 361.5 at 12.1 in two row panels, xla_best 331.7; since branch
+  # h-mem1024 the fused kernel runs one panel there, 305.3 at 0.0, and
+  # is picked by time).
   over = set()
   if cal.ring_acc_hbm:  # (v6e keeps them in VMEM: ``Cal.ring_acc_hbm``)
     over = _ag_memory(

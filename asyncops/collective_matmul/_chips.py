@@ -137,6 +137,18 @@ class Cal:
       temporaries, the fused kernel 24.2, jit 0.0; the Llama-3-70B shard
       at tp 4 M = 1024: the one-way ring 0.0, the fused kernel 12.1), so
       the rule's premise does not hold there.
+    fused_one_panel_vmem: the share of VMEM the fused all-gather may
+      fill to run in one row panel, one chunk per step, where its chosen
+      plan needs more panels within ``_fused._VMEM_SHARE`` (0: never).
+      v5p 0.8 (branch h-mem1024): the Llama-3-70B shard at tp 4, M = 1024
+      (a 28 MiB accumulator) ran in 2 panels of the paired plan (1, 2, 1),
+      361.5 us; one panel of (1, 1, 1, 1) in 512-column blocks counts 50
+      MiB of 64 (``vmem_bytes``; 1024-column blocks, 56, failed to
+      compile one way round, 59.5 MiB taken against a 57.6 limit) and
+      models 305.3 us (``xla_best`` 331.7, the one-way ring 332.4 at 36.0
+      MiB of HBM temporaries against a limit of 20.1). No other point of
+      the sweep moves (tp 4 M = 4096 and tp 8 M = 4096 need more in one
+      panel).
     whole_unhidden: the share of the shorter of a two-chunk piece's dot
       and its accumulator pass (``_auto._whole_ring_s``, the two-way
       ring of whole chunks) that does not hide under the longer. v6e 0.5
@@ -358,6 +370,7 @@ class Cal:
   rs_step_s: float = 1.5e-6
   rs_panel_w: float = 0.0
   rs_ring_f: float = 0.0
+  fused_one_panel_vmem: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -406,6 +419,7 @@ CAL = {
     whole_tail=0.5,
     whole_stack=1.0,
     bidi_ag_acc=0.7,
+    fused_one_panel_vmem=0.8,
   ),
   "v6e": Cal(
     0.9,

@@ -134,6 +134,15 @@ class AgSpec:
       the start sends rows ``panel m ..`` of the ``x`` it is given and
       the compute kernel reads them and writes its rows of the result
       (``compute``'s ``into``); 0 for one panel.
+    recv_in_out: the receive slots live in the result's own HBM buffer,
+      in this panel's rows (slot ``t`` of direction ``d``: columns ``(d
+      (n - 1) + t) k/d ..``), which the kernel writes only in its last
+      step, after every chunk has arrived and been copied into VMEM: the
+      start returns the result buffer (or takes the previous panel's,
+      aliased), the compute kernel writes it in place, and no separate
+      ``(n - 1) m k`` receive buffer is allocated. Needs the chunks in
+      the result's dtype, ``(n - 1) k <= f`` and no quantized scales
+      (:func:`recv_fits_out`).
   """
 
   axis_name: str
@@ -154,6 +163,7 @@ class AgSpec:
   steps: tuple[int, ...] | None = None
   tail: int | None = None
   panel: int = 0
+  recv_in_out: bool = False
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
@@ -181,6 +191,13 @@ class AgSpec:
       raise ValueError(f"quantized chunks travel as int8, got {self.dtype}")
     if self.k % self.directions or self.f % self.bn:
       raise ValueError(f"k/directions and f/bn must divide: {self}")
+    if self.recv_in_out and not recv_fits_out(self):
+      raise ValueError(
+        "AgSpec.recv_in_out needs unquantized chunks in the result's dtype "
+        f"and (n - 1) k <= f; got dtype {self.dtype}, out_dtype "
+        f"{self.out_dtype}, quantized {self.quantized}, (n - 1) k = "
+        f"{(self.n - 1) * self.k}, f = {self.f}. Leave it False."
+      )
 
   @property
   def plan(self) -> tuple[int, ...]:
@@ -223,6 +240,15 @@ class AgSpec:
     return tuple(out)
 
   @property
+  def slots_scope(self) -> str:
+    """The named scope of a ``recv_in_out`` start and compute kernel: the
+    receive slots' layout ``ring_slots_<d>x<n - 1>x<m>x<k/d>x<bytes>``
+    (bytes per element; the benchmark model reads it: the slots are
+    rows of the result, not a buffer of their own)."""
+    t = jnp.dtype(self.dtype).itemsize
+    return f"ring_slots_{self.directions}x{self.n - 1}x{self.m}x{self.kh}x{t}"
+
+  @property
   def hops_scope(self) -> str:
     """The named scope the start kernel runs in (the benchmark model reads
     the order of the sends from it)."""
@@ -250,6 +276,27 @@ class AgSpec:
   def mxu_dtype(self):
     """What the chunks meet the MXU as (int8 codes as exact bf16)."""
     return jnp.bfloat16 if self.quantized else jnp.dtype(self.dtype)
+
+
+def recv_fits_out(spec: AgSpec) -> bool:
+  """Whether ``spec``'s receive slots fit in its panel of the result
+  (:attr:`AgSpec.recv_in_out`): chunks of the result's dtype, not
+  quantized, ``n - 1`` chunks of ``k`` columns within ``f``."""
+  return (
+    not spec.quantized
+    and jnp.dtype(spec.dtype) == jnp.dtype(spec.out_dtype)
+    and (spec.n - 1) * spec.k <= spec.f
+  )
+
+
+def slot_ref(spec: AgSpec, buf, d: int, t: int):
+  """Receive slot ``t`` of direction ``d`` in ``buf``: ``buf[d, t]`` of a
+  receive buffer, or (``recv_in_out``) its ``[m, k/d]`` block of this
+  panel's rows of the result."""
+  if not spec.recv_in_out:
+    return buf.at[d, t]
+  col = (d * (spec.n - 1) + t) * spec.kh
+  return buf.at[pl.ds(spec.panel * spec.m, spec.m), pl.ds(col, spec.kh)]
 
 
 def vmem_bytes(spec: AgSpec) -> int:
@@ -331,7 +378,9 @@ def start_kernel(
   rows = pl.ds(spec.panel * spec.m, spec.m)
   for t in range(n - 1):
     for d, sh in enumerate(spec.shifts):
-      pairs = [(x_ref.at[rows, pl.ds(d * kh, kh)], recv_ref.at[d, t])]
+      pairs = [
+        (x_ref.at[rows, pl.ds(d * kh, kh)], slot_ref(spec, recv_ref, d, t))
+      ]
       if scales is not None:
         pairs.append((scales[0].at[d, rows], scales[1].at[d, t]))
       for src, dst in pairs:
@@ -384,7 +433,7 @@ def compute_kernel(*refs, spec: AgSpec):
   def local_copies(dd, src_slot, cc, dst_slot):
     out = [
       (
-        recv_ref.at[dd, src_slot],
+        slot_ref(spec, recv_ref, dd, src_slot),
         xbuf.at[dst_slot, cc, :, pl.ds(dd * kh, kh)],
       )
     ]
@@ -449,18 +498,28 @@ def compute_kernel(*refs, spec: AgSpec):
     @pl.when((s == ss) & tail)
     def _(ss=ss):
       for cc, dd, u1, dst in each_copy(ss + 1, (ss + 1) % 2):
-        moving = [recv_ref] + ([rs_ref] if q else [])
-        for buf in moving:
-          c.wait_dma(buf.at[dd, u1], recv_sems.at[dd, u1])
+        c.wait_dma(slot_ref(spec, recv_ref, dd, u1), recv_sems.at[dd, u1])
+        if q:
+          c.wait_dma(rs_ref.at[dd, u1], recv_sems.at[dd, u1])
         for src, dst_ref in local_copies(dd, u1, cc, dst):
           pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd]).start()
 
 
-def done_kernel(recv_ref, send_sems, *, spec: AgSpec, recv_scales=None):
-  """Waits for every send of the start."""
+def done_kernel(
+  recv_ref, send_sems, *, spec: AgSpec, recv_scales=None, from_x=False
+):
+  """Waits for every send of the start. ``recv_ref``: the receive buffer
+  (its slots give the sizes), or with ``from_x`` ``x`` itself (a
+  ``recv_in_out`` done does not take the result; this panel's rows of
+  half ``d`` of ``x`` are a slot's size)."""
   for d in range(spec.directions):
     for t in range(spec.n - 1):
-      c.wait_dma(recv_ref.at[d, t], send_sems.at[d, t])
+      if from_x:
+        rows = pl.ds(spec.panel * spec.m, spec.m)
+        ref = recv_ref.at[rows, pl.ds(d * spec.kh, spec.kh)]
+      else:
+        ref = slot_ref(spec, recv_ref, d, t)
+      c.wait_dma(ref, send_sems.at[d, t])
       if recv_scales is not None:
         c.wait_dma(recv_scales.at[d, t], send_sems.at[d, t])
 
@@ -558,15 +617,41 @@ def _scales_of(refs, spec: AgSpec):
   return (refs[0], refs[1]) if spec.quantized else None
 
 
-def start(xs, *, spec: AgSpec):
+def start(xs, *, spec: AgSpec, out_shape=None, into=None):
   """``(x, [x scales]) -> (receive buffers, send_sems, recv_sems)``; begins
   the first hop.
 
   ``x`` is read by DMAs after this kernel returns; it is not aliased (no
   user code sees it, and aliasing a parameter makes XLA copy it). The done
   takes ``x`` as an operand, so XLA keeps it alive until the sends end.
+
+  ``recv_in_out``: the receive buffer is the result buffer, ``into`` (the
+  previous row panel's result) or a new one of ``out_shape``; the start
+  takes it as an operand and returns it unchanged (the peers write this
+  panel's rows of it; the compute kernel, which waits for them, takes it
+  aliased to its result). It is not the start's own result: XLA copies a
+  communicating kernel's result once more before it leaves the program
+  (measured: the Llama-3-70B shard on v6e, a 14 MiB ``copy`` at the
+  ROOT).
   """
   nq = len(xs)
+  if spec.recv_in_out:
+    buf = _empty(out_shape) if into is None else into
+
+    def kernel(*refs):
+      x_ref, buf_ref, ss, rs = refs
+      start_kernel(x_ref, buf_ref, ss, rs, spec=spec)
+
+    with jax.named_scope(spec.hops_scope):
+      ss, rs = pl.pallas_call(
+        kernel,
+        out_shape=(_sem_array(spec), _sem_array(spec)),
+        in_specs=[c.ANY, c.ANY],
+        out_specs=(c.SEM, c.SEM),
+        compiler_params=c.params(collective_id=spec.collective_id),
+        name="asyncops_ring_allgather_start",
+      )(*xs, buf)
+    return (buf,), ss, rs
 
   def kernel(*refs):
     ins, outs = refs[:nq], refs[nq:]
@@ -577,6 +662,21 @@ def start(xs, *, spec: AgSpec):
   with jax.named_scope(spec.hops_scope):
     out = _start_call(kernel, xs, spec)
   return tuple(out[:nq]), out[nq], out[nq + 1]
+
+
+def _empty(out_shape):
+  """A result buffer in HBM that nothing writes (a kernel that does
+  nothing): the first row panel's receive slots and result."""
+
+  def kernel(o_ref):
+    del o_ref
+
+  return pl.pallas_call(
+    kernel,
+    out_shape=c.hbm_like(out_shape),
+    out_specs=c.HBM,
+    name="asyncops_ring_allgather_buffer",
+  )()
 
 
 def _start_call(kernel, xs, spec: AgSpec):
@@ -599,7 +699,9 @@ def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape, into=None):
 
   ``into``: the result buffer of the previous row panel, aliased to this
   kernel's result (row panel ``spec.panel`` writes its ``m`` rows of it
-  in place; ``out_shape`` is the whole result)."""
+  in place; ``out_shape`` is the whole result). ``recv_in_out``: the
+  receive buffer ``recvs[0]`` is the result buffer, aliased (``into``
+  must be None: the start took it)."""
   nq = len(xs)
   with jax.named_scope(spec.scope):
     return _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into)
@@ -608,7 +710,15 @@ def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape, into=None):
 def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into):
   kernel = functools.partial(compute_kernel, spec=spec)
   extra, aliases, in_specs = (), {}, _in_specs(spec) + [c.HBM] * nq + [c.SEM]
-  if into is not None:
+  if spec.recv_in_out:
+    if into is not None:
+      raise ValueError("recv_in_out: the start takes the previous result")
+    # me, x, w, then the receive buffer: the result itself, pinned to HBM
+    # (XLA otherwise kept it in VMEM, prefetching the buffer there while
+    # the peers wrote into it in HBM, and copied the result out).
+    aliases = {nq + 2: 0}
+    out_shape = c.hbm_like(out_shape)
+  elif into is not None:
     # me, x, [xs], w, recv, [recv scales], sems, then the buffer.
     at = 2 * nq + 3
 
@@ -645,25 +755,31 @@ def done(xs, recvs, token, send_sems, *, spec: AgSpec):
   Reads the sources and receive buffers (so XLA keeps them alive until the
   sends end) and the compute kernel's ``token`` (so it runs after it: the
   transfers stay in flight under the matmul). It has side effects, so XLA
-  keeps it.
+  keeps it. ``recv_in_out``: not the receive buffer (the result, which
+  the compute kernel wrote in place: a later reader would make XLA copy
+  it); the slots' sizes are ``x``'s halves.
   """
   nq = len(xs)
+  if spec.recv_in_out:
+    recvs = ()
 
   def kernel(*refs):
-    recv_refs = refs[nq : 2 * nq]
-    send_sems, token_ref = refs[2 * nq + 1], refs[2 * nq + 2]
+    nr = len(recvs)
+    recv_refs = refs[nq : nq + nr]
+    send_sems, token_ref = refs[nq + nr + 1], refs[nq + nr + 2]
     done_kernel(
-      recv_refs[0],
+      recv_refs[0] if nr else refs[0],
       send_sems,
       spec=spec,
       recv_scales=recv_refs[1] if spec.quantized else None,
+      from_x=not nr,
     )
     token_ref[0] = jnp.int32(0)
 
   return pl.pallas_call(
     kernel,
     out_shape=c.shape_like(xs[0], (1,), jnp.int32),
-    in_specs=[c.ANY] * nq + [c.HBM] * nq + [_SMEM, c.SEM],
+    in_specs=[c.ANY] * nq + [c.HBM] * len(recvs) + [_SMEM, c.SEM],
     out_specs=_SMEM,
     compiler_params=c.params(),
     name="asyncops_ring_allgather_done",
@@ -676,13 +792,23 @@ def run(me, x, w, *, spec: AgSpec, out_shape, scales=None, into=None):
   ``scales``: for quantized ``x`` (int8), its per-row scales ``[d, m,
   128]`` float32 (one per row and half, broadcast over the lanes).
   ``into``: the previous row panel's result, written on in place
-  (:func:`compute`).
+  (:func:`compute`; with ``recv_in_out`` the start takes it and the
+  peers' chunks land in this panel's rows of it first).
   """
   xs = (x,) if scales is None else (x, scales)
-  recvs, send_sems, recv_sems = start(xs, spec=spec)
-  out, token = compute(
-    me, xs, w, recvs, recv_sems, spec=spec, out_shape=out_shape, into=into
-  )
+  if spec.recv_in_out:
+    with jax.named_scope(spec.slots_scope):
+      recvs, send_sems, recv_sems = start(
+        xs, spec=spec, out_shape=out_shape, into=into
+      )
+      out, token = compute(
+        me, xs, w, recvs, recv_sems, spec=spec, out_shape=out_shape
+      )
+  else:
+    recvs, send_sems, recv_sems = start(xs, spec=spec)
+    out, token = compute(
+      me, xs, w, recvs, recv_sems, spec=spec, out_shape=out_shape, into=into
+    )
   done(xs, recvs, token, send_sems, spec=spec)
   return out
 
@@ -695,22 +821,32 @@ def one_kernel(
   Pallas's TPU interpreter cannot return semaphores from a kernel, so the
   CPU tests run this form: the start body before the first grid step, the
   done body after the last. Same DMAs, waits and arithmetic as the three
-  kernels (``into`` as :func:`compute` takes it).
+  kernels (``into`` as :func:`compute` takes it). ``recv_in_out``: the
+  result buffer (``into``, or a new zero one for the first panel) is an
+  operand aliased to the result, and the receive slots are its rows.
   """
   nd = spec.directions
   xs = (x,) if scales is None else (x, scales)
   nq = len(xs)
+  if spec.recv_in_out and into is None:
+    into = jnp.zeros(out_shape.shape, out_shape.dtype)
   extra = () if into is None else (into,)
+  rio = spec.recv_in_out
 
   def kernel(me_ref, *refs):
     refs = list(refs)
+    buf = None
     if into is not None:
-      del refs[2 * nq + 1]  # the aliased result buffer
+      buf = refs.pop(2 * nq + 1)  # the aliased result buffer
     blocks = refs[: nq + 1]  # x, [xs], w (pipelined)
     anys = refs[nq + 1 : 2 * nq + 1]  # x, [xs] (HBM, for the start)
     o_ref = refs[2 * nq + 1]
-    recvs = refs[2 * nq + 2 : 3 * nq + 2]
-    ss, rs, *scratch = refs[3 * nq + 2 :]
+    if rio:
+      recvs = [buf]
+      ss, rs, *scratch = refs[2 * nq + 2 :]
+    else:
+      recvs = refs[2 * nq + 2 : 3 * nq + 2]
+      ss, rs, *scratch = refs[3 * nq + 2 :]
     s, j = pl.program_id(0), pl.program_id(1)
     ci, d = pl.program_id(2), pl.program_id(3)
     nsteps = len(spec.plan)
@@ -730,20 +866,22 @@ def one_kernel(
     @pl.when(last & (d == nd - 1))
     def _():
       done_kernel(
-        recvs[0],
+        anys[0] if rio else recvs[0],
         ss,
         spec=spec,
         recv_scales=recvs[1] if spec.quantized else None,
+        from_x=rio,
       )
 
+  recv_out = () if rio else tuple(_recv_shapes(x, spec))
   out = pl.pallas_call(
     kernel,
-    out_shape=(out_shape, *_recv_shapes(x, spec)),
+    out_shape=(out_shape, *recv_out),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=_grid(spec),
       in_specs=_in_specs(spec) + [c.ANY] * (nq + len(extra)),
-      out_specs=(_out_block(spec),) + (c.ANY,) * nq,
+      out_specs=(_out_block(spec),) + (c.ANY,) * len(recv_out),
       scratch_shapes=[_sem_array(spec), _sem_array(spec)]
       + [pltpu.SMEM((1,), jnp.int32)]
       + _scratch(spec),
