@@ -137,6 +137,55 @@ def test_a_send_done_without_recv_done_is_refused(topology, no_trace_checks):
     asyncops.inspect.assert_copy_free(f, x)
 
 
+def recv_done_on_one_branch(x):
+  x1, fut = _start(x * 2.0)  # RECV_ONE_BRANCH
+  x2, fut = asyncops.send_done(fut)
+  p = lax.axis_index("i") == 0
+  return lax.cond(
+    p, lambda f, a: asyncops.recv_done(f) + a, lambda f, a: a * 3.0, fut, x2
+  )
+
+
+def send_done_on_both_branches_recv_on_one(x):
+  x1, fut = _start(x * 2.0)  # RECV_ONE_OF_TWO
+
+  def both(f, a):
+    a2, f = asyncops.send_done(f)
+    return asyncops.recv_done(f) + a2
+
+  def send_only(f, a):
+    a2, f = asyncops.send_done(f)
+    return a2 * 3.0
+
+  return lax.cond(lax.axis_index("i") == 0, both, send_only, fut, x)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+@pytest.mark.parametrize(
+  "fn, marker",
+  [
+    (recv_done_on_one_branch, "RECV_ONE_BRANCH"),
+    (send_done_on_both_branches_recv_on_one, "RECV_ONE_OF_TWO"),
+  ],
+)
+def test_a_recv_done_on_one_branch_only_is_refused(
+  fn, marker, topology, no_trace_checks
+):
+  # The start reaches a done on every branch (a send_done), so it counted
+  # as awaited there; its receive semaphore reaches a done on one branch
+  # only: on the other the DMA writes the destination unwaited.
+  f, x = _compile(fn, topology)
+  r = analyze(f, x)
+  assert any(p.done.startswith("asyncops_ppermute_recv_done") for p in r.pairs)
+  ((start, branch),) = r.unawaited_branches
+  assert branch.startswith("branch ") and not r.unawaited_semaphores
+  assert _kinds(r) == ["start with no done on a branch"], _kinds(r)
+  (h,) = hazards(r)
+  assert h.start_line.startswith(f"{THIS}:{_line(marker)} in ")
+  with pytest.raises(CopyHazardError, match="no done waits for them"):
+    asyncops.inspect.assert_copy_free(f, x)
+
+
 def destination_read_before_recv_done(x):
   x1, fut = _start(x * 2.0)  # EARLY_READ
   x2, fut = asyncops.send_done(fut)

@@ -340,20 +340,25 @@ def _find_pairs(m: Module, g: _Graph):
         continue
       seen.add(key)
       found.append((s, u, hit.crossing, kernel))
-    if kernel:
-      crossings = [c for (_, c) in seen]
-      dropped += [
-        (s, b) for b in _unawaited_branches(m, g, s, reached, crossings)
-      ]
-      if seen:  # awaited, but perhaps not every semaphore (split dones)
-        unwaited += [
-          (s, pos[1])
-          for pos in leaves
-          if not any(
-            h.user.opcode == "custom-call" and h.user.name != s.name
-            for h in g.trace([pos], through_aliasing=False)
-          )
+    if kernel and seen:
+      # Each semaphore on its own: split dones (send_done, recv_done) wait
+      # for some of a start's semaphores each, so a start that reaches a
+      # done may still leave one semaphore unwaited, everywhere or on a
+      # branch (a recv_done on one branch only).
+      branches: dict[str, None] = {}
+      for pos in leaves:
+        leaf_reached: set[Pos] = set()
+        crossings = [
+          h.crossing
+          for h in g.trace([pos], through_aliasing=False, seen=leaf_reached)
+          if h.user.opcode == "custom-call" and h.user.name != s.name
         ]
+        if not crossings:
+          unwaited.append((s, pos[1]))
+          continue
+        for b in _unawaited_branches(m, g, s, leaf_reached, crossings):
+          branches[b] = None
+      dropped += [(s, b) for b in branches]
   return starts, found, dropped, unwaited
 
 
