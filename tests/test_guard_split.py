@@ -270,3 +270,66 @@ def test_a_future_restarted_in_a_branch_passes(topology):
     (p.start, p.done, p.crossing) for p in r.kernel_pairs
   ]
   assert hazards(r) == [], [str(h) for h in hazards(r)]
+
+
+def restart_in_both_branches(x):
+  """Like ``restart_in_a_branch``, but both branches await and restart:
+  XLA copies the DMA semaphores at the merge (refused, before too)."""
+  x, fut = _start(x)
+
+  def body(fut, k):
+    def again(scale):
+      def run(f):
+        y, f = _start(asyncops.ppermute_done(f) * scale)  # BOTH_RESTART
+        return f
+
+      return run
+
+    return lax.cond(k % 2 == 0, again(2.0), again(3.0), fut), None
+
+  fut, _ = lax.scan(body, fut, jnp.arange(4))
+  return asyncops.ppermute_done(fut)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+def test_a_future_restarted_in_both_branches_is_refused(topology):
+  f, x = _compile(restart_in_both_branches, topology)
+  r = analyze(f, x)
+  assert [c for c in r.copies if "SEM" in c.spaces]
+  assert "semaphore copy" in _kinds(r) and r.unawaited_starts
+  with pytest.raises(CopyHazardError, match="semaphore copy"):
+    asyncops.inspect.assert_copy_free(f, x)
+
+
+def checkpoint_policy_grad(x):
+  """``jax.checkpoint`` with a names policy around start, compute and
+  done, under ``grad``: the forward done is handed a fusion output (a
+  ``reduce-precision`` of the start's aliased source), not the source;
+  XLA may reuse the source's buffer before the done (refused)."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  def f(a):
+    a1, fut = _start(jnp.sin(a))  # REMAT_POLICY
+    z = checkpoint_name(jnp.tanh(a1) @ a1, "mid")
+    return asyncops.ppermute_done(fut) * z
+
+  pol = jax.checkpoint_policies.save_anything_except_these_names("mid")
+  g = jax.checkpoint(f, policy=pol)
+  return jax.grad(lambda a: g(a).sum())(x)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+def test_checkpoint_policy_under_grad_is_refused(topology):
+  f, x = _compile(checkpoint_policy_grad, topology)
+  r = analyze(f, x)
+  m = r.module
+  bad = [p for p in r.kernel_pairs if not p.source_live]
+  assert len(bad) == 1, [(p.start, p.source_live) for p in r.kernel_pairs]
+  (p,) = bad
+  s, d = m.instr(p.start), m.instr(p.done)
+  # The done's source operand is not the start's source: a fusion output.
+  srcs, _ = _buffers(m, s)
+  assert m.instr(d.operands[0]).opcode == "get-tuple-element"
+  assert (d.operands[0], ()) not in srcs
+  (h,) = [h for h in hazards(r) if h.kind == "source not live"]
+  assert h.start_line.startswith(f"{THIS}:{_line('REMAT_POLICY')} in ")
