@@ -333,3 +333,48 @@ def test_checkpoint_policy_under_grad_is_refused(topology):
   assert (d.operands[0], ()) not in srcs
   (h,) = [h for h in hazards(r) if h.kind == "source not live"]
   assert h.start_line.startswith(f"{THIS}:{_line('REMAT_POLICY')} in ")
+
+
+# A Ref future awaited in branches that close over it (overlap, not safety) --
+
+
+def _ref_compute_then(await_in_branches):
+  def fn(x):
+    from asyncops import stateful
+
+    a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+    f = stateful.ppermute_start(a, b, "i", shift=1)
+    z = jnp.tanh(x) @ x  # the compute meant for the window
+    if await_in_branches:  # each branch closes over f
+      done = lambda: stateful.ppermute_done(f, a, b)  # noqa: E731
+      lax.cond(lax.axis_index("i") == 0, done, done)
+    else:
+      stateful.ppermute_done(f, a, b)
+    return b[...] + z
+
+  return fn
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+def test_a_ref_done_at_top_level_has_the_compute_in_its_window(topology):
+  f, x = _compile(_ref_compute_then(False), topology)
+  (p,) = analyze(f, x).kernel_pairs
+  assert p.overlapped, p.between
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="a RefFuture awaited in lax.cond branches that capture it is not "
+  "tied (jc.tie_between returns early for captured semaphores): XLA "
+  "hoists the matmul above the start (design/inspect.md, Third audit)",
+)
+@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+def test_a_ref_done_in_capturing_branches_has_the_compute_in_its_window(
+  topology,
+):
+  f, x = _compile(_ref_compute_then(True), topology)
+  r = analyze(f, x)
+  assert len(r.kernel_pairs) == 2 and hazards(r) == []
+  assert all(p.overlapped for p in r.kernel_pairs), [
+    (p.done, [i.name for i in p.between]) for p in r.kernel_pairs
+  ]
