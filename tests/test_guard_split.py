@@ -272,6 +272,37 @@ def test_a_future_restarted_in_a_branch_passes(topology):
   assert hazards(r) == [], [str(h) for h in hazards(r)]
 
 
+@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+def test_an_awaiting_branch_whose_done_skips_the_source_is_refused(topology):
+  # The unsafe neighbour of the rule that lets an awaiting branch put
+  # anything in the merged slot: that branch's done (HLO edited) is
+  # handed the destination twice, not the source. The pair to it must
+  # then fail on its own (the rule does not hide it).
+  from tests.test_guard_paths import _analyze, _edit
+
+  f, x = _compile(restart_in_a_branch, topology)
+  text = f.trace(x).lower().compile().as_text()
+  m = analyze(f, x).module
+  (cond,) = [
+    i
+    for c in m.computations.values()
+    for i in c.instrs
+    if i.opcode == "conditional"
+  ]
+  (b,) = [b for b in cond.branches if m.computations[b].root.opcode == "tuple"]
+  (d,) = [
+    i
+    for i in m.computations[b].instrs
+    if i.name.startswith("asyncops_ppermute_done")
+  ]
+  edited = _edit(text, d.name, d.operands[0], d.operands[1])
+  r = _analyze(edited)
+  assert hazards(_analyze(text)) == []
+  bad = [p for p in r.kernel_pairs if not p.source_live]
+  assert [p.done for p in bad] == [d.name] * len(bad) and bad
+  assert "source not live" in _kinds(r)
+
+
 def restart_in_both_branches(x):
   """Like ``restart_in_a_branch``, but both branches await and restart:
   XLA copies the DMA semaphores at the merge (refused, before too)."""
