@@ -186,6 +186,36 @@ def test_a_recv_done_on_one_branch_only_is_refused(
     asyncops.inspect.assert_copy_free(f, x)
 
 
+def dropped_in_a_nested_branch(x):
+  """The outer branch passes the future on; the inner one awaits and
+  restarts it on one side and drops it (starting afresh) on the other."""
+  _, fut = _start(x * 2.0)  # NESTED_DROP
+  p, q = lax.axis_index("i") == 0, lax.axis_index("i") == 1
+
+  def inner(f):
+    return lax.cond(
+      q,
+      lambda g: _start(asyncops.ppermute_done(g) * 2.0)[1],
+      lambda g: _start(x * 3.0)[1],
+      f,
+    )
+
+  return asyncops.ppermute_done(lax.cond(p, lambda f: f, inner, fut))
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+def test_a_future_dropped_in_a_nested_branch_is_named(
+  topology, no_trace_checks
+):
+  # The outer identity branch reaches the final done around the inner
+  # conditional, which made every inner branch look awaited "outside".
+  f, x = _compile(dropped_in_a_nested_branch, topology)
+  r = analyze(f, x)
+  assert len(r.unawaited_branches) == 1, r.unawaited_branches
+  (h,) = [h for h in hazards(r) if h.kind == "start with no done on a branch"]
+  assert h.start_line.startswith(f"{THIS}:{_line('NESTED_DROP')} in ")
+
+
 def destination_read_before_recv_done(x):
   x1, fut = _start(x * 2.0)  # EARLY_READ
   x2, fut = asyncops.send_done(fut)

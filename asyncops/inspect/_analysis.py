@@ -407,12 +407,7 @@ def _unawaited_branches(
       if not any(p is not None and p.name in by_param for p in params):
         continue
       tag = f" of %{i.name}"
-      if any(
-        not [
-          st for st in cr if st.startswith("into branch ") and st.endswith(tag)
-        ]
-        for cr in crossings
-      ):
+      if _awaited_around(g, i, reached, params):
         continue  # a done waits for them outside this conditional
       for k, p in enumerate(params):
         starts = by_param.get(p.name, []) if p is not None else []
@@ -422,6 +417,34 @@ def _unawaited_branches(
         ):
           out.append(f"branch {k}{tag}")
   return out
+
+
+def _awaited_around(g: _Graph, cond: Instr, reached, params) -> bool:
+  """Whether a done takes the semaphores that reach ``cond``'s operands
+  without passing through ``cond`` (XLA may hand a conditional operands
+  no branch uses: the future is awaited after it, around it).
+
+  Traced from the operand values themselves, so a done reached on
+  another path (around an enclosing conditional, say) does not count: a
+  branch nested in an outer branch that drops the future is still named
+  (``design/inspect.md``, "Third audit").
+  """
+  ops = set(cond.operands[1:])
+  seeds = [_resolve(g.m, pos) for pos in reached if pos[0] in ops]
+  blocked = {
+    (p.name, idx)
+    for p in params
+    if p is not None
+    for idx in [()] + [lf.index for lf in p.leaves]
+  }
+  for lf_idx in list(blocked):
+    name, idx = lf_idx
+    for k in range(1, len(idx)):
+      blocked.add((name, idx[:k]))
+  return any(
+    h.user.opcode == "custom-call"
+    for h in g.trace(seeds, through_aliasing=False, blocked=blocked)
+  )
 
 
 def _is_ref_kernel(s: Instr) -> bool:
