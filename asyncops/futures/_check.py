@@ -371,15 +371,17 @@ class _Flow:
       None if all(r[1][k] == 0 for r in results) else s
       for k, s in enumerate(ops)
     ]
+
+    def hint(i):
+      if len(results) != 2:
+        return ""
+      return f" ({'false_fun' if i == 0 else 'true_fun'} of lax.cond)"
+
     for k, s in enumerate(ops):
       if s is not None:
+        self.passed_on_and_awaited(eqn, k, s, [r[1][k] for r in results], hint)
         for i, (_, uses) in enumerate(results):
-          hint = (
-            f" ({'false_fun' if i == 0 else 'true_fun'} of lax.cond)"
-            if len(results) == 2
-            else ""
-          )
-          self.expect(s, uses[k], f" in branch {i} of a cond{hint}")
+          self.expect(s, uses[k], f" in branch {i} of a cond{hint(i)}")
     outs0 = results[0][0]
     for outs, _ in results[1:]:
       if [o is None for o in outs] != [o is None for o in outs0]:
@@ -395,6 +397,36 @@ class _Flow:
       for k in range(len(outs0))
     ]
     self.hand_over(eqn.invars[1:], eqn.outvars, ops, outs)
+
+  def passed_on_and_awaited(self, eqn, k, sem, uses, hint) -> None:
+    """Refuses a future some branches await while the others pass it on.
+
+    A branch that returns a future unchanged gives it back to the caller;
+    when every branch returns it (one of them after awaiting it), JAX
+    moves it out of the cond, so the branches that passed it on show no
+    use of it and the caller still holds it: "never awaited in branch k"
+    named the wrong mistake. The same holds when the caller awaits the
+    future after a cond whose other branches ignore it.
+    """
+    awaited = [i for i, n in enumerate(uses) if n]
+    idle = [i for i, n in enumerate(uses) if not n]
+    if not awaited or not idle:
+      return
+    v = eqn.invars[1 + k]
+    later = any(
+      e is not eqn and any(u is v for u in e.invars) for e in self.jaxpr.eqns
+    ) or any(o is v for o in self.jaxpr.outvars)
+    if not later:
+      return  # dropped in the idle branches: expect() names them
+    j, i = awaited[0], idle[0]
+    self.fail(
+      f"{_where(sem)} is awaited in branch {j} of a cond{hint(j)} but "
+      f"passed on from branch {i}{hint(i)} (returned unchanged, or used "
+      "again after the cond): after the cond it is still in flight on "
+      f"branch {i}'s path and already awaited on branch {j}'s. Await it "
+      "in every branch (returning a new future if needed), or in none: "
+      "return it from every branch and await it once after the cond."
+    )
 
   def hand_over(self, invars, outvars, in_sems, outs) -> None:
     for v, s in zip(invars, in_sems, strict=True):

@@ -318,6 +318,7 @@ def _find_pairs(m: Module, g: _Graph):
   ]
   found = []
   dropped: list[tuple[Instr, str]] = []
+  unwaited: list[tuple[Instr, tuple[int, ...]]] = []
   for s in starts:
     kernel = _is_kernel_start(s)
     leaves = [
@@ -339,12 +340,42 @@ def _find_pairs(m: Module, g: _Graph):
         continue
       seen.add(key)
       found.append((s, u, hit.crossing, kernel))
-    if kernel:
-      crossings = [c for (_, c) in seen]
-      dropped += [
-        (s, b) for b in _unawaited_branches(m, g, s, reached, crossings)
-      ]
-  return starts, found, dropped
+    if kernel and seen:
+      # Each semaphore on its own: split dones (send_done, recv_done) wait
+      # for some of a start's semaphores each, so a start that reaches a
+      # done may still leave one semaphore unwaited, everywhere or on a
+      # branch (a recv_done on one branch only).
+      branches: dict[str, None] = {}
+      for pos in leaves:
+        leaf_reached: set[Pos] = set()
+        crossings = [
+          h.crossing
+          for h in g.trace([pos], through_aliasing=False, seen=leaf_reached)
+          if h.user.opcode == "custom-call" and h.user.name != s.name
+        ]
+        if not crossings:
+          unwaited.append((s, pos[1]))
+          continue
+        for b in _unawaited_branches(m, g, s, leaf_reached, crossings):
+          branches[b] = None
+      dropped += [(s, b) for b in branches]
+  return starts, found, dropped, unwaited
+
+
+def _covers(d: Instr) -> tuple[str, ...]:
+  """The buffers of a transfer a done kernel ends: a library
+  ``send_done`` (``kernels._done.send_done``) waits for the sends only, so
+  it ends the source's use and none of the destination's; a
+  ``recv_done`` waits for the receives only (the destination). Any other
+  done waits for both. The split dones of one start each close the window
+  of their own buffer (the source may be reused after ``send_done`` while
+  the destination is still being written)."""
+  base = d.name.split(".")[0]
+  if base.startswith("asyncops_") and base.endswith("_send_done"):
+    return ("source",)
+  if base.startswith("asyncops_") and base.endswith("_recv_done"):
+    return ("destination",)
+  return ("source", "destination")
 
 
 def _unawaited_branches(
@@ -376,12 +407,7 @@ def _unawaited_branches(
       if not any(p is not None and p.name in by_param for p in params):
         continue
       tag = f" of %{i.name}"
-      if any(
-        not [
-          st for st in cr if st.startswith("into branch ") and st.endswith(tag)
-        ]
-        for cr in crossings
-      ):
+      if _awaited_around(g, i, reached, params):
         continue  # a done waits for them outside this conditional
       for k, p in enumerate(params):
         starts = by_param.get(p.name, []) if p is not None else []
@@ -391,6 +417,34 @@ def _unawaited_branches(
         ):
           out.append(f"branch {k}{tag}")
   return out
+
+
+def _awaited_around(g: _Graph, cond: Instr, reached, params) -> bool:
+  """Whether a done takes the semaphores that reach ``cond``'s operands
+  without passing through ``cond`` (XLA may hand a conditional operands
+  no branch uses: the future is awaited after it, around it).
+
+  Traced from the operand values themselves, so a done reached on
+  another path (around an enclosing conditional, say) does not count: a
+  branch nested in an outer branch that drops the future is still named
+  (``design/inspect.md``, "Third audit").
+  """
+  ops = set(cond.operands[1:])
+  seeds = [_resolve(g.m, pos) for pos in reached if pos[0] in ops]
+  blocked = {
+    (p.name, idx)
+    for p in params
+    if p is not None
+    for idx in [()] + [lf.index for lf in p.leaves]
+  }
+  for lf_idx in list(blocked):
+    name, idx = lf_idx
+    for k in range(1, len(idx)):
+      blocked.add((name, idx[:k]))
+  return any(
+    h.user.opcode == "custom-call"
+    for h in g.trace(seeds, through_aliasing=False, blocked=blocked)
+  )
 
 
 def _is_ref_kernel(s: Instr) -> bool:
@@ -433,7 +487,9 @@ def _aliased_role(s: Instr) -> str:
   return "destination" if _is_ref_kernel(s) else "source"
 
 
-def _reaches(g: _Graph, positions: list[Pos], done: Instr) -> bool:
+def _reaches(
+  g: _Graph, positions: list[Pos], done: Instr, sems: list[Pos] = ()
+) -> bool:
   """Whether a buffer at ``positions`` is an operand of ``done`` on every
   path.
 
@@ -448,29 +504,74 @@ def _reaches(g: _Graph, positions: list[Pos], done: Instr) -> bool:
   into that slot, the other branch writes into the very buffer the DMA
   reads, and on that path the done holds something else (XLA sees the
   source dead there). Any-path reachability called that source live
-  (``design/inspect.md``, "Every path")."""
+  (``design/inspect.md``, "Every path").
+
+  ``sems``: the start's semaphore positions. A branch that awaits the
+  transfer (the semaphores enter it, end at a done inside it and do not
+  leave it) does not count for the merge test: on that path this done is
+  not reached, the transfer ends at the branch's own done (whose pair
+  checks that the buffer reaches it), and XLA keeps the buffer until that
+  done reads it, so the branch may put anything in the slot after it. A
+  branch the semaphores bypass (XLA forwards them around the conditional)
+  or pass through still counts (``design/inspect.md``, "Third audit")."""
   if not positions:
     return True
   positions = [_resolve(g.m, p) for p in positions]
+  awaiting: set[str] = set()
+  if sems:
+    sem_seen: set[Pos] = set()
+    done_comps = {
+      h.user.computation
+      for h in g.trace(list(sems), through_aliasing=False, seen=sem_seen)
+      if h.user.opcode == "custom-call"
+    }
+    carried = {name for name, _ in sem_seen}
+    awaiting = {
+      b
+      for b, comp in g.m.computations.items()
+      if g.param(b, 0) is not None
+      and g.param(b, 0).name in carried
+      and comp.root.name not in carried
+      and done_comps & _under(g.m, b)
+    }
   blocked: set[Pos] = set()
   for _ in range(16):
     seen: set[Pos] = set()
-    hit_done = any(
-      hit.user.name == done.name
-      for hit in g.trace(
-        positions, through_aliasing=True, blocked=blocked, seen=seen
-      )
+    # The whole trace, not up to the first hit on the done: the merge test
+    # below needs every position the value reaches (an ``any`` stopped
+    # early and called a merge partial whose other branches it had not
+    # visited yet; design/inspect.md, "Third audit").
+    hits = list(
+      g.trace(positions, through_aliasing=True, blocked=blocked, seen=seen)
     )
-    partial = _partial_merges(g, seen) - blocked
+    hit_done = any(hit.user.name == done.name for hit in hits)
+    partial = _partial_merges(g, seen, awaiting) - blocked
     if not partial:
       return hit_done
     blocked |= partial
   return False
 
 
-def _partial_merges(g: _Graph, seen: set[Pos]) -> set[Pos]:
+def _under(m: Module, comp: str) -> set[str]:
+  """``comp`` and every computation it calls, transitively."""
+  out, todo = set(), [comp]
+  while todo:
+    c = todo.pop()
+    if c in out or c not in m.computations:
+      continue
+    out.add(c)
+    todo.extend(n for i in m.computations[c].instrs for n in i.called)
+  return out
+
+
+def _partial_merges(
+  g: _Graph, seen: set[Pos], awaiting: set[str] = frozenset()
+) -> set[Pos]:
   """Conditional result slots some but not all branch roots fill from
-  ``seen`` (positions a trace reached, with the branch parameters)."""
+  ``seen`` (positions a trace reached, with the branch parameters).
+
+  ``awaiting``: branches that await the transfer (:func:`_reaches`), not
+  counted."""
   out: set[Pos] = set()
   m = g.m
   for name, idx in list(seen):
@@ -479,6 +580,8 @@ def _partial_merges(g: _Graph, seen: set[Pos]) -> set[Pos]:
       continue
     for b in dict.fromkeys(i.branches):
       comp = m.computations.get(b)
+      if b in awaiting:
+        continue
       if comp is None or _resolve(m, (comp.root.name, idx)) not in seen:
         out.add((name, idx))
         break
@@ -494,7 +597,7 @@ def analyze_module(
   """Builds a :class:`Report` from a parsed module."""
   g = _Graph(m)
   uf = _alias_classes(m, g)
-  starts, found, dropped = _find_pairs(m, g)
+  starts, found, dropped, unwaited = _find_pairs(m, g)
   start_done_names = {s.name for s in starts} | {f[1].name for f in found}
 
   pairs: list[Pair] = []
@@ -507,7 +610,13 @@ def analyze_module(
   for s, d, crossing, kernel in found:
     between = _window(m, s, d, crossing)
     srcs, dsts = _buffers(m, s) if kernel else ([], [])
-    writes = _inplace_writes(m, g, s, d, srcs, dsts, between) if kernel else ()
+    covers = _covers(d)
+    srcs = srcs if "source" in covers else []
+    dsts = dsts if "destination" in covers else []
+    sems = [(s.name, lf.index) for lf in s.leaves if lf.memory_space == SEM]
+    writes = (
+      _inplace_writes(m, g, s, d, srcs, dsts, between, covers) if kernel else ()
+    )
     pairs.append(
       Pair(
         start=s.name,
@@ -521,8 +630,8 @@ def analyze_module(
         between=tuple(between),
         between_cycles=float(sum(i.estimated_cycles or 0 for i in between)),
         overlapped=_has_compute(m, between, start_done_names),
-        source_live=_reaches(g, srcs, d) if kernel else True,
-        dest_live=_reaches(g, dsts, d) if kernel else True,
+        source_live=_reaches(g, srcs, d, sems) if kernel else True,
+        dest_live=_reaches(g, dsts, d, sems) if kernel else True,
         start_source=s.where,
         done_source=d.where,
         inplace_writes=writes,
@@ -530,7 +639,7 @@ def analyze_module(
     )
     if not kernel:
       continue
-    for key, why in _inflight(m, g, s, d, srcs, dsts, between).items():
+    for key, why in _inflight(m, g, s, d, srcs, dsts, between, covers).items():
       records[key].append((s, d, pairs[-1], why))
       hazard = "destination" in why or not pairs[-1].source_live
       if key in inflight and (inflight[key][2] or not hazard):
@@ -584,6 +693,7 @@ def analyze_module(
     dones=tuple(dict.fromkeys(m.instr(p.done) for p in pairs)),
     schedule={name: c.instrs for name, c in m.computations.items()},
     unawaited_branches=tuple((st.name, b) for st, b in dropped),
+    unawaited_semaphores=tuple((st.name, idx) for st, idx in unwaited),
   )
 
 
@@ -695,6 +805,7 @@ def _inflight(
   srcs: list[Pos],
   dsts: list[Pos],
   between: list[Instr],
+  covers: tuple[str, ...] = ("source", "destination"),
 ) -> dict[tuple[str, tuple[int, ...]], str]:
   """Copies in the window of ``s -> d`` that touch the transfer's buffers.
 
@@ -709,7 +820,8 @@ def _inflight(
     "source": [_resolve(m, p) for p in srcs],
     "destination": [_resolve(m, p) for p in dsts],
   }
-  seeds[_aliased_role(s)] += [(s.name, out) for out, _, _ in s.aliasing]
+  if _aliased_role(s) in covers:
+    seeds[_aliased_role(s)] += [(s.name, out) for out, _, _ in s.aliasing]
   found: dict[tuple[str, tuple[int, ...]], str] = {}
   slots: dict[int, str] = {}
   for role, positions in seeds.items():
@@ -936,6 +1048,7 @@ def _inplace_writes(
   srcs: list[Pos],
   dsts: list[Pos],
   between: list[Instr],
+  covers: tuple[str, ...] = ("source", "destination"),
 ) -> tuple[str, ...]:
   """Instructions in the window of ``s -> d`` writing into its buffers.
 
@@ -951,7 +1064,8 @@ def _inplace_writes(
     "source": [_resolve(m, p) for p in srcs],
     "destination": [_resolve(m, p) for p in dsts],
   }
-  seeds[_aliased_role(s)] += aliased
+  if _aliased_role(s) in covers:
+    seeds[_aliased_role(s)] += aliased
   for role, positions in seeds.items():
     for hit in g.trace(positions, through_aliasing=False):
       u = hit.user

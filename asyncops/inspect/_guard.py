@@ -21,7 +21,9 @@ What is refused (each a *hazard*):
 - a start whose source or destination does not reach its done (XLA may
   free or reuse it while the DMA uses it);
 - a start that reaches no done at all (its DMA is never waited for), or
-  none on some branch of a conditional its semaphores enter, and
+  none on some branch of a conditional its semaphores enter, or none for
+  one of its semaphores (a ``send_done`` never followed by ``recv_done``),
+  and
   any copy of a DMA semaphore (a done waiting on the copy waits on a
   semaphore the DMA never signals; the start then reaches no done).
 
@@ -88,8 +90,9 @@ class Hazard:
   Attributes:
     kind: ``"in-flight copy"``, ``"defensive copy"``, ``"semaphore
       copy"``, ``"in-place write"``, ``"source not live"`` /
-      ``"destination not live"``, ``"start with no done"`` or ``"start
-      with no done on a branch"``.
+      ``"destination not live"``, ``"start with no done"`` (also for one
+      semaphore of a start that no done waits for) or ``"start with no
+      done on a branch"``.
     instr: the offending instruction (the copy, the write, or the start).
     detail: one line on what it does.
     start: the start instruction of the transfer it concerns.
@@ -183,6 +186,23 @@ def hazards(report: Report) -> list[Hazard]:
         "done waits for them: on that path the DMA runs on while XLA "
         "treats its buffers as dead (await the future in every branch, or "
         "after the lax.cond/switch)",
+        name,
+        "",
+        line,
+        stack,
+      )
+    )
+  for name, idx in report.unawaited_semaphores:
+    line, stack = _start_info(report, name)
+    out.append(
+      Hazard(
+        "start with no done",
+        name,
+        f"%{name}'s DMA semaphore (output {{{','.join(map(str, idx))}}}) "
+        "reaches no done kernel, though another of its semaphores does "
+        "(e.g. a send_done whose future never reaches recv_done): that "
+        "part of the DMA runs on while XLA treats its buffer as dead "
+        "(pass the future send_done returns to recv_done)",
         name,
         "",
         line,

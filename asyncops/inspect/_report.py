@@ -197,6 +197,9 @@ class Report:
     unawaited_branches: ``(start, "branch K of %conditional")`` for each
       branch of a conditional the start's semaphores enter on which no done
       waits for them (the DMA runs on with its buffers dead to XLA).
+    unawaited_semaphores: ``(start, output index)`` for each DMA semaphore
+      of an awaited start that reaches no done (a ``send_done`` with no
+      ``recv_done``: the receive is never waited for).
   """
 
   hlo_text: str = dataclasses.field(repr=False)
@@ -209,6 +212,7 @@ class Report:
   dones: tuple[Instr, ...]
   schedule: dict[str, tuple[Instr, ...]] = dataclasses.field(repr=False)
   unawaited_branches: tuple[tuple[str, str], ...] = ()
+  unawaited_semaphores: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
   @property
   def defensive_copies(self) -> list[Copy]:
@@ -291,6 +295,10 @@ class Report:
     lines = [_copy_line(c) for c in self.hazardous_copies]
     lines += [_orphan_line(s) for s in self.unawaited_starts]
     lines += [f"  %{s} has no done on {b}" for s, b in self.unawaited_branches]
+    lines += [
+      f"  %{s} has no done for its semaphore {{{','.join(map(str, i))}}}"
+      for s, i in self.unawaited_semaphores
+    ]
     if lines:
       raise AssertionError("hazards found:\n" + "\n".join(lines))
 
@@ -440,6 +448,15 @@ def _summary(r: Report) -> str:
       "that branch the DMA is never waited for)"
     )
     out.extend(f"  %{s}: {b}" for s, b in r.unawaited_branches)
+  if r.unawaited_semaphores:
+    out.append(
+      f"Semaphores with no done: {len(r.unawaited_semaphores)} (DANGER: "
+      "that part of the transfer is never waited for)"
+    )
+    out.extend(
+      f"  %{s}: output {{{','.join(map(str, i))}}}"
+      for s, i in r.unawaited_semaphores
+    )
   for p in r.pairs:
     out.append(_pair_line(p))
     if p.start_source or p.done_source:
