@@ -354,6 +354,14 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
         for i, w in enumerate(ws):
           cs = chunks(me, s, n, True)
           stacks[s, i] = jnp.stack([rows_of(w, c, k) for c in cs])
+  if n % 2 == 0:
+    # The antipode's rows of w, sliced up front into a buffer of their
+    # own (a barrier): sliced inside its dots' fusions (with the
+    # accumulator's read and the output's write) XLA tiles those dots far
+    # below the MXU's rate.
+    for i, w in enumerate(ws):
+      stacks[last, i] = rows_of(w, chunks(me, last, n, True)[0], k)
+  if stacks:
     stacks = jax.lax.optimization_barrier(stacks)
   for q in range(panels):
     if q:
@@ -403,9 +411,7 @@ def _whole_panel(x, ws, axis_name, n, acc_dt, me, last, outs, stacks, rows):
     use = 1 if 2 * s == n else 2
     for i, w in enumerate(ws):
       if use == 1:
-        y = jnp.dot(
-          pair[0], rows_of(w, cs[0], k), preferred_element_type=acc_dt
-        )
+        y = jnp.dot(pair[0], stacks[s, i], preferred_element_type=acc_dt)
       else:
         # Both pieces of step s meet the same stacked rows of w: stacked
         # once, in the first piece's window (not carried through the
