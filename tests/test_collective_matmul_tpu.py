@@ -321,7 +321,7 @@ def test_two_way_whole_chunks_backward_copy_free(monkeypatch, topology):
   assert r.pairs and all(p.overlapped for p in r.pairs)
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v4:2x2x1", "v6e:2x4"])
 def test_two_way_whole_chunks_antipode_reads_its_own_rows(
   monkeypatch, topology
 ):
@@ -330,7 +330,9 @@ def test_two_way_whole_chunks_antipode_reads_its_own_rows(
   antipode's rows of ``w`` as an operand of their own (``[k, f]``,
   sliced once up front), with no ``dynamic-slice`` inside the dot's
   fusion. Sliced inside it (with the accumulator's read and the output's
-  write) XLA tiled those dots far below the MXU's rate."""
+  write) XLA tiled those dots far below the MXU's rate. On v6e in one
+  panel (``_gather_rings.SLICED_IN_DOT``) the slice stays inside: there
+  the separate slice costs more than the dots gain."""
   from asyncops.collective_matmul import _gather_rings
 
   monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
@@ -356,9 +358,12 @@ def test_two_way_whole_chunks_antipode_reads_its_own_rows(
   ]
   dots = [(i, a) for i, a in dots if any(j.opcode == "convolution" for j in a)]
   assert len(dots) == 2, [i.name for i, _ in dots]  # one a piece
+  inside = (topology.split(":")[0], 1) in _gather_rings.SLICED_IN_DOT
   for d, a in dots:
     sliced = [i.name for i in a if i.opcode == "dynamic-slice"]
-    assert not sliced, (d.name, sliced)
+    assert bool(sliced) == inside, (d.name, sliced)
+    if inside:
+      continue
     shapes = [r.module.instr(o).shape_text for o in d.operands]
     assert any(s.startswith(f"bf16[{k},{f}]") for s in shapes), (
       d.name,
