@@ -257,17 +257,18 @@ def _whole(x, ws: tuple, axis_name: str, n: int, acc_dt, stash):
   f = sum(w.shape[1] for w in ws)
   chip = _chips.chip_for(jc.trace_device_kind()).name
   panels = whole_panels(m, f, acc_dt, n, chip)
-  sliced = (chip, panels) not in SLICED_IN_DOT
+  sliced = panels > 1 or chip in ONE_PANEL_SLICED
   return _whole_pieces(
     x, ws, axis_name, n, acc_dt, stash, me, last, panels, sliced
   )
 
 
-# (chip, panels) where the antipode's dots slice their rows of w inside
-# their fusions (:func:`_whole_pieces`): v6e in one panel, tp 4, M = 4096,
-# whose antipode's dots gain 53.5 us in the model from rows sliced up
-# front and the slice costs 71.2 (866.2 -> 883.9 us in all).
-SLICED_IN_DOT = frozenset({("v6e", 1)})
+# Chips whose ring of whole chunks in one panel slices the antipode's rows
+# of w up front (in panels every chip does; :func:`_whole_pieces`). In one
+# panel at tp 4, M = 4096, the model: v5p 1436.6 -> 1323.9 us; v6e 866.2
+# -> 883.9 (the slice, 71.2 us, over the dots' gain, 53.5); v5e 3152.1 ->
+# 4081.1 (its pieces' dots 1289.6 -> 2021.4 us).
+ONE_PANEL_SLICED = frozenset({"v5p"})
 
 
 # The largest float32 accumulator one row panel of the ring of whole
