@@ -321,6 +321,61 @@ def test_two_way_whole_chunks_backward_copy_free(monkeypatch, topology):
   assert r.pairs and all(p.overlapped for p in r.pairs)
 
 
+@pytest.mark.parametrize(
+  "topology, panels",
+  [("v5p:2x2x2", 1), ("v5e:2x4", 2), ("v6e:2x4", 2), ("v5e:2x4", 1)],
+)
+def test_two_way_whole_chunks_antipode_reads_its_own_rows(
+  monkeypatch, topology, panels
+):
+  """The long-prefill two-way ring's antipode (forced at the chapter
+  shape, ``n`` = 4: step 2): in row panels, or in one on the chips of
+  ``_gather_rings.ONE_PANEL_SLICED`` (v5p), each of its half-row dots
+  reads the antipode's rows of ``w`` as an operand of their own (``[k,
+  f]``, sliced once up front), with no ``dynamic-slice`` inside the dot's
+  fusion. Sliced inside it (with the accumulator's read and the output's
+  write) XLA tiled those dots far below the MXU's rate. v5e and v6e in
+  one panel keep the slice inside (there the separate slice cost more)."""
+  from asyncops.collective_matmul import _gather_rings
+
+  monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
+  monkeypatch.setattr(_gather_rings, "whole_panels", lambda *a: panels)
+  monkeypatch.setitem(TOPOLOGIES, "v5p:2x2x2", (2, 4))
+  r = _report(topology, "allgather", True)
+  assert_copy_free(r)
+  n = TOPOLOGIES[topology][1]
+  k, f = D // n, F // n
+
+  def inside(i):  # i and every instruction of its (nested) fusions
+    out = [i]
+    for c in i.called if i.opcode == "fusion" else ():
+      for j in r.module.computations[c].instrs:
+        out += inside(j)
+    return out
+
+  entry = r.module.computations[r.module.entry_name].instrs
+  dots = [
+    (i, inside(i))
+    for i in entry
+    if i.opcode in MATMUL_OPS
+    and "dot_general" in i.op_name
+    and f"/chunk{n // 2}/" in i.op_name
+  ]
+  dots = [(i, a) for i, a in dots if any(j.opcode == "convolution" for j in a)]
+  assert len(dots) == 2 * panels, [i.name for i, _ in dots]  # one a piece
+  up_front = panels > 1 or topology[:3] in _gather_rings.ONE_PANEL_SLICED
+  for d, a in dots:
+    sliced = [i.name for i in a if i.opcode == "dynamic-slice"]
+    assert bool(sliced) != up_front, (d.name, sliced)
+    if not up_front:
+      continue
+    shapes = [r.module.instr(o).shape_text for o in d.operands]
+    assert any(s.startswith(f"bf16[{k},{f}]") for s in shapes), (
+      d.name,
+      shapes,
+    )
+
+
 # The weight in VMEM: XLA's cross-program prefetch -------------------------
 
 _PREFETCH = re.compile(

@@ -257,7 +257,18 @@ def _whole(x, ws: tuple, axis_name: str, n: int, acc_dt, stash):
   f = sum(w.shape[1] for w in ws)
   chip = _chips.chip_for(jc.trace_device_kind()).name
   panels = whole_panels(m, f, acc_dt, n, chip)
-  return _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels)
+  sliced = panels > 1 or chip in ONE_PANEL_SLICED
+  return _whole_pieces(
+    x, ws, axis_name, n, acc_dt, stash, me, last, panels, sliced
+  )
+
+
+# Chips whose ring of whole chunks in one panel slices the antipode's rows
+# of w up front (in panels every chip does; :func:`_whole_pieces`). In one
+# panel at tp 4, M = 4096, the model: v5p 1436.6 -> 1323.9 us; v6e 866.2
+# -> 883.9 (the slice, 71.2 us, over the dots' gain, 53.5); v5e 3152.1 ->
+# 4081.1 (its pieces' dots 1289.6 -> 2021.4 us).
+ONE_PANEL_SLICED = frozenset({"v5p"})
 
 
 # The largest float32 accumulator one row panel of the ring of whole
@@ -309,7 +320,9 @@ def whole_panels(
   return p
 
 
-def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
+def _whole_pieces(
+  x, ws, axis_name, n, acc_dt, stash, me, last, panels=1, sliced=True
+):
   """The value API's ring of whole chunks, in row panels of two pieces.
 
   ``x``'s rows are cut into ``panels`` row panels (:func:`whole_panels`),
@@ -331,6 +344,13 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
   at tp 8, M = 16384). A buffer a dot reads that a later transfer sends
   passes through optimization barriers after that dot, so the transfer's
   in-place start is ordered after it (no copy).
+
+  With ``sliced`` (on an even ring) the antipode's rows of ``w`` are
+  sliced up front into a buffer of their own (an optimization barrier):
+  sliced inside the antipode's dot fusions, beside the accumulator's read
+  and the output's write, XLA tiles those dots far below the MXU's rate
+  (v5p tp 4, M = 16384: 1589.4 us against 1085.8 and a 46.4 us slice;
+  ``design/benchmarks.md``, "The two-way ring's antipode step").
 
   Returns:
     The outputs ``[M, f_i]``, in ``x.dtype``.
@@ -354,6 +374,11 @@ def _whole_pieces(x, ws, axis_name, n, acc_dt, stash, me, last, panels=1):
         for i, w in enumerate(ws):
           cs = chunks(me, s, n, True)
           stacks[s, i] = jnp.stack([rows_of(w, c, k) for c in cs])
+  if sliced and n % 2 == 0:
+    # The antipode's rows of w, in a buffer of their own (above).
+    for i, w in enumerate(ws):
+      stacks[last, i] = rows_of(w, chunks(me, last, n, True)[0], k)
+  if stacks:
     stacks = jax.lax.optimization_barrier(stacks)
   for q in range(panels):
     if q:
@@ -403,9 +428,8 @@ def _whole_panel(x, ws, axis_name, n, acc_dt, me, last, outs, stacks, rows):
     use = 1 if 2 * s == n else 2
     for i, w in enumerate(ws):
       if use == 1:
-        y = jnp.dot(
-          pair[0], rows_of(w, cs[0], k), preferred_element_type=acc_dt
-        )
+        rw = stacks[s, i] if (s, i) in stacks else rows_of(w, cs[0], k)
+        y = jnp.dot(pair[0], rw, preferred_element_type=acc_dt)
       else:
         # Both pieces of step s meet the same stacked rows of w: stacked
         # once, in the first piece's window (not carried through the
