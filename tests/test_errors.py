@@ -361,3 +361,29 @@ def test_numpy_ints_are_accepted():
     return asyncops.ppermute_done(fut) + 0 * y.sum()
 
   _trace(body)
+
+
+def test_never_awaited_warning_without_an_origin_names_no_none():
+  """A future whose start line is unknown (made by hand, not by a start)
+  warns "started at an unknown line", never "started at None"."""
+  from asyncops.futures._future import Future  # noqa: PLC0415
+  from asyncops.kernels._spec import OpSpec  # noqa: PLC0415
+
+  spec = OpSpec(
+    kind="ppermute",
+    shape=(8,),
+    dtype="float32",
+    axis_name="i",
+    mesh_axes=("i",),
+    axis_size=2,
+    perm=((0, 1), (1, 0)),
+    collective_id=0,
+  )
+  fut = Future((), None, None, spec)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", asyncops.NeverAwaitedWarning)
+    del fut
+    gc.collect()
+  msgs = [str(w.message) for w in caught]
+  assert any("started at an unknown line" in m for m in msgs), msgs
+  assert not any("started at None" in m for m in msgs), msgs

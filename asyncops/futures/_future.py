@@ -196,8 +196,8 @@ class Future:
     if getattr(self, "_status", None) == "fresh":
       warnings.warn(
         f"asyncops: future of {self.spec.short()} started at "
-        f"{self._origin} was never awaited: its DMA semaphores are left "
-        "signalled. Pass it to the matching *_done.",
+        f"{self._origin or 'an unknown line'} was never awaited: its DMA "
+        "semaphores are left signalled. Pass it to the matching *_done.",
         NeverAwaitedWarning,
         stacklevel=2,
       )
