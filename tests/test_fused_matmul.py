@@ -78,6 +78,24 @@ def _panels(kernels, me, x, y, specs, whole):
   return out
 
 
+def _assert_panels_equal_dot(body, a, w, n, capfd):
+  """Runs ``body`` on a ``(1, n)`` CPU mesh (``x`` row- and column-sharded,
+  ``w`` column-sharded) and checks it equals ``jnp.dot`` exactly, with a
+  clean interpreter log."""
+  got = u.run_sharded(
+    body,
+    u.cpu_mesh((1, n)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+    a,
+    w,
+    check_vma=False,
+  )
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _check_interpreter_output(capfd)
+
+
 def _check_interpreter_output(capfd):
   printed = capfd.readouterr().out
   assert "RACE DETECTED" not in printed
@@ -141,18 +159,7 @@ def test_allgather_row_panels_write_one_result_in_place(capfd):
     ]
     return _panels(agk, me, x, y, specs, whole)
 
-  got = u.run_sharded(
-    body,
-    u.cpu_mesh((1, n)),
-    (P("x", "y"), P(None, "y")),
-    P("x", "y"),
-    a,
-    w,
-    check_vma=False,
-  )
-  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  _check_interpreter_output(capfd)
+  _assert_panels_equal_dot(body, a, w, n, capfd)
 
 
 @pytest.mark.parametrize(
@@ -216,18 +223,7 @@ def test_allgather_receive_slots_in_the_result_by_panels(capfd):
     specs = [dataclasses.replace(spec, panel=p) for p in range(2)]
     return _panels(agk, me, x, y, specs, whole)
 
-  got = u.run_sharded(
-    body,
-    u.cpu_mesh((1, n)),
-    (P("x", "y"), P(None, "y")),
-    P("x", "y"),
-    a,
-    w,
-    check_vma=False,
-  )
-  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  _check_interpreter_output(capfd)
+  _assert_panels_equal_dot(body, a, w, n, capfd)
 
 
 @pytest.mark.parametrize(
