@@ -179,7 +179,13 @@ class Cal:
       (1197.7, 4596.5 and 2416.6 before). The model's figures include
       the benchmark's copy of its undonated ``x`` (20.5 to 81.8 us on
       v6e, 12.1 to 48.5 on v5p), which the estimate leaves out. 0 on
-      v5e (within 3% at M = 16384 without it).
+      v5e (within 3% at M = 16384 without it). Since branch h-wtail
+      charged only where the antipode's rows are sliced inside its dots
+      (``_gather_rings.antipode_sliced`` false: one panel on v5e and
+      v6e; h-antipode slices them up front elsewhere, ``whole_slice``),
+      and v5e 0.25: its one-panel antipode at tp 4 M = 4096 is 982.0 us
+      in the model against 825.5 of FLOPs, pass and output (the
+      estimate 2944.7 -> 3097.3, the model 3152.1).
     whole_stack: the share of the two-way ring of whole chunks' stacking
       of ``w``'s rows (read and written once) charged again: v5p 1.0
       (the model's stacking fusion 76.6 us for 42.5 us of bytes at tp 4,
@@ -194,6 +200,16 @@ class Cal:
       34 us of ``slice-done`` a panel). v6e 1.5; 0 elsewhere (v5p's
       panelled point, tp 8, is within 1% without it; v5e keeps its
       estimate).
+    whole_slice: the passes (read and written) over one chunk's rows of
+      ``w`` charged, once, for the two-way ring of whole chunks' up-front
+      slice of its antipode's rows (``_gather_rings.antipode_sliced``: in
+      row panels, or one panel on v5p; branch h-antipode), where
+      ``whole_tail`` is not charged (its antipode's dots read a plain
+      operand). 4 on every chip (branch h-wtail): the model's slice
+      fusion is 2.2 passes on v5p in one panel (46.4 us at tp 4) and 3.5
+      to 7.7 in row panels, where it also writes the other steps'
+      stacked rows (v6e tp 4 M = 16384 126.0 us, tp 8 38.7; v5e 273.9
+      and 117.9; v5p tp 8 40.6).
     bidi_ag_acc: the share of a pass over the two-way all-gather ring of
       halves' float32 accumulator (read and written) charged beside each
       step's two dots (below ``_gather_rings.WHOLE_ACC_BYTES``, where the
@@ -365,6 +381,7 @@ class Cal:
   whole_tail: float = 0.0
   whole_stack: float = 0.0
   whole_panel: float = 0.0
+  whole_slice: float = 4.0
   bidi_ag_acc: float = 0.0
   rs_add: float = 3.0
   rs_step_s: float = 1.5e-6
@@ -396,6 +413,7 @@ _V5E = Cal(
   rs_panel_w=0.35,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
+  whole_tail=0.25,
 )
 
 CAL = {
