@@ -52,9 +52,11 @@ to the benchmark model's figures (:data:`CAL`):
   the fused kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
-  ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
-  direct sends to every peer (the busiest link's load from the wiring)
-  and the last step, whichever is longer; extra panels cost
+  ``CAL.fused_acc`` of a pass over the float32 accumulator, plus
+  ``CAL.fused_step_s`` past decode sizes; the last step also
+  ``CAL.fused_cast`` of a read of the accumulator), or the direct sends
+  to every peer (the busiest link's load from the wiring) and the last
+  step, whichever is longer; extra panels cost
   ``CAL.fused_panel W + CAL.fused_panel_s`` each (the first term times
   ``P / CAL.fused_panel_knee`` for ``P`` panels beyond the knee), and
   ``CAL.fused_panels_s`` once.
@@ -393,7 +395,19 @@ def _fused_s(
   return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring) + fin)
 
 
-def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
+def _fused_ag_s(
+  panels,
+  plan,
+  compute,
+  w_s,
+  acc_s,
+  n,
+  chunk,
+  link,
+  wiring,
+  step_s=0.0,
+  cast_s=0.0,
+):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
   one dot (XLA's estimate: its FLOPs, or its rows of ``w`` and a pass over
@@ -403,11 +417,17 @@ def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
   where forwarding takes 3.5; 4 on a line of 4) before the dots begin;
   the last step waits for the farthest chunk. (The
   benchmark model: within 1% at the chapter's and prefill shapes on v5e
-  and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.)"""
+  and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.) Each step
+  also costs ``step_s`` (``Cal.fused_step_s``), and the last one
+  ``cast_s`` of the accumulator's final read and cast, over the panels
+  (``Cal.fused_cast``)."""
   p = panels
   extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
   ring = wiring.direct_load * chunk / p / link + (n - 1 + extra_hops) * _HOP_S
-  steps = [max(g * compute / (n * p), g * w_s / n + acc_s / p) for g in plan]
+  steps = [
+    max(g * compute / (n * p), g * w_s / n + acc_s / p) + step_s for g in plan
+  ]
+  steps[-1] += cast_s / p
   c = sum(steps)
   return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
 
@@ -745,6 +765,10 @@ def explain_allgather(
     chunk,
     chip.link,
     wr,
+    # Past decode sizes (where the weight read does not bound the matmul)
+    # each step's fixed cost (``Cal.fused_step_s``); the final cast.
+    cal.fused_step_s if compute >= hbm / 2 else 0.0,
+    cal.fused_cast * m * f * 4 / chip.hbm,
   )
   if panels > 1:
     knee = max(1.0, panels / cal.fused_panel_knee)

@@ -127,7 +127,37 @@ class Cal:
       memory rule (``_auto._ag_memory``; the two-way ring is estimated
       1197.7 and 4596.5 there, 17% and 13% under the model): the fused
       kernel, 6.3 and 7.0 MiB of HBM temporaries against the two-way
-      ring's 188.1 and 668.1.
+      ring's 188.1 and 668.1. v5p 5 and 0 us since branch h-wtail: what
+      they charged is mostly each step's fixed cost and the final cast,
+      which one panel has too (``fused_step_s``, ``fused_cast``); 5 us a
+      panel is left (its ring's restart).
+    fused_step_s: a fused all-gather step's fixed cost in seconds,
+      beside its dot or its bytes (``_auto._fused_ag_s``), past decode
+      sizes (the matmul not bound by the weight read). v5p 7.5 us
+      (branch h-wtail): the model's steps are XLA's estimate of the
+      kernel's step dots, 6 to 14 us over the longer of their FLOPs and
+      bytes at every M (tp 4 M = 1024 in one panel: 73.3 us a step for
+      65.5 of FLOPs; tp 8 M = 1024: 26.7 for 16.4 and 40.4 for 32.8), so
+      one panel was estimated 263.5 us against the model's 305.3 and tp
+      8 M = 1024 132.5 against 178.9; in row panels ``fused_panel_s``
+      stood in for it. With it (and ``fused_cast``, ``fused_panel_s``
+      33 -> 5 us and ``fused_panels_s`` 50 -> 0) the v5p fused estimates
+      from M = 256 up: tp 4 92.2, 304.1, 1317.5, 5284.9 against the
+      model's 108.4, 305.3, 1322.5, 5290.2; tp 8 75.5, 175.3, 716.2,
+      2880.0 against 75.2, 178.9, 715.7, 2862.7 (were 67.0, 263.5,
+      1341.0, 5313.0; 38.5, 132.5, 679.0, 2665.0). At decode sizes (M = 16, 64)
+      the model's steps are as far over (11 to 14 us at tp 4), and so is
+      XLA's program over its estimate (tp 4 M = 64: 98.4 against 55.7):
+      charging the fused kernel alone there would hand those points to
+      the slower XLA program, so it is not charged. 0 elsewhere.
+    fused_cast: the share of a read of the fused all-gather's float32
+      accumulator (``M f`` elements, over its panels) charged to its last
+      step: the final cast to the result's dtype (the model: the last
+      step at v5p tp 4 M = 1024 84.0 us against 73.3 for the others, 10.6
+      of accumulator read). v5p 1 (branch h-wtail); 0 elsewhere (at one
+      panel v5e tp 4 M = 1024 would be 0.944 -> 0.999 of the model, v5e
+      tp 8 M = 1024 0.995 -> 1.037, v6e tp 4 M = 1024 0.948 -> 1.042: not
+      fit here).
     ring_acc_hbm: whether the all-gather value rings' float32
       accumulator and chunks are taken to live in HBM, where the memory
       target counts them (``_auto._ag_memory``). v6e False: its
@@ -388,6 +418,8 @@ class Cal:
   rs_panel_w: float = 0.0
   rs_ring_f: float = 0.0
   fused_one_panel_vmem: float = 0.0
+  fused_step_s: float = 0.0
+  fused_cast: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -429,8 +461,9 @@ CAL = {
     0.0,
     rs_overlap=0.45,
     rs_ring_f=0.15,
-    fused_panel_s=33e-6,
-    fused_panels_s=50e-6,
+    fused_panel_s=5e-6,
+    fused_step_s=7.5e-6,
+    fused_cast=1.0,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
