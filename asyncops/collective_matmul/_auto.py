@@ -626,7 +626,7 @@ def _whole_ring_s(
   once, ``slice_passes`` (``Cal.whole_slice``) passes over those rows
   (read and written; in row panels the slice's fusion also writes the
   other steps' stacked rows). The model (branch h-wtail, the sweep's
-  seven sliced points): the antipode 0.9 to 1.6 times its FLOPs, pass
+  seven sliced points): the antipode 0.80 to 1.23 times its FLOPs, pass
   and output (v5p tp 4 M = 16384 1085.8 us for 1048 of FLOPs), the slice
   2.2 to 7.7 passes (v5p tp 4 46.4 us, v5e tp 4 M = 16384 in 4 panels
   273.9)."""
