@@ -52,9 +52,11 @@ to the benchmark model's figures (:data:`CAL`):
   the fused kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
-  ``CAL.fused_acc`` of a pass over the float32 accumulator), or the
-  direct sends to every peer (the busiest link's load from the wiring)
-  and the last step, whichever is longer; extra panels cost
+  ``CAL.fused_acc`` of a pass over the float32 accumulator, plus
+  ``CAL.fused_step_s`` past decode sizes; the last step also
+  ``CAL.fused_cast`` of a read of the accumulator), or the direct sends
+  to every peer (the busiest link's load from the wiring) and the last
+  step, whichever is longer; extra panels cost
   ``CAL.fused_panel W + CAL.fused_panel_s`` each (the first term times
   ``P / CAL.fused_panel_knee`` for ``P`` panels beyond the knee), and
   ``CAL.fused_panels_s`` once.
@@ -80,10 +82,11 @@ to the benchmark model's figures (:data:`CAL`):
   with a float32 accumulator large enough for the two-way ring's whole
   chunks is charged ``CAL.ag_ring_pass`` of a pass over it per step; the
   two-way ring of whole chunks counts its row panels (each later one's
-  restart, ``CAL.whole_panel``), its antipode's slower dots
-  (``CAL.whole_tail``) and its stacking of ``w``'s rows
-  (``CAL.whole_stack``), the two-way ring of halves a share of a pass
-  over its accumulator per step (``CAL.bidi_ag_acc``); the two-way
+  restart, ``CAL.whole_panel``), its antipode's slower dots where their
+  rows of ``w`` are sliced inside them (``CAL.whole_tail``) or else the
+  up-front slice of those rows (``CAL.whole_slice``) and its stacking of
+  ``w``'s rows (``CAL.whole_stack``), the two-way ring of halves a share
+  of a pass over its accumulator per step (``CAL.bidi_ag_acc``); the two-way
   reduce-scatter ring with float32 partial sums of 128 MiB or more (on
   v5p 32 MiB, ``CAL.bidi_rs_acc_from``) is charged ``CAL.bidi_rs_acc``
   of a pass over them per step (beside its adds). A 32-bit
@@ -392,7 +395,19 @@ def _fused_s(
   return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring) + fin)
 
 
-def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
+def _fused_ag_s(
+  panels,
+  plan,
+  compute,
+  w_s,
+  acc_s,
+  n,
+  chunk,
+  link,
+  wiring,
+  step_s=0.0,
+  cast_s=0.0,
+):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
   one dot (XLA's estimate: its FLOPs, or its rows of ``w`` and a pass over
@@ -402,11 +417,17 @@ def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
   where forwarding takes 3.5; 4 on a line of 4) before the dots begin;
   the last step waits for the farthest chunk. (The
   benchmark model: within 1% at the chapter's and prefill shapes on v5e
-  and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.)"""
+  and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.) Each step
+  also costs ``step_s`` (``Cal.fused_step_s``), and the last one
+  ``cast_s`` of the accumulator's final read and cast, over the panels
+  (``Cal.fused_cast``)."""
   p = panels
   extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
   ring = wiring.direct_load * chunk / p / link + (n - 1 + extra_hops) * _HOP_S
-  steps = [max(g * compute / (n * p), g * w_s / n + acc_s / p) for g in plan]
+  steps = [
+    max(g * compute / (n * p), g * w_s / n + acc_s / p) + step_s for g in plan
+  ]
+  steps[-1] += cast_s / p
   c = sum(steps)
   return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
 
@@ -546,6 +567,8 @@ def _whole_ring_s(
   tail=0.0,
   stack=0.0,
   panel=0.0,
+  sliced=False,
+  slice_passes=0.0,
 ) -> float:
   """The two-way ring of whole chunks (``_gather_rings.whole_chunks``) in
   two row pieces: every transfer is half a chunk each way, the first two
@@ -594,7 +617,19 @@ def _whole_ring_s(
   write and stacked-row read (its local dot writes its float32 rows
   beside its FLOPs, and v6e copies the stacked rows into VMEM before each
   panel's pieces, exposed: per panel 221 us against a lone panel's 152.5,
-  and 34 us of ``slice-done``)."""
+  and 34 us of ``slice-done``).
+
+  With ``sliced`` (``_gather_rings.antipode_sliced``: in row panels, or
+  in one panel on v5p) the ring slices its antipode's rows of ``w`` up
+  front (branch h-antipode), so its antipode's dots read a plain operand
+  and run near their FLOPs: ``tail`` is not charged, and the slice is,
+  once, ``slice_passes`` (``Cal.whole_slice``) passes over those rows
+  (read and written; in row panels the slice's fusion also writes the
+  other steps' stacked rows). The model (branch h-wtail, the sweep's
+  seven sliced points): the antipode 0.80 to 1.23 times its FLOPs, pass
+  and output (v5p tp 4 M = 16384 1085.8 us for 1048 of FLOPs), the slice
+  2.2 to 7.7 passes (v5p tp 4 46.4 us, v5e tp 4 M = 16384 in 4 panels
+  273.9)."""
   p = panels
   c = compute / n / p
   a = acc / chip.hbm / p
@@ -604,11 +639,14 @@ def _whole_ring_s(
   both = max(c, a / 2) + unhidden * min(c, a / 2)
   piece = max(both + a / 8 + read / 2, half)
   two = n // 2 - (1 - n % 2)  # steps carrying two chunks
-  anti = (1 + tail) * c + a / 2 if n % 2 == 0 else 0.0  # the antipode
+  even = n % 2 == 0
+  cut = sliced and even  # the antipode's rows sliced up front
+  anti = (1 + (0.0 if cut else tail)) * c + a / 2 if even else 0.0
   end = anti + out_bytes / p / chip.hbm
   one = _XLA_OVERHEAD_S + max(c, half) + 2 * two * piece + end
   restart = (p - 1) * panel * (a / 2 + two * read)
-  return two * make * (1 + stack) + p * one + restart
+  cut_s = slice_passes * read if cut else 0.0  # one chunk's rows, r + w
+  return two * make * (1 + stack) + p * one + restart + cut_s
 
 
 def _ag_memory(m, k, f, n, b, one_acc, acc, whole_panels, rings):
@@ -727,6 +765,10 @@ def explain_allgather(
     chunk,
     chip.link,
     wr,
+    # Past decode sizes (where the weight read does not bound the matmul)
+    # each step's fixed cost (``Cal.fused_step_s``); the final cast.
+    cal.fused_step_s if compute >= hbm / 2 else 0.0,
+    cal.fused_cast * m * f * 4 / chip.hbm,
   )
   if panels > 1:
     knee = max(1.0, panels / cal.fused_panel_knee)
@@ -786,6 +828,8 @@ def explain_allgather(
         tail=cal.whole_tail,
         stack=cal.whole_stack,
         panel=cal.whole_panel,
+        sliced=_gather_rings.antipode_sliced(whole_panels, chip.name),
+        slice_passes=cal.whole_slice,
       )
   # The memory target (peak temporary memory within jit's plus one chunk's
   # buffers): where the two-way ring of whole chunks runs in row panels to

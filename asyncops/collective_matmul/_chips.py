@@ -127,7 +127,37 @@ class Cal:
       memory rule (``_auto._ag_memory``; the two-way ring is estimated
       1197.7 and 4596.5 there, 17% and 13% under the model): the fused
       kernel, 6.3 and 7.0 MiB of HBM temporaries against the two-way
-      ring's 188.1 and 668.1.
+      ring's 188.1 and 668.1. v5p 5 and 0 us since branch h-wtail: what
+      they charged is mostly each step's fixed cost and the final cast,
+      which one panel has too (``fused_step_s``, ``fused_cast``); 5 us a
+      panel is left (its ring's restart).
+    fused_step_s: a fused all-gather step's fixed cost in seconds,
+      beside its dot or its bytes (``_auto._fused_ag_s``), past decode
+      sizes (the matmul not bound by the weight read). v5p 7.5 us
+      (branch h-wtail): the model's steps are XLA's estimate of the
+      kernel's step dots, 6 to 14 us over the longer of their FLOPs and
+      bytes at every M (tp 4 M = 1024 in one panel: 73.3 us a step for
+      65.5 of FLOPs; tp 8 M = 1024: 26.7 for 16.4 and 40.4 for 32.8), so
+      one panel was estimated 263.5 us against the model's 305.3 and tp
+      8 M = 1024 132.5 against 178.9; in row panels ``fused_panel_s``
+      stood in for it. With it (and ``fused_cast``, ``fused_panel_s``
+      33 -> 5 us and ``fused_panels_s`` 50 -> 0) the v5p fused estimates
+      from M = 256 up: tp 4 92.2, 304.1, 1317.5, 5284.9 against the
+      model's 108.4, 305.3, 1322.5, 5290.2; tp 8 75.5, 175.3, 716.2,
+      2880.0 against 75.2, 178.9, 715.7, 2862.7 (were 67.0, 263.5,
+      1341.0, 5313.0; 38.5, 132.5, 679.0, 2665.0). At decode sizes (M = 16, 64)
+      the model's steps are as far over (11 to 14 us at tp 4), and so is
+      XLA's program over its estimate (tp 4 M = 64: 98.4 against 55.7):
+      charging the fused kernel alone there would hand those points to
+      the slower XLA program, so it is not charged. 0 elsewhere.
+    fused_cast: the share of a read of the fused all-gather's float32
+      accumulator (``M f`` elements, over its panels) charged to its last
+      step: the final cast to the result's dtype (the model: the last
+      step at v5p tp 4 M = 1024 84.0 us against 73.3 for the others, 10.6
+      of accumulator read). v5p 1 (branch h-wtail); 0 elsewhere (at one
+      panel v5e tp 4 M = 1024 would be 0.944 -> 0.999 of the model, v5e
+      tp 8 M = 1024 0.995 -> 1.037, v6e tp 4 M = 1024 0.948 -> 1.042: not
+      fit here).
     ring_acc_hbm: whether the all-gather value rings' float32
       accumulator and chunks are taken to live in HBM, where the memory
       target counts them (``_auto._ag_memory``). v6e False: its
@@ -179,7 +209,13 @@ class Cal:
       (1197.7, 4596.5 and 2416.6 before). The model's figures include
       the benchmark's copy of its undonated ``x`` (20.5 to 81.8 us on
       v6e, 12.1 to 48.5 on v5p), which the estimate leaves out. 0 on
-      v5e (within 3% at M = 16384 without it).
+      v5e (within 3% at M = 16384 without it). Since branch h-wtail
+      charged only where the antipode's rows are sliced inside its dots
+      (``_gather_rings.antipode_sliced`` false: one panel on v5e and
+      v6e; h-antipode slices them up front elsewhere, ``whole_slice``),
+      and v5e 0.25: its one-panel antipode at tp 4 M = 4096 is 982.0 us
+      in the model against 825.5 of FLOPs, pass and output (the
+      estimate 2944.7 -> 3097.3, the model 3152.1).
     whole_stack: the share of the two-way ring of whole chunks' stacking
       of ``w``'s rows (read and written once) charged again: v5p 1.0
       (the model's stacking fusion 76.6 us for 42.5 us of bytes at tp 4,
@@ -194,6 +230,16 @@ class Cal:
       34 us of ``slice-done`` a panel). v6e 1.5; 0 elsewhere (v5p's
       panelled point, tp 8, is within 1% without it; v5e keeps its
       estimate).
+    whole_slice: the passes (read and written) over one chunk's rows of
+      ``w`` charged, once, for the two-way ring of whole chunks' up-front
+      slice of its antipode's rows (``_gather_rings.antipode_sliced``: in
+      row panels, or one panel on v5p; branch h-antipode), where
+      ``whole_tail`` is not charged (its antipode's dots read a plain
+      operand). 4 on every chip (branch h-wtail): the model's slice
+      fusion is 2.2 passes on v5p in one panel (46.4 us at tp 4) and 3.5
+      to 7.7 in row panels, where it also writes the other steps'
+      stacked rows (v6e tp 4 M = 16384 126.0 us, tp 8 38.7; v5e 273.9
+      and 117.9; v5p tp 8 40.6).
     bidi_ag_acc: the share of a pass over the two-way all-gather ring of
       halves' float32 accumulator (read and written) charged beside each
       step's two dots (below ``_gather_rings.WHOLE_ACC_BYTES``, where the
@@ -365,12 +411,15 @@ class Cal:
   whole_tail: float = 0.0
   whole_stack: float = 0.0
   whole_panel: float = 0.0
+  whole_slice: float = 4.0
   bidi_ag_acc: float = 0.0
   rs_add: float = 3.0
   rs_step_s: float = 1.5e-6
   rs_panel_w: float = 0.0
   rs_ring_f: float = 0.0
   fused_one_panel_vmem: float = 0.0
+  fused_step_s: float = 0.0
+  fused_cast: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -396,6 +445,7 @@ _V5E = Cal(
   rs_panel_w=0.35,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
+  whole_tail=0.25,
 )
 
 CAL = {
@@ -411,8 +461,9 @@ CAL = {
     0.0,
     rs_overlap=0.45,
     rs_ring_f=0.15,
-    fused_panel_s=33e-6,
-    fused_panels_s=50e-6,
+    fused_panel_s=5e-6,
+    fused_step_s=7.5e-6,
+    fused_cast=1.0,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,

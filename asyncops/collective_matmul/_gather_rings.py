@@ -257,7 +257,7 @@ def _whole(x, ws: tuple, axis_name: str, n: int, acc_dt, stash):
   f = sum(w.shape[1] for w in ws)
   chip = _chips.chip_for(jc.trace_device_kind()).name
   panels = whole_panels(m, f, acc_dt, n, chip)
-  sliced = panels > 1 or chip in ONE_PANEL_SLICED
+  sliced = antipode_sliced(panels, chip)
   return _whole_pieces(
     x, ws, axis_name, n, acc_dt, stash, me, last, panels, sliced
   )
@@ -269,6 +269,14 @@ def _whole(x, ws: tuple, axis_name: str, n: int, acc_dt, stash):
 # -> 883.9 (the slice, 71.2 us, over the dots' gain, 53.5); v5e 3152.1 ->
 # 4081.1 (its pieces' dots 1289.6 -> 2021.4 us).
 ONE_PANEL_SLICED = frozenset({"v5p"})
+
+
+def antipode_sliced(panels: int, chip: str | None) -> bool:
+  """Whether the ring of whole chunks in ``panels`` row panels on
+  ``chip`` slices its antipode's rows of ``w`` up front (in row panels,
+  or in one on the chips of :data:`ONE_PANEL_SLICED`), else inside the
+  antipode's dot fusions."""
+  return panels > 1 or chip in ONE_PANEL_SLICED
 
 
 # The largest float32 accumulator one row panel of the ring of whole
