@@ -416,20 +416,16 @@ def _ref_compute_then(await_in_branches):
   return fn
 
 
-@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_a_ref_done_at_top_level_has_the_compute_in_its_window(topology):
   f, x = _compile(_ref_compute_then(False), topology)
   (p,) = analyze(f, x).kernel_pairs
   assert p.overlapped, p.between
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="a RefFuture awaited in lax.cond branches that capture it is not "
-  "tied (jc.tie_between returns early for captured semaphores): XLA "
-  "hoists the matmul above the start (design/inspect.md, Third audit)",
-)
-@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+# Failed (xfail) before the branches' done tied the start's frame
+# (``jc.tie_window``): XLA hoisted the matmul above the start.
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_a_ref_done_in_capturing_branches_has_the_compute_in_its_window(
   topology,
 ):
