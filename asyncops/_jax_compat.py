@@ -817,6 +817,39 @@ def tie_window(start_eqn: Any, sems: list[Any]) -> tuple[list[Any], Any]:
     return _tie_window(frame, trace, start_eqn, sems, after, defined, between)
 
 
+def window_reads_ref(start_eqn: Any, sems: list[Any], ref: Any) -> bool:
+  """Whether pure compute traced after ``start_eqn`` (in ``sems``' frame)
+  reads ``ref``'s buffer as a value: the value ``jax.new_ref`` made it of,
+  a value written whole into it, or a read of it (discharged, each is the
+  buffer itself). Unknown (False) for a Ref made in another frame."""
+  frame = current_frame(sems[0])
+  var = getattr(ref, "val", None)
+  if frame is None or not isinstance(var, _core.Var):
+    return False
+  eqns = live_eqns(frame)
+  at = next((i for i, e in enumerate(eqns) if e is start_eqn), None)
+  if at is None:
+    return False
+  buffer = set()
+  for e in eqns:
+    vals = eqn_vals(e)
+    if not vals or (vals[0] is not var and var not in e.outvars):
+      continue
+    name = e.primitive.name
+    if name == "new_ref" and var in e.outvars:
+      buffer.update(v for v in vals if isinstance(v, _core.Var))
+    elif name == "get":
+      buffer.update(e.outvars)
+    elif name == "swap" and len(vals) == 2:  # a whole write
+      buffer.add(vals[1])
+  return any(
+    isinstance(v, _core.Var) and v in buffer
+    for e in eqns[at + 1 :]
+    if not e.effects
+    for v in eqn_vals(e)
+  )
+
+
 def _tie_window(frame, trace, start_eqn, sems, after, defined, between):
   """``tie_window`` once the frame's window is found (current trace: the
   start's)."""
