@@ -767,6 +767,14 @@ def window_tie(window: Sequence[Any], rest: Sequence[Any]):
 
 
 def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
+  """``tie_window(start_eqn, sems)``'s semaphores, for a done traced in the
+  start's own trace (a captured future is left untied)."""
+  if captured(sems[0]):
+    return sems
+  return tie_window(start_eqn, sems)[0]
+
+
+def tie_window(start_eqn: Any, sems: list[Any]) -> tuple[list[Any], Any]:
   """Keeps pure compute traced after ``start_eqn`` after it and before now.
 
   Inserts ``optimization_barrier(*inputs, *sems)`` right after the start
@@ -777,20 +785,74 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   ``sems`` are the start's semaphore tracers. Without this XLA may hoist the
   compute above the start (measured on v5e). Equations stay in the frame,
   so user tracers of their results remain valid.
+
+  Everything happens in the frame of the start (``sems``' trace), also
+  when the done is being traced in a nested one: a ``lax.cond`` branch
+  that closes over the future. Then the barriers are bound in the start's
+  trace (``set_current_trace``: ``bind`` would stage them into the
+  branch) and the returned semaphores are that trace's tracers, which the
+  branch closes over in turn: the cond, bound after its branches are
+  traced, takes them as operands, so it runs after the compute (measured:
+  without this XLA hoists the compute above the start, v5e and v6e).
+
+  Returns the semaphores to await and the last barrier (``start_eqn`` when
+  nothing was tied): compute traced later in the same frame belongs after
+  it (a second done of the future, in another branch).
   """
-  if captured(sems[0]):  # traced in a nested trace: its eqns are elsewhere
-    return sems
   frame = current_frame(sems[0])
   trace = sems[0]._trace
   eqns = live_eqns(frame)
   at = next((i for i, e in enumerate(eqns) if e is start_eqn), None)
   if at is None:
-    return sems
+    return sems, start_eqn
   after = eqns[at + 1 :]
   defined = {v for e in after for v in e.outvars}
   between = [e for e in after if not e.effects]
   if not between:
-    return sems
+    return sems, start_eqn
+  # The barriers go into the start's frame even from a nested trace (a
+  # cond branch closing over the future): jax._src.core's
+  # set_current_trace is how a primitive is staged into a given trace.
+  with _core.set_current_trace(trace):
+    return _tie_window(frame, trace, start_eqn, sems, after, defined, between)
+
+
+def window_reads_ref(start_eqn: Any, sems: list[Any], ref: Any) -> bool:
+  """Whether pure compute traced after ``start_eqn`` (in ``sems``' frame)
+  reads ``ref``'s buffer as a value: the value ``jax.new_ref`` made it of,
+  a value written whole into it, or a read of it (discharged, each is the
+  buffer itself). Unknown (False) for a Ref made in another frame."""
+  frame = current_frame(sems[0])
+  var = getattr(ref, "val", None)
+  if frame is None or not isinstance(var, _core.Var):
+    return False
+  eqns = live_eqns(frame)
+  at = next((i for i, e in enumerate(eqns) if e is start_eqn), None)
+  if at is None:
+    return False
+  buffer = set()
+  for e in eqns:
+    vals = eqn_vals(e)
+    if not vals or (vals[0] is not var and var not in e.outvars):
+      continue
+    name = e.primitive.name
+    if name == "new_ref" and var in e.outvars:
+      buffer.update(v for v in vals if isinstance(v, _core.Var))
+    elif name == "get":
+      buffer.update(e.outvars)
+    elif name == "swap" and len(vals) == 2:  # a whole write
+      buffer.add(vals[1])
+  return any(
+    isinstance(v, _core.Var) and v in buffer
+    for e in eqns[at + 1 :]
+    if not e.effects
+    for v in eqn_vals(e)
+  )
+
+
+def _tie_window(frame, trace, start_eqn, sems, after, defined, between):
+  """``tie_window`` once the frame's window is found (current trace: the
+  start's)."""
   outside: dict[Any, Any] = {}
   used = set()
   for e in between:
@@ -820,7 +882,7 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
       ]
   leaves = [(e, v) for e in between for v in e.outvars if v not in used]
   if not leaves:
-    return sems
+    return sems, start_eqn
   tracers = [trace.var_to_tracer(v, e.source_info, e) for e, v in leaves]
   n = len(frame.tracing_eqns)
   outs = tie_p.bind(*tracers, *sems)
@@ -839,7 +901,7 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
     e.outvars = [fresh if o is v else o for o in e.outvars]
     tie.outvars[k] = v
     tie.in_tracers[k] = trace.var_to_tracer(fresh, e.source_info, e)
-  return list(outs[len(leaves) :])
+  return list(outs[len(leaves) :]), tie
 
 
 # Checks on every finished trace ---------------------------------------------

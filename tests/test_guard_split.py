@@ -399,43 +399,71 @@ def test_checkpoint_policy_under_grad_is_refused(topology):
 # A Ref future awaited in branches that close over it (overlap, not safety) --
 
 
-def _ref_compute_then(await_in_branches):
-  def fn(x):
-    from asyncops import stateful
+def _ref_compute_then(await_in, source=lambda x: x * 2.0):
+  """Start, a matmul, then the done: at top level, or in every branch of
+  a ``lax.cond`` closing over the future (``"branches"``), of a nested
+  cond (``"nested"``), of a three-way ``lax.switch`` (``"switch"``), or of
+  a cond in a ``lax.scan`` body that starts (``"scan"``)."""
+  from asyncops import stateful
 
-    a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+  def body(x):
+    a, b = jax.new_ref(source(x)), jax.new_ref(jnp.zeros_like(x))
     f = stateful.ppermute_start(a, b, "i", shift=1)
     z = jnp.tanh(x) @ x  # the compute meant for the window
-    if await_in_branches:  # each branch closes over f
-      done = lambda: stateful.ppermute_done(f, a, b)  # noqa: E731
-      lax.cond(lax.axis_index("i") == 0, done, done)
+    i = lax.axis_index("i")
+    done = lambda: stateful.ppermute_done(f, a, b)  # noqa: E731
+    if await_in in ("branches", "scan"):  # each branch closes over f
+      lax.cond(i == 0, done, done)
+    elif await_in == "nested":
+      lax.cond(i == 0, lambda: lax.cond(i == 1, done, done), done)
+    elif await_in == "switch":
+      lax.switch(i % 3, [done, done, done])
     else:
       stateful.ppermute_done(f, a, b)
     return b[...] + z
 
-  return fn
+  if await_in == "scan":
+    return lambda x: lax.scan(lambda c, _: (body(c), None), x, None, 2)[0]
+  return body
 
 
-@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_a_ref_done_at_top_level_has_the_compute_in_its_window(topology):
-  f, x = _compile(_ref_compute_then(False), topology)
+  f, x = _compile(_ref_compute_then("top"), topology)
   (p,) = analyze(f, x).kernel_pairs
   assert p.overlapped, p.between
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="a RefFuture awaited in lax.cond branches that capture it is not "
-  "tied (jc.tie_between returns early for captured semaphores): XLA "
-  "hoists the matmul above the start (design/inspect.md, Third audit)",
+# Failed (xfail) before the branches' done tied the start's frame
+# (``jc.tie_window``): XLA hoisted the matmul above the start (v5e window
+# 1824 cycles, now 18464).
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize(
+  ("await_in", "n_dones"),
+  [("branches", 2), ("nested", 3), ("switch", 3), ("scan", 2)],
 )
-@pytest.mark.parametrize("topology", TOPOLOGIES[:2])
 def test_a_ref_done_in_capturing_branches_has_the_compute_in_its_window(
-  topology,
+  topology, await_in, n_dones
 ):
-  f, x = _compile(_ref_compute_then(True), topology)
+  if await_in != "branches" and topology.startswith("v5p"):
+    pytest.skip("v5e and v6e for the variants")
+  f, x = _compile(_ref_compute_then(await_in), topology)
   r = analyze(f, x)
-  assert len(r.kernel_pairs) == 2 and hazards(r) == []
+  assert len(r.kernel_pairs) == n_dones and hazards(r) == []
   assert all(p.overlapped for p in r.kernel_pairs), [
     (p.done, [i.name for i in p.between]) for p in r.kernel_pairs
   ]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_captured_window_compute_reading_the_source_is_left_untied(
+  topology,
+):
+  # The source is new_ref(x) and the matmul reads x. Tied, XLA prefetched
+  # x into VMEM for the matmul in the window, passed that copy to the
+  # cond, and each branch's done got an HBM copy of it, not the buffer the
+  # DMA reads (source not live, v5e, v6e, v5p). Untied (window_reads_ref),
+  # XLA runs the matmul before the start: accepted, not overlapped.
+  f, x = _compile(_ref_compute_then("branches", source=lambda x: x), topology)
+  r = analyze(f, x)
+  assert len(r.kernel_pairs) == 2 and hazards(r) == [], _kinds(r)

@@ -471,6 +471,53 @@ def test_done_in_every_branch_on_a_captured_future():
 
 
 @pytest.mark.parametrize(
+  "case", ["nested", "switch", "reads the source", "result in a branch"]
+)
+def test_captured_future_tied_in_the_start_frame_keeps_the_numbers(case):
+  # The done in a branch ties the start's frame (jc.tie_window): the
+  # window's compute goes through barriers there, and its result may be
+  # read in a branch before or after the done.
+  def ref(x, w):
+    src = x if case == "reads the source" else x * 2.0
+    a, b = jax.new_ref(src), jax.new_ref(jnp.zeros_like(x))
+    fut = st.ppermute_start(a, b, "y", shift=1)
+    y = (x if case == "reads the source" else jnp.tanh(x)) @ w
+    i = jax.lax.axis_index("y")
+    done = lambda: st.ppermute_done(fut, a, b)  # noqa: E731
+
+    def add_y():
+      done()
+      b[...] = b[...] + y
+
+    if case == "nested":
+      jax.lax.cond(i == 0, lambda: jax.lax.cond(i == 1, done, done), done)
+    elif case == "switch":
+      jax.lax.switch(i % 3, [done, add_y, done])
+    else:
+      jax.lax.cond(i % 2 == 0, add_y, done)
+    return (b[...] + y,)
+
+  def lax(x, w):
+    src = x if case == "reads the source" else x * 2.0
+    b = jax.lax.ppermute(src, "y", [(i, (i + 1) % 4) for i in range(4)])
+    y = (x if case == "reads the source" else jnp.tanh(x)) @ w
+    i = jax.lax.axis_index("y")
+    if case == "nested":
+      once = False
+    elif case == "switch":
+      once = i % 3 == 1
+    else:
+      once = i % 2 == 0
+    return (b + y + jnp.where(once, y, 0.0),)
+
+  x, w = _inputs(11)
+  (want,) = _run(lax, 1, x, w, "start")
+  for transfer in ("start", "done"):
+    (got,) = _run(ref, 1, x, w, transfer)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
   ("case", "match"),
   [
     ("one branch", r"never awaited in branch 0 of a cond"),

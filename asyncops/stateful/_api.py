@@ -164,8 +164,21 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
   nested = jc.current_trace() if fut.sems and jc.captured(fut.sems[0]) else None
   fut.consume(fn, here, nested)
   sems = list(fut.sems)
-  if fut._track is not None:
+  if fut._track is not None and nested is None:
     sems = jc.tie_between(fut._track[0], sems)
+  elif fut._track is not None and not jc.window_reads_ref(
+    fut._track[0], sems, fut._track[1].base
+  ):
+    # Tied in the start's frame (``jc.tie_window``); the branch closes over
+    # the barrier's semaphores, so the cond waits for the compute. A later
+    # branch ties only what the start's frame traced since. Not when the
+    # compute reads the source's buffer: XLA then prefetches it into VMEM
+    # for the compute and hands the cond that copy, the branch's done an
+    # HBM copy of it, not the buffer the DMA reads (v5e, v6e, v5p; the
+    # guard refuses it): untied, XLA runs that compute before the start.
+    anchor, base = fut._window or (fut._track[0], sems)
+    sems, anchor = jc.tie_window(anchor, list(base))
+    fut._window = (anchor, sems)
   with jax.named_scope(f"asyncops.{fut.spec.kind}_ref_done"):
     ref_done_p.bind(*operands, *sems, spec=fut.spec, layout=layout)
 

@@ -72,6 +72,7 @@ class RefFuture:
     "_origin",
     "_status",
     "_track",
+    "_window",
     "_awaited_at",
     "_awaited_in",
     "_token",
@@ -86,6 +87,10 @@ class RefFuture:
     self._origin = origin
     self._status = "fresh"  # fresh | awaited | handed_off
     self._track = None  # (start_eqn, src_view, dst_view) while tracing
+    # (last barrier, tied semaphores) once a nested trace (a cond branch
+    # closing over the future) awaited it: the start's frame is tied once,
+    # every branch awaits the same semaphores.
+    self._window = None
     self._awaited_at = "unknown"
     self._awaited_in = []  # the nested traces that awaited it (captured)
     self._token = token
