@@ -891,3 +891,35 @@ def test_v5p_reducescatter_two_way_ring_decode_dots(n, m):
   )
   assert abs(c.ring_bidi_us / _V5P_RS_HALVES_MODEL[(n, m)] - 1) < 0.15, str(c)
   assert c.method == "fused" and c.fused_us < 0.5 * c.ring_bidi_us, str(c)
+
+
+# The model (h-rsest's cells, re-run at h-est3 with the same figures): v6e's
+# fused reduce-scatter of the Llama shard in row panels (tp, M): 4 panels
+# at M = 4096, 16 at M = 16384.
+_V6E_RS_PANELS_MODEL = {
+  (8, 4096): 526.5,
+  (8, 16384): 2101.8,
+  (4, 4096): 801.1,
+  (4, 16384): 3786.1,
+}
+
+
+@pytest.mark.parametrize("n, m", sorted(_V6E_RS_PANELS_MODEL))
+def test_v6e_reducescatter_panels_cost_their_kernels(n, m):
+  """v6e's fused reduce-scatter in row panels: each panel's steps kernel
+  costs what one panel's does in the model (tp 4: 186.6 us at M = 1024
+  and 4096; tp 8: 119.6), so no weight reads are charged per extra panel
+  (``CAL.rs_panel_w`` 0), but a panel's kernel is charged no less than its
+  operands' bytes, all of ``x`` among them (tp 4 M = 16384: 222.5 us a
+  panel). Within 2% of the model, 7% at tp 4 M = 4096 (XLA's estimate of
+  the one-panel kernel hides a fifth of its weight read there); the
+  estimates were 5.3%, 7.3% and 16.4% over. The two-way ring stays the
+  pick at M = 4096 and tp 8 M = 16384, the one-way ring at tp 4 M =
+  16384 (the model's fastest)."""
+  c = _auto.explain_reducescatter(
+    m, 28672 // n, 8192 // n, n, jnp.bfloat16, **V6E
+  )
+  err = 0.08 if (n, m) == (4, 4096) else 0.02
+  assert abs(c.fused_us / _V6E_RS_PANELS_MODEL[(n, m)] - 1) < err, str(c)
+  want = "ring" if (n, m) == (4, 16384) else "ring_bidi"
+  assert c.method == want, str(c)

@@ -361,6 +361,7 @@ def _fused_s(
   x_copy_s=0.0,
   from_start=False,
   finish_s=0.0,
+  floor_s=0.0,
 ):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
@@ -380,7 +381,10 @@ def _fused_s(
   kernel (``Cal.rs_x_vmem``), exposed. ``finish_s`` is the finish kernel
   over all the rows (the own float32 products and the last received
   partial sums read, the result written), after each panel's steps (the
-  model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel)."""
+  model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel).
+  ``floor_s`` is each panel's steps kernel's floor: its operands' bytes
+  at HBM bandwidth (the model charges a Pallas kernel no less than its
+  roofline; a panel's kernel is handed all of ``x``)."""
   p = panels
   w = wiring
   c = max(compute / p, rest_s / p)
@@ -390,14 +394,13 @@ def _fused_s(
     load, hops = (w.bidi_load, w.bidi_hops)
   ring = (n - 1) * (chunk / p * load / link + hops * _HOP_S)
   fin = finish_s / p
+  kernel = max(read + c, floor_s)
   if from_start:
-    return p * (
-      _FUSED_OVERHEAD_S + x_copy_s + max(read + c, ring + c / n) + fin
-    )
+    return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, ring + c / n) + fin)
   # The finish adds the last partial sums once they arrive: after the
   # dots, or after the ring when it is the longer (the last step's own
   # product is made while the last sums travel).
-  return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring) + fin)
+  return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, read + ring) + fin)
 
 
 def _fused_ag_s(panels, plan, compute, w_s, acc_s, n, chunk, link, wiring):
@@ -991,6 +994,11 @@ def explain_reducescatter(
 
   def fused_s(p, **kw):
     """The fused kernel in ``p`` row panels (``_fused_s``'s options)."""
+    # Each panel's steps kernel reads all of w and x and its received
+    # partial sums ([d, n - 1, m / p, c / d]): the model's floor for it
+    # (v6e tp 4 M = 16384, 16 panels: 222.5 us a panel, the 143.2 us read
+    # of all of x, w's 71.6 and the sums' 7.7, against 186.6 at M = 4096).
+    floor = (w_bytes + m * k * t + (n - 1) * part / p) / chip.hbm
     est = _fused_s(
       p,
       compute,
@@ -1002,6 +1010,7 @@ def explain_reducescatter(
       wr,
       cal.rs_overlap,
       finish_s=finish,
+      floor_s=floor,
       **kw,
     )
     return est + (p - 1) * (cal.rs_panel_s + cal.rs_panel_w * w_s)

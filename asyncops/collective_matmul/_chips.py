@@ -225,11 +225,14 @@ class Cal:
       rings (v5e tp 8 37 to 46 us, tp 4 60 to 74 before the finish
       kernel, h-rsfit); the estimates are within 1.5% of the model at
       all four points (1629.9, 6595.1, 3253.9, 13166.1 us against 1650.8,
-      6603.3, 3241.9, 12982.8). v6e 0.35 too: the model's figure there
-      is still no one value (about 0 at tp 8, 35 us at tp 4 M = 16384,
-      where 0.35 puts the estimate 0.5% over the model and keeps the
-      one-way ring, 12% faster); at tp 8 it is 5% to 7% over the
-      model, where the two-way ring is the faster by 3% to 8%. v5p 0.
+      6603.3, 3241.9, 12982.8). v6e 0 since branch h-est3 (was 0.35): in
+      the model each of its panels' steps kernels costs what one panel's
+      does (tp 4: 186.6 us at M = 1024 and 4096; tp 8: 119.6), and at tp
+      4 M = 16384 (16 panels, 222.5 us each) the kernel's operands' bytes
+      bound it (all of ``x``, ``w`` and its received sums: the floor of
+      ``_auto._fused_s``); the estimates at the four panel points are
+      516.8, 2067.2, 857.4 and 3747.7 us against the model's 526.5,
+      2101.8, 801.1 and 3786.1 (were 554.4, 2255.2, 932.6, 3805.4). v5p 0.
     fused_acc: the share of the fused all-gather's float32 accumulator
       pass (read and write per step) its steps are charged beside their
       rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
@@ -470,7 +473,6 @@ CAL = {
     0.0,
     0.75,
     rs_ring_w=0.5,
-    rs_panel_w=0.35,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
