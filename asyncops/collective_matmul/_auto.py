@@ -177,6 +177,14 @@ _KEEP_FUSED = 0.98
 # tenth of the shorter beyond the longer (the model's steps, v5e and v6e).
 _RING_CONTENTION = 0.1
 _BIDI_ACC_BYTES = 128 * 2**20
+# The two-way all-gather ring of halves (``_halves_ring_s``): XLA's
+# scheduler places the prefetch of ``w`` into VMEM about 1.3 times its
+# HBM time in (the model: 4 of 8 steps read HBM at v5e and v6e tp 8 M =
+# 16, 3 at M = 256, 2 of 4 at v5e tp 4), and a dot reading its rows from
+# VMEM is charged its FLOPs and a fifth of their HBM read (v5e tp 4 M =
+# 16: 8.1 us for 1.2 of FLOPs and a 35.8 us read; tp 8 1.4 for 9.0).
+_HALVES_COPY = 1.3
+_HALVES_VMEM_R = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +364,7 @@ def _fused_s(
   x_copy_s=0.0,
   from_start=False,
   finish_s=0.0,
+  floor_s=0.0,
 ):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
@@ -375,7 +384,10 @@ def _fused_s(
   kernel (``Cal.rs_x_vmem``), exposed. ``finish_s`` is the finish kernel
   over all the rows (the own float32 products and the last received
   partial sums read, the result written), after each panel's steps (the
-  model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel)."""
+  model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel).
+  ``floor_s`` is each panel's steps kernel's floor: its operands' bytes
+  at HBM bandwidth (the model charges a Pallas kernel no less than its
+  roofline; a panel's kernel is handed all of ``x``)."""
   p = panels
   w = wiring
   c = max(compute / p, rest_s / p)
@@ -385,14 +397,13 @@ def _fused_s(
     load, hops = (w.bidi_load, w.bidi_hops)
   ring = (n - 1) * (chunk / p * load / link + hops * _HOP_S)
   fin = finish_s / p
+  kernel = max(read + c, floor_s)
   if from_start:
-    return p * (
-      _FUSED_OVERHEAD_S + x_copy_s + max(read + c, ring + c / n) + fin
-    )
+    return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, ring + c / n) + fin)
   # The finish adds the last partial sums once they arrive: after the
   # dots, or after the ring when it is the longer (the last step's own
   # product is made while the last sums travel).
-  return p * (_FUSED_OVERHEAD_S + x_copy_s + read + max(c, ring) + fin)
+  return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, read + ring) + fin)
 
 
 def _fused_ag_s(
@@ -540,7 +551,13 @@ def _rs_ring_s(n, d, compute, m, k, c, b, chip, cal, wiring, *, sums_s=0.0):
   one_dot = (k * c + (m // d) * (k + c)) * b / chip.hbm
   flops = compute / (n * d) * (1 + cal.rs_ring_f)
   w = cal.rs_ring_w
-  floor = one_dot if d == 2 else (1 + w) * one_dot + flops / 2
+  floor = (1 + w) * one_dot + flops / 2
+  if d == 2:
+    # A half-row dot bound by its bytes: XLA's charge for it, which reads
+    # its column block through a slice inside the dot's fusion
+    # (``cal.rs_halves_w`` of that read; the model at v5p tp 4 M = 16:
+    # 24.9 and 20.0 us for a 10.6 us read, tp 8 M = 256: 8.8 for 2.65).
+    floor = max(one_dot, cal.rs_halves_w * cr)
   dots = d * max(flops + w * cr, floor)
   add = cal.rs_add * m * c * b / chip.hbm + sums_s
   load, hops = (
@@ -551,6 +568,48 @@ def _rs_ring_s(n, d, compute, m, k, c, b, chip, cal, wiring, *, sums_s=0.0):
   transfer = m * c * b * load / chip.link + hops * _HOP_S
   step = cal.rs_step_s + max(dots, transfer) + add
   return _XLA_OVERHEAD_S + dots + add + (n - 1) * step
+
+
+def _halves_ring_s(n, compute, m, k, f, b, acc, chip, cal, wiring) -> float:
+  """The two-way all-gather ring of halves (``x [m, k]`` chunks, ``w [n k,
+  f]``, ``b`` bytes an element, ``acc`` bytes of float32 accumulator read
+  and written a pass) in the benchmark model's form (its timelines, branch
+  h-est3): ``n`` steps, each the start and done (``cal.rs_step_s``) and
+  two half-row dots ``[m / 2, k] @ [k, f]`` (or the step's transfer when
+  longer), then the accumulator's cast (read in float32, written in the
+  input dtype; the model at v6e tp 8 M = 1024: 26.9 us).
+
+  A half-row dot reads its rows of ``w`` through a slice inside its fusion
+  (``R``, ``k f`` elements at HBM bandwidth) and is charged the longer of
+  its FLOPs and ``cal.halves_w`` times ``R`` (XLA's estimate of that
+  fusion: the model's decode dots, v5e tp 4 M = 16: 59.2 us for a 35.8 us
+  read, 1.2 of FLOPs; at M = 1024 82.9 for 76.3 of FLOPs), plus
+  ``cal.bidi_ag_acc`` of its rows' accumulator pass. Where the dots are
+  bound by that read and ``w`` fits within ``cal.halves_w_vmem`` of VMEM,
+  XLA prefetches all of ``w`` into VMEM (a ``copy-start`` at the
+  program's start): the dots after its ``copy-done`` read VMEM, charged
+  their FLOPs and ``_HALVES_VMEM_R`` of ``R`` (v5e tp 4 M = 16: 8.1 us),
+  and the copy-done lands after the step where ``_HALVES_COPY`` times the
+  copy's HBM time has passed (v5e tp 8 M = 16: 4 of 8 steps read HBM, a
+  71.7 us copy under steps of 26.7 us)."""
+  r = k * f * b / chip.hbm
+  flops = compute / (2 * n)
+  acc_half = cal.bidi_ag_acc * acc / 2 / chip.hbm
+  load, hops = wiring.bidi_load, wiring.bidi_hops
+  transfer = m * k * b * load / chip.link + hops * _HOP_S
+  dot = max(flops, cal.halves_w * r) + acc_half
+  step = cal.rs_step_s + max(2 * dot, transfer)
+  steps = n
+  w_bytes = n * k * f * b
+  cap = _fused.vmem_capacity(f"TPU {chip.name}")
+  if cal.halves_w * r > flops and w_bytes <= cal.halves_w_vmem * cap:
+    copy = _HALVES_COPY * w_bytes / chip.hbm
+    steps = min(n, -(-copy // step))
+  vmem = max(flops, _HALVES_VMEM_R * r) + acc_half
+  step_v = cal.rs_step_s + max(2 * vmem, transfer)
+  # (A float32 result is the accumulator itself: no cast.)
+  cast = 0.0 if b == 4 else m * f * (4 + b) / chip.hbm
+  return _XLA_OVERHEAD_S + steps * step + (n - steps) * step_v + cast
 
 
 def _whole_ring_s(
@@ -808,11 +867,16 @@ def explain_allgather(
       # A float32 accumulator this large: a share of its pass per step
       # (``CAL.ag_ring_pass``) does not hide under the step's dot.
       rings[d] += n * cal.ag_ring_pass * ring_acc / chip.hbm
-    if d == 2 and not whole and not _off_mxu(dtype):
-      # The ring of halves: a share of a pass over its float32
-      # accumulator per step does not hide under the step's two dots
-      # (``CAL.bidi_ag_acc``, v5p; off the MXU the pass streams under
-      # the longer dots, as ``_ring_s``'s extra bytes do).
+    if d == 2 and not whole and not _off_mxu(dtype) and cal.halves_w:
+      # The ring of halves in the model's form (``_halves_ring_s``; a share
+      # of a pass over its float32 accumulator beside each step's two dots,
+      # ``CAL.bidi_ag_acc``, v5p).
+      rings[d] = _halves_ring_s(n, compute, m, k, f, b, ring_acc, chip, cal, wr)
+    elif d == 2 and not whole and not _off_mxu(dtype):
+      # The older form: a share of a pass over its float32 accumulator per
+      # step beside the step's two dots (``CAL.bidi_ag_acc``; off the MXU
+      # the pass streams under the longer dots, as ``_ring_s``'s extra
+      # bytes do).
       rings[d] += n * cal.bidi_ag_acc * ring_acc / chip.hbm
     if d == 2 and whole:
       rings[d] = _whole_ring_s(
@@ -975,6 +1039,11 @@ def explain_reducescatter(
 
   def fused_s(p, **kw):
     """The fused kernel in ``p`` row panels (``_fused_s``'s options)."""
+    # Each panel's steps kernel reads all of w and x and its received
+    # partial sums ([d, n - 1, m / p, c / d]): the model's floor for it
+    # (v6e tp 4 M = 16384, 16 panels: 222.5 us a panel, the 143.2 us read
+    # of all of x, w's 71.6 and the sums' 7.7, against 186.6 at M = 4096).
+    floor = (w_bytes + m * k * t + (n - 1) * part / p) / chip.hbm
     est = _fused_s(
       p,
       compute,
@@ -986,6 +1055,7 @@ def explain_reducescatter(
       wr,
       cal.rs_overlap,
       finish_s=finish,
+      floor_s=floor,
       **kw,
     )
     return est + (p - 1) * (cal.rs_panel_s + cal.rs_panel_w * w_s)

@@ -271,11 +271,14 @@ class Cal:
       rings (v5e tp 8 37 to 46 us, tp 4 60 to 74 before the finish
       kernel, h-rsfit); the estimates are within 1.5% of the model at
       all four points (1629.9, 6595.1, 3253.9, 13166.1 us against 1650.8,
-      6603.3, 3241.9, 12982.8). v6e 0.35 too: the model's figure there
-      is still no one value (about 0 at tp 8, 35 us at tp 4 M = 16384,
-      where 0.35 puts the estimate 0.5% over the model and keeps the
-      one-way ring, 12% faster); at tp 8 it is 5% to 7% over the
-      model, where the two-way ring is the faster by 3% to 8%. v5p 0.
+      6603.3, 3241.9, 12982.8). v6e 0 since branch h-est3 (was 0.35): in
+      the model each of its panels' steps kernels costs what one panel's
+      does (tp 4: 186.6 us at M = 1024 and 4096; tp 8: 119.6), and at tp
+      4 M = 16384 (16 panels, 222.5 us each) the kernel's operands' bytes
+      bound it (all of ``x``, ``w`` and its received sums: the floor of
+      ``_auto._fused_s``); the estimates at the four panel points are
+      516.8, 2067.2, 857.4 and 3747.7 us against the model's 526.5,
+      2101.8, 801.1 and 3786.1 (were 554.4, 2255.2, 932.6, 3805.4). v5p 0.
     fused_acc: the share of the fused all-gather's float32 accumulator
       pass (read and write per step) its steps are charged beside their
       rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
@@ -385,6 +388,41 @@ class Cal:
       is picked either way (the two-way ring 2868.3 -> 3217.8, the model
       2928.9). v5e and v6e none: their tp 8 two-way rings at M = 4096 and
       16384 (16 and 64 MiB) are the model's fastest.
+    halves_w: XLA's charge for a two-way all-gather ring of halves' dot
+      bound by its read of ``w``'s rows (each half-row dot reads its rows
+      through a slice inside its fusion), in reads of those rows at HBM
+      bandwidth; a dot is charged the longer of its FLOPs and this
+      (``_auto._halves_ring_s``, branch h-est3; 0: the older per-step
+      form of ``_auto._ring_s``). v6e 1.35: the model's dots are 1.25
+      reads at tp 4 (22.3 us for 17.9, M = 16 to 256) and 1.52 at tp 8
+      (6.8 for 4.47), 1.42 at tp 4 M = 1024 (25.4 us for 16.4 of FLOPs);
+      the estimates at the sweep's nine ring-of-halves points are within
+      12% of the model, within 9% at M >= 1024 (were 74% and 40% over at
+      tp 8 M = 256 and 1024). v5e would take 1.6 (the model 1.41 to 1.65
+      reads at decode; its nine points within 18%, were 43%), but its estimate
+      of the chapter's shape (44.5 us against the model's 46.3, was 69.6)
+      falls under the fused kernel's (52.7, which is 27% over the model's
+      41.5) and would move auto's pick there to the slower ring: left 0
+      until the fused all-gather's estimate there is fixed. v5p 0: its
+      dots past decode are 1.5 to 2.5 times their FLOPs (tp 8 M = 1024:
+      20.5 us for 8.2), which the older form's step costs carry.
+    halves_w_vmem: XLA prefetches all of ``w`` into VMEM (a ``copy-start``
+      at the program's start) for the ring of halves where its dots are
+      bound by their read and ``w`` fills at most this share of VMEM; the
+      dots after the ``copy-done`` read VMEM (``_auto._halves_ring_s``).
+      v6e 0.5: the model prefetches the Llama-3-70B shard's ``w`` at tp 8
+      (56 MiB of 128; M = 16 to 1024) and not at tp 4 (112 MiB); v5e
+      prefetches both (0.9 would hold); v5p neither (56 MiB of 64).
+    rs_halves_w: XLA's charge for a two-way reduce-scatter ring's
+      half-row dot bound by its bytes, in reads of its column block of
+      ``w`` (the floor of ``_auto._rs_ring_s``'s half-dots, beside their
+      own bytes). v5p 2.4 (branch h-est3): the model's decode half-dots
+      are 1.9 to 2.35 reads at tp 4 (M = 16: 24.9 and 20.0 us for a 10.6
+      us read) and 2.7 to 3.3 at tp 8 (M = 256: 8.8 for 2.65), where the
+      estimate charged their bytes alone and was 49% to 59% under the
+      model at M <= 256; now within 14% at tp 4 and 10% to 25% under at
+      tp 8 (the fused kernel is 2.5 to 4 times faster there either way).
+      0 elsewhere.
   """
 
   ring_rho: float
@@ -420,6 +458,9 @@ class Cal:
   fused_one_panel_vmem: float = 0.0
   fused_step_s: float = 0.0
   fused_cast: float = 0.0
+  halves_w: float = 0.0
+  halves_w_vmem: float = 0.0
+  rs_halves_w: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -471,6 +512,7 @@ CAL = {
     whole_stack=1.0,
     bidi_ag_acc=0.7,
     fused_one_panel_vmem=0.8,
+    rs_halves_w=2.4,
   ),
   "v6e": Cal(
     0.9,
@@ -482,11 +524,12 @@ CAL = {
     0.0,
     0.75,
     rs_ring_w=0.5,
-    rs_panel_w=0.35,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
     ring_acc_hbm=False,
     whole_tail=0.5,
     whole_panel=1.5,
+    halves_w=1.35,
+    halves_w_vmem=0.5,
   ),
 }
