@@ -6,8 +6,9 @@ step). Instructions execute in text order on a single compute track; each
 costs its ``estimated_cycles`` (XLA's per-op cost model, in
 ``backend_config``) divided by the chip clock. Ops without an estimate cost
 ``(operand + result bytes) / HBM bandwidth`` if they move at least 64 KiB,
-else nothing (scalar bookkeeping); so do ops writing HBM, or under 64 KiB,
-whose estimate XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without
+else nothing (scalar bookkeeping); so do ops whose estimate XLA marks
+``COST_MODEL_TYPE_INVALID``, whatever memory space (HBM or VMEM) their
+result sits in, every byte at HBM bandwidth; custom calls without
 an estimate (Mosaic kernels other than our start/done) are counted in
 ``unmodelled``. A stateful kernel (``*_ref_start``) moves one message, not
 its whole destination Ref (see ``_ref_message``).
@@ -608,10 +609,12 @@ class _Sim:
 
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
-    in_vmem = any(a.memory_space == 1 for a in ins.arrays)
-    # An INVALID estimate on a few-byte op is a fixed 1824 cycles on v5e
-    # (s32[2] iota or broadcast: a stateful kernel's slot indices); such
-    # ops are scalar bookkeeping, free like every small op.
+    # An estimate XLA marks INVALID is not a figure of the op (a fixed
+    # 1824 cycles for a few-byte iota on v5e; 6272 for the chapter's
+    # float32 convert of x into VMEM, about twice its bytes): every such
+    # op is charged its bytes, wherever its result sits, so the same work
+    # costs the same in XLA's programs and in our kernels' twins.
+    # A few-byte op is scalar bookkeeping, free like every small op.
     small = ins.nbytes < _SMALL_BYTES and not ins.estimate_is_valid
     mosaic = ins.opcode == "custom-call" and ins.target == "tpu_custom_call"
     if mosaic:
@@ -620,7 +623,7 @@ class _Sim:
       if twin is not None:
         return twin
       cycles = None
-    if cycles is not None and (ins.estimate_is_valid or in_vmem) and not small:
+    if cycles is not None and ins.estimate_is_valid and not small:
       base = cycles / self.chip.clock_hz
     else:
       if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
