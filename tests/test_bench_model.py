@@ -414,8 +414,9 @@ def test_invalid_estimate_costs_the_same_in_vmem_and_in_hbm(topology):
   bfloat16 in a fusion whose result it places in VMEM, its estimate
   ``INVALID`` (6272 cycles, 4.2 us on v5e: about twice its bytes). The
   same convert written alone (``x.astype``) sits in HBM, also INVALID. An
-  INVALID estimate is no figure of the op, so both are charged their
-  bytes: the same within 1%, never under the op's roofline."""
+  INVALID estimate is no measure of the op, so each is charged no more
+  than its bytes at HBM bandwidth: the two agree within 1%, and neither
+  is under the op's roofline."""
   chip = _chips.chip_for(topology)
   spec = _measure.Spec(
     "jit",
