@@ -9,9 +9,9 @@ costs its ``estimated_cycles`` (XLA's per-op cost model, in
 else nothing (scalar bookkeeping); an op whose estimate XLA marks
 ``COST_MODEL_TYPE_INVALID`` costs the smaller of that estimate and those
 bytes, whatever memory space (HBM or VMEM) its operands and result sit
-in. Every op costs at least its roofline (FLOPs at peak, HBM bytes at
-HBM bandwidth). Custom calls without
-an estimate (Mosaic kernels other than our start/done) are counted in
+in. Every op but scalar bookkeeping costs at least its roofline (FLOPs
+at peak, HBM bytes at HBM bandwidth). Custom calls without an estimate
+(Mosaic kernels other than our start/done) are counted in
 ``unmodelled``. A stateful kernel (``*_ref_start``) moves one message, not
 its whole destination Ref (see ``_ref_message``).
 
