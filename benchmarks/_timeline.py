@@ -6,9 +6,12 @@ step). Instructions execute in text order on a single compute track; each
 costs its ``estimated_cycles`` (XLA's per-op cost model, in
 ``backend_config``) divided by the chip clock. Ops without an estimate cost
 ``(operand + result bytes) / HBM bandwidth`` if they move at least 64 KiB,
-else nothing (scalar bookkeeping); so do ops writing HBM, or under 64 KiB,
-whose estimate XLA marks ``COST_MODEL_TYPE_INVALID``; custom calls without
-an estimate (Mosaic kernels other than our start/done) are counted in
+else nothing (scalar bookkeeping); an op whose estimate XLA marks
+``COST_MODEL_TYPE_INVALID`` costs the smaller of that estimate and those
+bytes, whatever memory space (HBM or VMEM) its operands and result sit
+in. Every op but scalar bookkeeping costs at least its roofline (FLOPs
+at peak, HBM bytes at HBM bandwidth). Custom calls without an estimate
+(Mosaic kernels other than our start/done) are counted in
 ``unmodelled``. A stateful kernel (``*_ref_start``) moves one message, not
 its whole destination Ref (see ``_ref_message``).
 
@@ -608,10 +611,16 @@ class _Sim:
 
   def _op_cost(self, comp: str, ins: Instr) -> float:
     cycles = ins.estimated_cycles
-    in_vmem = any(a.memory_space == 1 for a in ins.arrays)
-    # An INVALID estimate on a few-byte op is a fixed 1824 cycles on v5e
-    # (s32[2] iota or broadcast: a stateful kernel's slot indices); such
-    # ops are scalar bookkeeping, free like every small op.
+    # An estimate XLA marks INVALID is no measure of the op: 1.2 to 4.7
+    # times its bytes at HBM bandwidth for a convert, copy or add (6272
+    # cycles, 4.2 us, for the chapter's float32 convert of x into VMEM;
+    # 1.9 us of bytes), 0.03 of them for a VMEM-to-VMEM copy on v6e. Such
+    # an op is charged no more than its bytes (operands and result, all at
+    # HBM bandwidth, an upper bound for a memory-bound op wherever they
+    # sit) and, like every op, no less than its roofline (below): the same
+    # work costs the same whether XLA put its result in VMEM or in HBM,
+    # in XLA's programs and in our kernels' twins alike. A few-byte op is
+    # scalar bookkeeping, free like every small op.
     small = ins.nbytes < _SMALL_BYTES and not ins.estimate_is_valid
     mosaic = ins.opcode == "custom-call" and ins.target == "tpu_custom_call"
     if mosaic:
@@ -620,7 +629,7 @@ class _Sim:
       if twin is not None:
         return twin
       cycles = None
-    if cycles is not None and (ins.estimate_is_valid or in_vmem) and not small:
+    if cycles is not None and ins.estimate_is_valid and not small:
       base = cycles / self.chip.clock_hz
     else:
       if ins.opcode == "custom-call" and not ins.name.startswith("asyncops_"):
@@ -630,6 +639,8 @@ class _Sim:
       base = (
         0.0 if ins.nbytes < _SMALL_BYTES else moved / self.chip.hbm_bytes_per_s
       )
+      if cycles is not None and not small:
+        base = min(base, cycles / self.chip.clock_hz)
     if ins.nbytes < _SMALL_BYTES and not ins.called:
       return base  # scalar bookkeeping: no roofline worth the name
     floor = self._floor(comp, ins)

@@ -408,6 +408,56 @@ def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
   assert sum(start.args["links"].values()) > 8 * (n - 1) * chunk
 
 
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_invalid_estimate_costs_the_same_in_vmem_and_in_hbm(topology):
+  """XLA's collective matmul (``post_spmd``) rounds float32 ``x`` to
+  bfloat16 in a fusion whose result it places in VMEM, its estimate
+  ``INVALID`` (6272 cycles, 4.2 us on v5e: about twice its bytes). The
+  same convert written alone (``x.astype``) sits in HBM, also INVALID. An
+  INVALID estimate is no measure of the op, so each is charged no more
+  than its bytes at HBM bandwidth: the two agree within 1%, and neither
+  is under the op's roofline."""
+  chip = _chips.chip_for(topology)
+  spec = _measure.Spec(
+    "jit",
+    topology,
+    None,
+    (1024, 2048, 8192),
+    jnp.float32,
+    options=xla_configs.CONFIGS["collective_matmul_post_spmd"],
+  )
+  with _measure.cache_off():
+    res = _measure.measure(spec)
+  module = _hlo.parse(res.text)
+  entry = module.computations[module.entry]
+  rounds = [
+    i
+    for i in entry
+    if i.opcode == "fusion"
+    and not i.estimate_is_valid
+    and i.estimated_cycles is not None
+    and [(a.dtype, a.memory_space) for a in i.arrays] == [("bf16", 1)]
+    and any(j.opcode == "convert" for j in module.computations[i.called[0]])
+  ]
+  assert len(rounds) == 1, [i.name for i in rounds]
+  (vmem,) = rounds
+  (box,) = [e for e in res.timeline.events if e.name == vmem.name]
+  device = _measure.mesh_for(topology, "ring", None).devices.flat[0]
+  x = jax.ShapeDtypeStruct(
+    (512, 512), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
+  text = jax.jit(lambda v: v.astype(jnp.bfloat16)).trace(x).lower()
+  alone = _hlo.parse(text.compile().as_text())
+  (hbm,) = [i for i in alone.computations[alone.entry] if i.is_root]
+  assert hbm.opcode == "convert" and not hbm.estimate_is_valid
+  assert [a.memory_space for a in hbm.arrays] == [0]
+  twin = _timeline.simulate(alone, chip, prefetch="charged")
+  assert box.dur == pytest.approx(twin.step_s, rel=0.01)
+  # Not under its roofline: 1 MiB of float32 x read from HBM.
+  assert box.dur >= 2**20 / chip.hbm_bytes_per_s * (1 - 1e-9)
+  assert vmem.estimated_cycles / chip.clock_hz > 1.5 * box.dur
+
+
 def test_fused_kernel_waits_for_each_steps_chunks():
   """A step that needs a slot arriving after the previous step's blocks
   stalls inside the kernel (exposed), before that step's last block."""
