@@ -284,7 +284,30 @@ class Cal:
       over).
     xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
       reading the weights bounds it (the reduce-scatter's matmul, which
-      its collective waits for).
+      its collective waits for). v6e 0.76 -> 0.87 (branch h-xlaest):
+      the model's dot at tp 4 M = 16 to 256 is 82.2 to 84.3 us for a
+      71.6 us weight read (the estimate of XLA's program 11% to 14%
+      over, 100.6 us for 88.3 at M = 16; now 88.7).
+    xla_ag_w: the share of the weight read charged beside the longer of
+      the FLOPs and the bytes of XLA's dot after its all-gather (auto's
+      XLA program, ``_auto.explain_allgather``): XLA's estimate of that
+      dot, which the model charges, tiles it (its ``x`` straight from the
+      collective) below the weight read's rate at every M of the Llama
+      sweep (branch h-xlaest). v5p 1.0: the model's dot is the longer
+      of its FLOPs and bytes plus 0.86 to 1.08 weight reads at tp 4 and
+      8, M = 16 to 1024 (tp 4 M = 64: 85.8 us for 43.2 of bytes; the
+      estimate of XLA's program 55.7 -> 98.2 us, the model 98.4). 0 on
+      v5e and v6e: tp 4 wants 0.1 to 0.34, but at tp 8 their model
+      overlaps part of the weight read with the all-gather (XLA's
+      prefetch of ``w``; v6e tp 8 M = 256: a 20.7 us dot after 46.9 us
+      of all-gather, for a 35.8 us weight read), where the estimate is
+      already over.
+    xla_rs_w: the same for XLA's dot before its reduce-scatter, beside
+      the longer of its FLOPs and its bytes at ``xla_hbm`` (branch
+      h-xlaest). v5p 0.35: the model's dot is 0.28 to 0.36 weight
+      reads over at tp 4 (M = 16: 68.1 us for 56.0; M = 1024: 274.6 for
+      262.0 of FLOPs; the estimates 62.2 -> 77.0 and 402.8 -> 417.6, the
+      model 74.2 and 415.4). 0 elsewhere.
     rs_ring_w: the share of a value reduce-scatter ring dot's read of its
       column block of ``w`` charged beside its FLOPs (``_auto._rs_ring_s``,
       both directions; XLA's estimate of the chunk dot). v5e 0.45: the
@@ -401,6 +424,8 @@ class Cal:
   ag_ring_pass: float = 0.0
   bidi_rs_acc: float = 1.0
   int32_flops: float = 1 / 10.5
+  xla_ag_w: float = 0.0
+  xla_rs_w: float = 0.0
   rs_x_vmem: float = 0.0
   bidi_rs_acc_from: float = float("inf")
   fused_panel_knee: float = float("inf")
@@ -459,6 +484,8 @@ CAL = {
     0.0,
     0.76,
     0.0,
+    xla_ag_w=1.0,
+    xla_rs_w=0.35,
     rs_overlap=0.45,
     rs_ring_f=0.15,
     fused_panel_s=5e-6,
@@ -478,7 +505,7 @@ CAL = {
     1.4e-6,
     0.5,
     0.15,
-    0.76,
+    0.87,
     0.0,
     0.75,
     rs_ring_w=0.5,
