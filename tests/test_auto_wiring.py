@@ -907,6 +907,9 @@ _XLA_PROGRAM_MODEL = {
   ("TPU v5p", "rs", 8, 16): (52.2, 0.15),
   ("TPU v5p", "rs", 8, 64): (61.9, 0.15),
   ("TPU v5p", "rs", 8, 256): (102.6, 0.15),
+  ("TPU v6 lite", "ag", 4, 16): (90.7, 0.05),
+  ("TPU v6 lite", "ag", 4, 64): (98.7, 0.05),
+  ("TPU v6 lite", "ag", 4, 256): (132.4, 0.05),
   ("TPU v6 lite", "rs", 4, 16): (88.3, 0.03),
   ("TPU v6 lite", "rs", 4, 64): (95.0, 0.03),
   ("TPU v6 lite", "rs", 4, 256): (122.5, 0.03),
@@ -919,12 +922,14 @@ def test_xla_program_estimate_follows_the_model_at_decode(key):
   longer of the dot's FLOPs and bytes by a share of the weight read: on
   v5p one read after the all-gather (``CAL.xla_ag_w``; tp 4 M = 64 was
   estimated 55.7 us against the model's 98.4) and 0.35 before the
-  reduce-scatter (``CAL.xla_rs_w``; M = 16 62.2 against 74.2); v6e's
-  dot before its reduce-scatter reads the weight at 0.87 of HBM
-  bandwidth (``CAL.xla_hbm``; M = 16 was 100.6 against 88.3). The picks
-  stay: v5p's fused all-gather at tp 4 and 8 M = 64 (82.1 and 59.9 us in
-  the model against XLA's 98.4 and 62.7), the decode rule's XLA at M = 16;
-  the fused reduce-scatter everywhere here."""
+  reduce-scatter (``CAL.xla_rs_w``; M = 16 62.2 against 74.2); on v6e
+  0.2 after the all-gather (tp 4 M = 64 85.4 against 98.7), and the dot
+  before its reduce-scatter reads the weight at 0.87 of HBM bandwidth
+  (``CAL.xla_hbm``; M = 16 was 100.6 against 88.3). The picks stay:
+  v5p's fused all-gather at tp 4 and 8 M = 64 (82.1 and 59.9 us in the
+  model against XLA's 98.4 and 62.7), v6e's at tp 4 M = 64 (92.6 against
+  98.7), the decode rule's XLA at M = 16; the fused reduce-scatter
+  everywhere here."""
   chip, fam, n, m = key
   model, err = _XLA_PROGRAM_MODEL[key]
   wiring = None

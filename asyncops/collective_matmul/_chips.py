@@ -296,12 +296,14 @@ class Cal:
       sweep (branch h-xlaest). v5p 1.0: the model's dot is the longer
       of its FLOPs and bytes plus 0.86 to 1.08 weight reads at tp 4 and
       8, M = 16 to 1024 (tp 4 M = 64: 85.8 us for 43.2 of bytes; the
-      estimate of XLA's program 55.7 -> 98.2 us, the model 98.4). 0 on
-      v5e and v6e: tp 4 wants 0.1 to 0.34, but at tp 8 their model
-      overlaps part of the weight read with the all-gather (XLA's
-      prefetch of ``w``; v6e tp 8 M = 256: a 20.7 us dot after 46.9 us
-      of all-gather, for a 35.8 us weight read), where the estimate is
-      already over.
+      estimate of XLA's program 55.7 -> 98.2 us, the model 98.4). v6e
+      0.2: 0.18 to 0.34 at tp 4 (M = 16, 64, 256, 1024: 78.0, 85.4,
+      114.6, 271.8 -> 92.4, 99.7, 128.9, 286.1 us against 90.7, 98.7,
+      132.4, 296.4); at tp 8 the model takes XLA's estimate of the dot
+      below its own weight read (M = 256: 20.7 us for 35.8), where the
+      estimate is over either way (M = 16 1.00 -> 1.16 of the model, M =
+      256 1.27 -> 1.38). 0 on v5e (tp 4 wants 0.1, tp 8 M = 16 and 64
+      are 2% and 9% over without it).
     xla_rs_w: the same for XLA's dot before its reduce-scatter, beside
       the longer of its FLOPs and its bytes at ``xla_hbm`` (branch
       h-xlaest). v5p 0.35: the model's dot is 0.28 to 0.36 weight
@@ -508,6 +510,7 @@ CAL = {
     0.87,
     0.0,
     0.75,
+    xla_ag_w=0.2,
     rs_ring_w=0.5,
     rs_panel_w=0.35,
     ag_step_s=2.5e-6,
