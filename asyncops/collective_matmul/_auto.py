@@ -47,13 +47,13 @@ to the benchmark model's figures (:data:`CAL`):
   inside ``shard_map`` blocks and runs over one ring direction (what the
   benchmark model finds in XLA's all-gather and reduce-scatter); XLA's
   estimate of its dot, which the model charges, is over the longer of
-  its FLOPs and bytes by a share of the weight read (v5p: one weight
-  read after the all-gather, ``CAL.xla_ag_w``; 0.35 before the
-  reduce-scatter, ``CAL.xla_rs_w``); the reduce-scatter's matmul, which
-  it waits for, is charged the weight read at ``CAL.xla_hbm`` of HBM
-  bandwidth. XLA's reduce-scatter and
-  all-reduce move the result's dtype (float32 partial sums in float32;
-  the fused kernels move them in bfloat16 at ``DEFAULT``).
+  its FLOPs and bytes by a share of the weight read (after the
+  all-gather, ``CAL.xla_ag_w``: v5p one weight read, v6e 0.2; before
+  the reduce-scatter, ``CAL.xla_rs_w``: v5p 0.35); the reduce-scatter's
+  matmul, which it waits for, is charged the weight read at
+  ``CAL.xla_hbm`` of HBM bandwidth. XLA's reduce-scatter and all-reduce
+  move the result's dtype (float32 partial sums in float32; the fused
+  kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
   ``CAL.fused_acc`` of a pass over the float32 accumulator, plus

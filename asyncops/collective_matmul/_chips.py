@@ -149,7 +149,13 @@ class Cal:
       the model's steps are as far over (11 to 14 us at tp 4), and so is
       XLA's program over its estimate (tp 4 M = 64: 98.4 against 55.7):
       charging the fused kernel alone there would hand those points to
-      the slower XLA program, so it is not charged. 0 elsewhere.
+      the slower XLA program, so it is not charged. Since branch
+      h-xlaest XLA's estimate follows the model there (98.2,
+      ``xla_ag_w``), but the decode steps are no one fixed cost (tp 4 M
+      = 64 12.7 us a step over, tp 8 7.4), and 7.5 us still moves tp 8 M
+      = 64 to XLA's program (the fused kernel estimated 63.9 against
+      XLA's 61.0; the model 59.9 against 62.7): still past decode sizes
+      only. 0 elsewhere.
     fused_cast: the share of a read of the fused all-gather's float32
       accumulator (``M f`` elements, over its panels) charged to its last
       step: the final cast to the result's dtype (the model: the last
