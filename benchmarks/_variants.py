@@ -183,6 +183,19 @@ def _flagship_takes(param: str) -> bool:
     return False
 
 
+def auto_xla() -> list[str]:
+  """Auto's XLA candidate (``method="xla"``: XLA's collective and
+  ``jnp.dot`` inside ``shard_map``, what ``_auto``'s XLA estimate stands
+  for), per family; opt-in (``--variants``)."""
+  out = []
+  if _has_method("allgather_matmul"):
+    out.append("allgather_matmul_xla")
+  for family, fam in FAMILIES.items():
+    if _has_method(fam.library):
+      out.append(f"{family}:asyncops_xla")
+  return out
+
+
 def library_quantized() -> list[str]:
   """The flagship with quantized transfers (``transfer="int8"`` /
   ``"float8_e4m3fn"``), one- and two-way; opt-in (``--variants``): they
@@ -504,6 +517,12 @@ def _build_family(name: str, mesh, precision):
       fam.library, precision, fam.lib_kw, fam.kw_args, method="auto"
     ),
   }
+  if _has_method(fam.library):
+    # Auto's XLA candidate (``method="xla"``), opt-in (``--variants``):
+    # what ``_auto``'s XLA estimate stands for.
+    fns["asyncops_xla"] = _lib_fn(
+      fam.library, precision, fam.lib_kw, fam.kw_args, method="xla"
+    )
   if name in family_quantized(family):
     fns[kind] = _lib_fn(
       fam.library, precision, fam.lib_kw, fam.kw_args, **QUANTIZED_KINDS[kind]
@@ -594,6 +613,9 @@ def _build(name: str, mesh, *, precision=None):
       _lib, api="ref", bidirectional=True
     )
     fns["allgather_matmul_auto"] = functools.partial(_lib, method="auto")
+    if _has_method("allgather_matmul"):
+      # Auto's XLA candidate, opt-in (``--variants``).
+      fns["allgather_matmul_xla"] = functools.partial(_lib, method="xla")
     outacc = functools.partial(_lib, accumulation="output")
     for v in library_outacc():
       fns[v] = {

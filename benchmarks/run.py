@@ -694,6 +694,7 @@ def main(argv=None) -> int:
   known = set(_variants.available()) | set(_variants.library_ref())
   known |= set(_variants.library_quantized()) | set(_variants.TORUS)
   known |= set(_variants.library_outacc())
+  known |= set(_variants.auto_xla())
   for fam in _variants.FAMILIES:
     known |= set(_variants.family_variants(fam, ref=True))
     known |= set(_variants.family_quantized(fam))

@@ -43,13 +43,17 @@ to the benchmark model's figures (:data:`CAL`):
   the wrapping message crosses ``n - 1`` links and both directions share
   each link, so ``T(2)`` moves as many bytes as ``T(1)``.
 
-- ``xla ~ 1 us + T(1) + max(C, M)``: XLA's collective inside
-  ``shard_map`` blocks and runs over one ring direction (what the
-  benchmark model finds in XLA's all-gather and reduce-scatter); the
-  reduce-scatter's matmul, which it waits for, is charged the weight read
-  at ``CAL.xla_hbm`` of HBM bandwidth. XLA's reduce-scatter and
-  all-reduce move the result's dtype (float32 partial sums in float32;
-  the fused kernels move them in bfloat16 at ``DEFAULT``).
+- ``xla ~ 1 us + T(1) + max(C, M) + CAL.xla_ag_w W``: XLA's collective
+  inside ``shard_map`` blocks and runs over one ring direction (what the
+  benchmark model finds in XLA's all-gather and reduce-scatter); XLA's
+  estimate of its dot, which the model charges, is over the longer of
+  its FLOPs and bytes by a share of the weight read (after the
+  all-gather, ``CAL.xla_ag_w``: v5p one weight read, v6e 0.2; before
+  the reduce-scatter, ``CAL.xla_rs_w``: v5p 0.35); the reduce-scatter's
+  matmul, which it waits for, is charged the weight read at
+  ``CAL.xla_hbm`` of HBM bandwidth. XLA's reduce-scatter and all-reduce
+  move the result's dtype (float32 partial sums in float32; the fused
+  kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
   ``CAL.fused_acc`` of a pass over the float32 accumulator, plus
@@ -773,7 +777,10 @@ def explain_allgather(
   xla_ring = (n - 1) * (
     chunk * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
   )
-  xla = _XLA_OVERHEAD_S + xla_ring + max(compute, hbm)
+  # XLA's dot after its all-gather: the longer of its FLOPs and bytes,
+  # and ``Cal.xla_ag_w`` of the weight read beside (XLA's estimate).
+  xla_dot = max(compute, hbm) + cal.xla_ag_w * w_bytes / chip.hbm
+  xla = _XLA_OVERHEAD_S + xla_ring + xla_dot
   plan = _fused.plan_allgather(
     m,
     k,
@@ -1017,7 +1024,8 @@ def explain_reducescatter(
   ring = (n - 1) * (
     xla_part * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
   )
-  xla = _XLA_OVERHEAD_S + ring + max(compute, hbm / cal.xla_hbm)
+  xla_dot = max(compute, hbm / cal.xla_hbm) + cal.xla_rs_w * w_bytes / chip.hbm
+  xla = _XLA_OVERHEAD_S + ring + xla_dot
   plan = _fused.plan_reducescatter(
     m,
     k,

@@ -149,7 +149,13 @@ class Cal:
       the model's steps are as far over (11 to 14 us at tp 4), and so is
       XLA's program over its estimate (tp 4 M = 64: 98.4 against 55.7):
       charging the fused kernel alone there would hand those points to
-      the slower XLA program, so it is not charged. 0 elsewhere.
+      the slower XLA program, so it is not charged. Since branch
+      h-xlaest XLA's estimate follows the model there (98.2,
+      ``xla_ag_w``), but the decode steps are no one fixed cost (tp 4 M
+      = 64 12.7 us a step over, tp 8 7.4), and 7.5 us still moves tp 8 M
+      = 64 to XLA's program (the fused kernel estimated 63.9 against
+      XLA's 61.0; the model 59.9 against 62.7): still past decode sizes
+      only. 0 elsewhere.
     fused_cast: the share of a read of the fused all-gather's float32
       accumulator (``M f`` elements, over its panels) charged to its last
       step: the final cast to the result's dtype (the model: the last
@@ -287,7 +293,32 @@ class Cal:
       over).
     xla_hbm: the share of HBM bandwidth XLA's matmul is charged at when
       reading the weights bounds it (the reduce-scatter's matmul, which
-      its collective waits for).
+      its collective waits for). v6e 0.76 -> 0.87 (branch h-xlaest):
+      the model's dot at tp 4 M = 16 to 256 is 82.2 to 84.3 us for a
+      71.6 us weight read (the estimate of XLA's program 11% to 14%
+      over, 100.6 us for 88.3 at M = 16; now 88.7).
+    xla_ag_w: the share of the weight read charged beside the longer of
+      the FLOPs and the bytes of XLA's dot after its all-gather (auto's
+      XLA program, ``_auto.explain_allgather``): XLA's estimate of that
+      dot, which the model charges, tiles it (its ``x`` straight from the
+      collective) below the weight read's rate at every M of the Llama
+      sweep (branch h-xlaest). v5p 1.0: the model's dot is the longer
+      of its FLOPs and bytes plus 0.86 to 1.08 weight reads at tp 4 and
+      8, M = 16 to 1024 (tp 4 M = 64: 85.8 us for 43.2 of bytes; the
+      estimate of XLA's program 55.7 -> 98.2 us, the model 98.4). v6e
+      0.2: 0.18 to 0.34 at tp 4 (M = 16, 64, 256, 1024: 78.0, 85.4,
+      114.6, 271.8 -> 92.4, 99.7, 128.9, 286.1 us against 90.7, 98.7,
+      132.4, 296.4); at tp 8 the model takes XLA's estimate of the dot
+      below its own weight read (M = 256: 20.7 us for 35.8), where the
+      estimate is over either way (M = 16 1.00 -> 1.16 of the model, M =
+      256 1.27 -> 1.38). 0 on v5e (tp 4 wants 0.1, tp 8 M = 16 and 64
+      are 2% and 9% over without it).
+    xla_rs_w: the same for XLA's dot before its reduce-scatter, beside
+      the longer of its FLOPs and its bytes at ``xla_hbm`` (branch
+      h-xlaest). v5p 0.35: the model's dot is 0.28 to 0.36 weight
+      reads over at tp 4 (M = 16: 68.1 us for 56.0; M = 1024: 274.6 for
+      262.0 of FLOPs; the estimates 62.2 -> 77.0 and 402.8 -> 417.6, the
+      model 74.2 and 415.4). 0 elsewhere.
     rs_ring_w: the share of a value reduce-scatter ring dot's read of its
       column block of ``w`` charged beside its FLOPs (``_auto._rs_ring_s``,
       both directions; XLA's estimate of the chunk dot). v5e 0.45: the
@@ -439,6 +470,8 @@ class Cal:
   ag_ring_pass: float = 0.0
   bidi_rs_acc: float = 1.0
   int32_flops: float = 1 / 10.5
+  xla_ag_w: float = 0.0
+  xla_rs_w: float = 0.0
   rs_x_vmem: float = 0.0
   bidi_rs_acc_from: float = float("inf")
   fused_panel_knee: float = float("inf")
@@ -500,6 +533,8 @@ CAL = {
     0.0,
     0.76,
     0.0,
+    xla_ag_w=1.0,
+    xla_rs_w=0.35,
     rs_overlap=0.45,
     rs_ring_f=0.15,
     fused_panel_s=5e-6,
@@ -520,9 +555,10 @@ CAL = {
     1.4e-6,
     0.5,
     0.15,
-    0.76,
+    0.87,
     0.0,
     0.75,
+    xla_ag_w=0.2,
     rs_ring_w=0.5,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
