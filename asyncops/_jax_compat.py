@@ -85,6 +85,14 @@ def _version(text: str) -> tuple[int, ...]:
 
 JAX_VERSION = _version(jax.__version__)
 
+# A RefFuture awaited in ``lax.cond`` branches that close over it is tied in
+# the start's frame (``tie_window``) from jax 0.10 on. jax 0.9's libtpu
+# prefetches the cond's source operand into VMEM once the compute sits in
+# the window and hands the branch's done that copy (v5e, `source not live`:
+# the original freed while the DMA reads it; design/inspect.md); untied,
+# v5e compiles it clean and v6e is refused by the guard as before.
+CAPTURED_WINDOW_TIE = JAX_VERSION >= (0, 10)
+
 # jax 0.9 transposes a program over ``jax.Ref``s with cotangents that lost
 # their varying manual axes ("expected cotangent type f32[...]{V:(x,y)}"
 # inside shard_map): reverse mode through the Ref API's primitives needs

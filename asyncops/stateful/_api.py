@@ -166,8 +166,10 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
   sems = list(fut.sems)
   if fut._track is not None and nested is None:
     sems = jc.tie_between(fut._track[0], sems)
-  elif fut._track is not None and not jc.window_reads_ref(
-    fut._track[0], sems, fut._track[1].base
+  elif (
+    fut._track is not None
+    and jc.CAPTURED_WINDOW_TIE
+    and not jc.window_reads_ref(fut._track[0], sems, fut._track[1].base)
   ):
     # Tied in the start's frame (``jc.tie_window``); the branch closes over
     # the barrier's semaphores, so the cond waits for the compute. A later
