@@ -423,6 +423,18 @@ class Cal:
       model at M <= 256; now within 14% at tp 4 and 10% to 25% under at
       tp 8 (the fused kernel is 2.5 to 4 times faster there either way).
       0 elsewhere.
+    fused_acc_vmem: the share of VMEM within which all of ``w`` and the
+      fused all-gather's float32 accumulator (one panel) make XLA keep
+      the accumulator in VMEM between the first and the last step
+      (``_auto._fused_mid_acc``: half a pass charged there; 0: never).
+      v5e 0.25 (branch h-est4): the model's steps at the chapter's shape
+      (v5e:2x4 tp 4, 8 MiB of ``w``, a 4 MiB accumulator) are 8.4, 8.4,
+      5.6 and 13.8 us against 12.8 charged each (5.5 us of FLOPs, 2.6 of
+      rows of ``w``, a 10.2 us pass): 52.7 us estimated for 41.5, now
+      42.5 (float32 63.0 -> 52.7, the model 58.0). The Llama-3-70B shard
+      (56 MiB of ``w`` at tp 8) is out: its steps pay the whole pass (tp
+      8 M = 256, a 3.5 MiB accumulator: 17.3 us steps for 9 of rows and 9
+      of pass). 0 elsewhere (v6e's chapter estimate is within 1%).
   """
 
   ring_rho: float
@@ -461,6 +473,7 @@ class Cal:
   halves_w: float = 0.0
   halves_w_vmem: float = 0.0
   rs_halves_w: float = 0.0
+  fused_acc_vmem: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -487,6 +500,7 @@ _V5E = Cal(
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
   whole_tail=0.25,
+  fused_acc_vmem=0.25,
 )
 
 CAL = {
