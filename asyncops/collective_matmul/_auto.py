@@ -52,8 +52,10 @@ to the benchmark model's figures (:data:`CAL`):
   the fused kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
-  ``CAL.fused_acc`` of a pass over the float32 accumulator, plus
-  ``CAL.fused_step_s`` past decode sizes; the last step also
+  ``CAL.fused_acc`` of a pass over the float32 accumulator, half of it
+  between the first and last steps where ``W`` and the accumulator fit
+  ``CAL.fused_acc_vmem`` of VMEM, plus ``CAL.fused_step_s`` past decode
+  sizes; the last step also
   ``CAL.fused_cast`` of a read of the accumulator), or the direct sends
   to every peer (the busiest link's load from the wiring) and the last
   step, whichever is longer; extra panels cost
@@ -453,17 +455,17 @@ def _fused_ag_s(
   return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
 
 
-def _fused_mid_acc(cal, chip, device_kind, panels, w_bytes, acc_bytes, acc):
+def _fused_mid_acc(cal, chip, panels, w_bytes, acc):
   """The fused all-gather's accumulator charge (seconds) in the steps
   between its first and last, or None (the full ``Cal.fused_acc``
-  pass): where it runs one panel and all of ``w`` and its float32
-  accumulator (``acc_bytes``) fit within ``Cal.fused_acc_vmem`` of VMEM,
+  pass; ``acc`` bytes read and written): where it runs one panel and all
+  of ``w`` and its accumulator fit within ``Cal.fused_acc_vmem`` of VMEM,
   XLA's estimate of its step dots keeps the accumulator in VMEM there
   (the model, v5e chapter shape: steps of 8.4, 8.4, 5.6 and 13.8 us for
   5.5 us of FLOPs, 2.6 of rows of ``w`` and a 10.2 us pass), which this
   charges as half a pass."""
-  cap = _fused.vmem_capacity(device_kind)
-  if panels > 1 or w_bytes + acc_bytes > cal.fused_acc_vmem * cap:
+  cap = _fused.vmem_capacity(f"TPU {chip.name}")
+  if panels > 1 or w_bytes + acc // 2 > cal.fused_acc_vmem * cap:
     return None
   return cal.fused_acc * acc / 2 / chip.hbm
 
@@ -855,7 +857,7 @@ def explain_allgather(
     cal.fused_cast * m * f * 4 / chip.hbm,
     # A small program's accumulator stays in VMEM between the first and
     # the last step (``Cal.fused_acc_vmem``): half a pass there.
-    _fused_mid_acc(cal, chip, device_kind, panels, w_bytes, m * f * 4, acc),
+    _fused_mid_acc(cal, chip, panels, w_bytes, acc),
   )
   if panels > 1:
     knee = max(1.0, panels / cal.fused_panel_knee)
