@@ -56,8 +56,10 @@ to the benchmark model's figures (:data:`CAL`):
   kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
   dots (each the longer of its FLOPs and its rows of ``W`` with
-  ``CAL.fused_acc`` of a pass over the float32 accumulator, plus
-  ``CAL.fused_step_s`` past decode sizes; the last step also
+  ``CAL.fused_acc`` of a pass over the float32 accumulator, half of it
+  between the first and last steps where ``W`` and the accumulator fit
+  ``CAL.fused_acc_vmem`` of VMEM, plus ``CAL.fused_step_s`` past decode
+  sizes; the last step also
   ``CAL.fused_cast`` of a read of the accumulator), or the direct sends
   to every peer (the busiest link's load from the wiring) and the last
   step, whichever is longer; extra panels cost
@@ -422,6 +424,7 @@ def _fused_ag_s(
   wiring,
   step_s=0.0,
   cast_s=0.0,
+  mid_acc_s=None,
 ):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
@@ -435,16 +438,40 @@ def _fused_ag_s(
   and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.) Each step
   also costs ``step_s`` (``Cal.fused_step_s``), and the last one
   ``cast_s`` of the accumulator's final read and cast, over the panels
-  (``Cal.fused_cast``)."""
+  (``Cal.fused_cast``). ``mid_acc_s`` (None: ``acc_s``) is the
+  accumulator's charge in the steps between the first and the last
+  (``Cal.fused_acc_vmem``: XLA keeps it in VMEM there)."""
   p = panels
+  mid = acc_s if mid_acc_s is None else mid_acc_s
   extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
   ring = wiring.direct_load * chunk / p / link + (n - 1 + extra_hops) * _HOP_S
+  last = len(plan) - 1
   steps = [
-    max(g * compute / (n * p), g * w_s / n + acc_s / p) + step_s for g in plan
+    max(
+      g * compute / (n * p),
+      g * w_s / n + (acc_s if s in (0, last) else mid) / p,
+    )
+    + step_s
+    for s, g in enumerate(plan)
   ]
   steps[-1] += cast_s / p
   c = sum(steps)
   return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
+
+
+def _fused_mid_acc(cal, chip, panels, w_bytes, acc):
+  """The fused all-gather's accumulator charge (seconds) in the steps
+  between its first and last, or None (the full ``Cal.fused_acc``
+  pass; ``acc`` bytes read and written): where it runs one panel and all
+  of ``w`` and its accumulator fit within ``Cal.fused_acc_vmem`` of VMEM,
+  XLA's estimate of its step dots keeps the accumulator in VMEM there
+  (the model, v5e chapter shape: steps of 8.4, 8.4, 5.6 and 13.8 us for
+  5.5 us of FLOPs, 2.6 of rows of ``w`` and a 10.2 us pass), which this
+  charges as half a pass."""
+  cap = _fused.vmem_capacity(f"TPU {chip.name}")
+  if panels > 1 or w_bytes + acc // 2 > cal.fused_acc_vmem * cap:
+    return None
+  return cal.fused_acc * acc / 2 / chip.hbm
 
 
 def _x_copy_s(plan, k, t, chip, cal) -> float:
@@ -835,6 +862,9 @@ def explain_allgather(
     # each step's fixed cost (``Cal.fused_step_s``); the final cast.
     cal.fused_step_s if compute >= hbm / 2 else 0.0,
     cal.fused_cast * m * f * 4 / chip.hbm,
+    # A small program's accumulator stays in VMEM between the first and
+    # the last step (``Cal.fused_acc_vmem``): half a pass there.
+    _fused_mid_acc(cal, chip, panels, w_bytes, acc),
   )
   if panels > 1:
     knee = max(1.0, panels / cal.fused_panel_knee)

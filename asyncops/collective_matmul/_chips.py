@@ -429,12 +429,11 @@ class Cal:
       (6.8 for 4.47), 1.42 at tp 4 M = 1024 (25.4 us for 16.4 of FLOPs);
       the estimates at the sweep's nine ring-of-halves points are within
       12% of the model, within 9% at M >= 1024 (were 74% and 40% over at
-      tp 8 M = 256 and 1024). v5e would take 1.6 (the model 1.41 to 1.65
-      reads at decode; its nine points within 18%, were 43%), but its estimate
-      of the chapter's shape (44.5 us against the model's 46.3, was 69.6)
-      falls under the fused kernel's (52.7, which is 27% over the model's
-      41.5) and would move auto's pick there to the slower ring: left 0
-      until the fused all-gather's estimate there is fixed. v5p 0: its
+      tp 8 M = 256 and 1024). v5e 1.6 since branch h-est4 (the model 1.41 to
+      1.65 reads at decode; its nine points within 18%, were 43%; the
+      chapter's shape 44.5 us against the model's 46.3, was 69.6), once
+      the fused kernel's estimate there came to 42.5 (the model 41.5; was
+      52.7, ``fused_acc_vmem``), which keeps auto's pick fused. v5p 0: its
       dots past decode are 1.5 to 2.5 times their FLOPs (tp 8 M = 1024:
       20.5 us for 8.2), which the older form's step costs carry.
     halves_w_vmem: XLA prefetches all of ``w`` into VMEM (a ``copy-start``
@@ -443,7 +442,7 @@ class Cal:
       dots after the ``copy-done`` read VMEM (``_auto._halves_ring_s``).
       v6e 0.5: the model prefetches the Llama-3-70B shard's ``w`` at tp 8
       (56 MiB of 128; M = 16 to 1024) and not at tp 4 (112 MiB); v5e
-      prefetches both (0.9 would hold); v5p neither (56 MiB of 64).
+      prefetches both (0.9 since branch h-est4); v5p neither (56 MiB of 64).
     rs_halves_w: XLA's charge for a two-way reduce-scatter ring's
       half-row dot bound by its bytes, in reads of its column block of
       ``w`` (the floor of ``_auto._rs_ring_s``'s half-dots, beside their
@@ -454,6 +453,18 @@ class Cal:
       model at M <= 256; now within 14% at tp 4 and 10% to 25% under at
       tp 8 (the fused kernel is 2.5 to 4 times faster there either way).
       0 elsewhere.
+    fused_acc_vmem: the share of VMEM within which all of ``w`` and the
+      fused all-gather's float32 accumulator (one panel) make XLA keep
+      the accumulator in VMEM between the first and the last step
+      (``_auto._fused_mid_acc``: half a pass charged there; 0: never).
+      v5e 0.25 (branch h-est4): the model's steps at the chapter's shape
+      (v5e:2x4 tp 4, 8 MiB of ``w``, a 4 MiB accumulator) are 8.4, 8.4,
+      5.6 and 13.8 us against 12.8 charged each (5.5 us of FLOPs, 2.6 of
+      rows of ``w``, a 10.2 us pass): 52.7 us estimated for 41.5, now
+      42.5 (float32 63.0 -> 52.7, the model 58.0). The Llama-3-70B shard
+      (56 MiB of ``w`` at tp 8) is out: its steps pay the whole pass (tp
+      8 M = 256, a 3.5 MiB accumulator: 17.3 us steps for 9 of rows and 9
+      of pass). 0 elsewhere (v6e's chapter estimate is within 1%).
   """
 
   ring_rho: float
@@ -494,6 +505,7 @@ class Cal:
   halves_w: float = 0.0
   halves_w_vmem: float = 0.0
   rs_halves_w: float = 0.0
+  fused_acc_vmem: float = 0.0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -520,6 +532,9 @@ _V5E = Cal(
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
   whole_tail=0.25,
+  fused_acc_vmem=0.25,
+  halves_w=1.6,
+  halves_w_vmem=0.9,
 )
 
 CAL = {
