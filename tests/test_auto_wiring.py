@@ -17,6 +17,24 @@ SQUARE4 = [[(0, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 0)]]  # a cycle
 NO_WRAP = (False, False, False)
 
 
+def _v5p_cube() -> _wiring.Wiring:
+  """v5p:2x2x2's tp 8 ring: a cycle through the cube, no wraparound."""
+  cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
+  cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
+  return _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
+
+
+def _llama(family, chip, n, m, dtype=jnp.bfloat16):
+  """auto's explanation for the Llama-3-70B MLP shard (D 8192, F 28672)
+  at tp ``n``, ``m`` rows per device, ``"ag"`` or ``"rs"``; v5p tp 8 on
+  the cube's cycle."""
+  wiring = _v5p_cube() if (chip, n) == ("TPU v5p", 8) else None
+  kw = dict(precision="DEFAULT", device_kind=chip, wiring=wiring)
+  if family == "ag":
+    return _auto.explain_allgather(m, 8192 // n, 28672 // n, n, dtype, **kw)
+  return _auto.explain_reducescatter(m, 28672 // n, 8192 // n, n, dtype, **kw)
+
+
 def test_line_and_ring_link_loads():
   line = _wiring.from_coords(LINE4, NO_WRAP)
   # The wrapping message crosses 3 links; both directions' halves share
@@ -205,20 +223,9 @@ def test_v5p_cube_allgather_picks(m, method):
   chunk per step; the two-way ring 973.6, xla_best 827.5); M = 16384 the
   two-way ring of whole chunks 2618.1 (the fused kernel's 16 row panels
   2862.7, 4249.8 with their copies, 4881.5 one chunk per step)."""
-  cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
-  cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
-  wr = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
+  wr = _v5p_cube()
   assert wr.direct_load == 4 and wr.shift_hops == 1
-  c = _auto.explain_allgather(
-    m,
-    1024,
-    3584,
-    8,
-    jnp.bfloat16,
-    precision="DEFAULT",
-    device_kind="TPU v5p",
-    wiring=wr,
-  )
+  c = _llama("ag", "TPU v5p", 8, m)
   assert c.method == method, str(c)
 
 
@@ -443,21 +450,7 @@ def test_whole_chunk_ring_estimate_follows_the_model(kind, n, m):
   10% (the model: 3082.8 us against 3504.8); at v5p tp 8 the two-way
   ring stays the pick (2525.7 us against the fused kernel's 2862.7)."""
   model, err = WHOLE_RING_MODEL[kind, n, m]
-  wiring = None
-  if (kind, n) == ("TPU v5p", 8):
-    cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
-    cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
-    wiring = _wiring.from_coords([cycle], _wiring.wraps(kind, (2, 2, 2)))
-  c = _auto.explain_allgather(
-    m,
-    8192 // n,
-    28672 // n,
-    n,
-    jnp.bfloat16,
-    precision="DEFAULT",
-    device_kind=kind,
-    wiring=wiring,
-  )
+  c = _llama("ag", kind, n, m)
   assert abs(c.ring_bidi_us / model - 1) < err, str(c)
   if (kind, n, m) == ("TPU v6 lite", 4, 16384):
     assert c.method == "fused" and c.ring_bidi_us > 1.1 * c.fused_us, str(c)
@@ -494,21 +487,7 @@ def test_v5p_fused_allgather_estimate_charges_its_steps(n, m):
   (tp 4 M = 1024: 331.7) where auto runs it, the two-way ring at tp 8 M
   = 16384."""
   model, err = V5P_FUSED_MODEL[n, m]
-  wiring = None
-  if n == 8:
-    cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
-    cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
-    wiring = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
-  c = _auto.explain_allgather(
-    m,
-    8192 // n,
-    28672 // n,
-    n,
-    jnp.bfloat16,
-    precision="DEFAULT",
-    device_kind="TPU v5p",
-    wiring=wiring,
-  )
+  c = _llama("ag", "TPU v5p", n, m)
   assert abs(c.fused_us / model - 1) < err, str(c)
   if (n, m) == (8, 16384):
     assert c.method == "ring_bidi", str(c)
@@ -527,21 +506,7 @@ def test_v5p_ring_of_halves_charges_its_accumulator_pass(n, m, model):
   float32 accumulator per step: its estimate within 5% of the model's
   (was 15% to 27% under: 344.5, 285.9 and 706.3 us), and at tp 8 M =
   4096 the fused kernel (the model's 715.7 us) is picked clear of it."""
-  cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
-  cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
-  wiring = None
-  if n == 8:
-    wiring = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
-  c = _auto.explain_allgather(
-    m,
-    8192 // n,
-    28672 // n,
-    n,
-    jnp.bfloat16,
-    precision="DEFAULT",
-    device_kind="TPU v5p",
-    wiring=wiring,
-  )
+  c = _llama("ag", "TPU v5p", n, m)
   assert abs(c.ring_bidi_us / model - 1) < 0.05, str(c)
   if (n, m) == (8, 4096):
     assert c.method == "fused" and c.fused_us < 0.8 * c.ring_bidi_us, str(c)
@@ -945,21 +910,7 @@ def test_v5p_reducescatter_two_way_ring_decode_dots(n, m):
   for the dot, which slices ``w`` inside its fusion), not its bytes alone:
   within 15% of the model (was 50% to 57% under). The fused kernel stays
   auto's pick, under half the ring's estimate."""
-  wiring = None
-  if n == 8:
-    cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
-    cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
-    wiring = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
-  c = _auto.explain_reducescatter(
-    m,
-    28672 // n,
-    8192 // n,
-    n,
-    jnp.bfloat16,
-    precision="DEFAULT",
-    device_kind="TPU v5p",
-    wiring=wiring,
-  )
+  c = _llama("rs", "TPU v5p", n, m)
   assert abs(c.ring_bidi_us / _V5P_RS_HALVES_MODEL[(n, m)] - 1) < 0.15, str(c)
   assert c.method == "fused" and c.fused_us < 0.5 * c.ring_bidi_us, str(c)
 
@@ -1059,20 +1010,8 @@ def test_xla_program_estimate_follows_the_model_at_decode(key):
   everywhere here."""
   chip, fam, n, m = key
   model, err = _XLA_PROGRAM_MODEL[key]
-  wiring = None
-  if (chip, n) == ("TPU v5p", 8):
-    cycle = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]
-    cycle += [(0, 1, 1), (1, 1, 1), (1, 0, 1), (0, 0, 1)]
-    wiring = _wiring.from_coords([cycle], _wiring.wraps("TPU v5p", (2, 2, 2)))
-  kw = dict(precision="DEFAULT", device_kind=chip, wiring=wiring)
-  if fam == "ag":
-    c = _auto.explain_allgather(m, 8192 // n, 28672 // n, n, jnp.bfloat16, **kw)
-    want = "xla" if m == 16 else "fused"
-  else:
-    c = _auto.explain_reducescatter(
-      m, 28672 // n, 8192 // n, n, jnp.bfloat16, **kw
-    )
-    want = "fused"
+  c = _llama(fam, chip, n, m)
+  want = "xla" if fam == "ag" and m == 16 else "fused"
   assert abs(c.xla_us / model - 1) < err, str(c)
   assert c.method == want, str(c)
 
