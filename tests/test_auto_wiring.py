@@ -11,6 +11,7 @@ from asyncops import collective_matmul as cm
 from asyncops.collective_matmul import _auto, _gather_rings, _wiring
 from asyncops.inspect import tpu_mesh
 
+V5E = {"precision": "DEFAULT", "device_kind": "TPU v5 lite"}
 V6E = {"precision": "DEFAULT", "device_kind": "TPU v6 lite"}
 LINE4 = [[(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)]]
 SQUARE4 = [[(0, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 0)]]  # a cycle
@@ -850,6 +851,19 @@ def test_v5e_reducescatter_panel_charge_in_weight_reads(n, m):
   assert abs(c.fused_us / model - 1) < 0.02, str(c)
 
 
+def _assert_halves_ring(chip, n, m, models, err_small):
+  """The Llama shard's two-way all-gather ring of halves on ``chip``: its
+  estimate within 10% of ``models[(n, m)]`` at M >= 1024 and
+  ``err_small`` below; from M = 256 the pick is the two-way ring at tp 8
+  M = 1024 and 4096, else the fused kernel."""
+  c = _llama("ag", chip, n, m)
+  err = 0.10 if m >= 1024 else err_small
+  assert abs(c.ring_bidi_us / models[(n, m)] - 1) < err, str(c)
+  want = {(8, 1024): "ring_bidi", (8, 4096): "ring_bidi"}
+  if m >= 256:
+    assert c.method == want.get((n, m), "fused"), str(c)
+
+
 # The model (one run, h-est3, `python -m benchmarks.run --sweep llama
 # --variants allgather_matmul_bidi`; tp 4 M = 1024 and tp 8 M = 1024, 4096
 # of the sweep tables): v6e's two-way all-gather ring of halves, the Llama
@@ -875,12 +889,7 @@ def test_v6e_ring_of_halves_estimate_follows_the_model(n, m):
   13% below (was 40% over at tp 8 M = 1024 and 74% at M = 256, 17% under
   at tp 4 M = 16). The picks stay: the two-way ring at tp 8 M = 1024 and
   4096, the fused kernel at tp 4 M = 1024 and tp 8 M = 256."""
-  c = _auto.explain_allgather(m, 8192 // n, 28672 // n, n, jnp.bfloat16, **V6E)
-  err = 0.10 if m >= 1024 else 0.13
-  assert abs(c.ring_bidi_us / _V6E_HALVES_MODEL[(n, m)] - 1) < err, str(c)
-  want = {(8, 1024): "ring_bidi", (8, 4096): "ring_bidi"}
-  if m >= 256:
-    assert c.method == want.get((n, m), "fused"), str(c)
+  _assert_halves_ring(V6E["device_kind"], n, m, _V6E_HALVES_MODEL, 0.13)
 
 
 def test_v6e_chapter_keeps_the_fused_all_gather():
@@ -1019,9 +1028,6 @@ def test_xla_program_estimate_follows_the_model_at_decode(key):
   assert c.method == want, str(c)
 
 
-V5E = {"precision": "DEFAULT", "device_kind": "TPU v5 lite"}
-
-
 @pytest.mark.parametrize(
   "dtype, model, err", [(jnp.bfloat16, 41.5, 0.05), (jnp.float32, 58.0, 0.10)]
 )
@@ -1075,12 +1081,7 @@ def test_v5e_ring_of_halves_estimate_follows_the_model(n, m):
   of the model at M >= 1024 and 18% below (was 43% over at tp 8 M = 64
   and 35% under at tp 4 M = 256). The picks stay: the two-way ring at tp
   8 M = 1024 and 4096, the fused kernel at M = 256 and tp 4 M = 1024."""
-  c = _auto.explain_allgather(m, 8192 // n, 28672 // n, n, jnp.bfloat16, **V5E)
-  err = 0.10 if m >= 1024 else 0.18
-  assert abs(c.ring_bidi_us / _V5E_HALVES_MODEL[(n, m)] - 1) < err, str(c)
-  want = {(8, 1024): "ring_bidi", (8, 4096): "ring_bidi"}
-  if m >= 256:
-    assert c.method == want.get((n, m), "fused"), str(c)
+  _assert_halves_ring(V5E["device_kind"], n, m, _V5E_HALVES_MODEL, 0.18)
 
 
 @pytest.mark.parametrize(
