@@ -1103,3 +1103,58 @@ def test_v5e_chapter_keeps_the_fused_all_gather(dtype, shape, model):
   c = _auto.explain_allgather(*shape, 4, dtype, **V5E)
   assert abs(c.ring_bidi_us / model - 1) < 0.06, str(c)
   assert c.method == "fused" and c.fused_us < c.ring_bidi_us, str(c)
+
+
+# The fused reduce-scatter at the chapter's shape (per device x [512, 2048]
+# @ w [2048, 2048], tp 4, bf16) in the benchmark model (compiled TPU HLO,
+# one run; branch h-rsline): its steps kernel, its finish kernel, its ring's
+# transfer (one transfer from the start kernel) and the step, in us, on a
+# line of 4 (``--layout line``) and on tpu_mesh's y rows (``--layout
+# chapter``: 2x2 squares in device order, two hops of 2 links):
+#   ASYNCOPS_BENCH_CACHE=/work/bench_cache python -m benchmarks.run \
+#     --topology v6e:2x4 --shape 1024,2048,8192 --no-llama \
+#     --configs bfloat16 --families reducescatter --layout line \
+#     --variants reducescatter:asyncops_fused
+# (and v5e:2x4, --layout chapter; the per-op figures from the timeline's
+# events).
+ZIGZAG4 = [[(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]]
+_RS_LINE_MODEL = {
+  ("TPU v6 lite", "line"): (17.53, 1.28, 26.10, 27.60),
+  ("TPU v6 lite", "zigzag"): (17.53, 1.28, 23.10, 24.60),
+  ("TPU v5 lite", "line"): (39.69, 2.56, 43.19, 44.69),
+  ("TPU v5 lite", "zigzag"): (39.69, 2.56, 40.19, 43.75),
+}
+
+
+@pytest.mark.parametrize("kind, layout", sorted(_RS_LINE_MODEL))
+def test_fused_reducescatter_on_a_line_waits_for_its_partial_sums(kind, layout):
+  """On a line (and on the 2x2 squares in device order) the fused
+  reduce-scatter's ring is longer than its kernels, and the kernel gates
+  it: step ``s`` sends its partial sums after its dots and waits for the
+  neighbour's before its last block, and the finish waits for the last
+  ones (``kernels/_reducescatter_matmul.py``). The benchmark model charges
+  the ring as one transfer from the start kernel that neither kernel
+  waits for (only the done): 17% to 22% under the kernel's own chain
+  (the model's per-op costs in that order: issue, the first step's
+  share of the steps kernel, ``n - 1`` steps of the longer of a step's
+  share and a step's transfer, the finish, the done). Auto's estimate
+  (the weight read before the ring, the finish after it) follows that
+  chain within 3%, not the model's ungated step (branch h-rsline,
+  design/benchmarks.md)."""
+  steps, finish, ring, model = _RS_LINE_MODEL[(kind, layout)]
+  n = 4
+  share = steps / n
+  chain = 1.0 + share + (n - 1) * max(share, ring / (n - 1)) + finish + 0.5
+  wiring = _wiring.from_coords(LINE4 if layout == "line" else ZIGZAG4, NO_WRAP)
+  assert wiring.bidi_hops == (3 if layout == "line" else 2)
+  c = _auto.explain_reducescatter(
+    512,
+    2048,
+    512,
+    n,
+    jnp.bfloat16,
+    **{**V5E, "device_kind": kind},
+    wiring=wiring,
+  )
+  assert abs(c.fused_us / chain - 1) < 0.03, (str(c), chain)
+  assert c.fused_us > 1.2 * model, str(c)
