@@ -31,9 +31,15 @@ two rings) therefore run at the same time; transfers sharing a link queue
 on it. A done blocks until ``max(now, transfer end)``. Synchronous
 collectives are exposed in full. Exposed communication = time blocked in
 dones plus synchronous collectives. ``copy-start/done`` and
-``slice-start/done`` (HBM <-> VMEM) run on one DMA track at HBM bandwidth;
-a cross-program prefetch is free by default (XLA issues it before the
-step), or charged from time 0.
+``slice-start/done`` (HBM <-> VMEM) run on one DMA track at HBM bandwidth,
+which they share with the compute ops: a copy in flight while an op moves
+its own HBM bytes ends later by that op's share (``_share_hbm``); a
+cross-program prefetch moves its bytes on that track from time 0 too.
+Charged, its consumer waits for its done (XLA's schedule); free (the
+default: XLA may issue it before the step), it never blocks, but the
+consumer (the first op reading its result, else the step) ends no
+earlier than the copy: an op never finishes before the weight it reads
+has crossed HBM once in the step (see ``_stream_end``).
 
 While loops run their body ``known_trip_count`` times (from
 ``backend_config``); conditionals run their longest branch.
@@ -123,6 +129,11 @@ class Timeline:
     floored_s: compute time added where an op's own roofline (FLOPs at
       peak, HBM bytes at HBM bandwidth) exceeds XLA's estimate.
     twin_s: time charged to Pallas kernels from their jnp twins.
+    prefetch_s: time added (free prefetch) so that the op reading a
+      cross-program prefetch's result ends no earlier than the copy (also
+      in ``floored_s``, except at the step's end).
+    hbm_shared_s: time DMA copies were delayed by the HBM bytes of the
+      ops running beside them (``_share_hbm``).
     flops: matmul FLOPs of every op executed (loop bodies once per trip).
     loops: ``(while name, trips, "known" | "inferred" | "unknown")``.
   """
@@ -136,6 +147,8 @@ class Timeline:
   flags: list[str] = dataclasses.field(default_factory=list)
   floored_s: float = 0.0
   twin_s: float = 0.0
+  prefetch_s: float = 0.0
+  hbm_shared_s: float = 0.0
   flops: float = 0.0
   loops: list[tuple[str, int, str]] = dataclasses.field(default_factory=list)
 
@@ -458,6 +471,17 @@ class _Sim:
     self.link_free: dict[tuple, float] = {}
     self.lanes: list[float] = []
     self.pending: dict[str, _Transfer] = {}
+    # Free cross-program prefetches: done name -> end of the copy, until
+    # an op reads it (``_stream_end``); ``loose``: one that entered a loop
+    # or call, owed by the next op there with FLOPs.
+    self.streams: dict[str, float] = {}
+    self.free_prefetch: set[str] = set()
+    self.stream_of: dict[str, str] = {}  # prefetch start -> its done
+    # DMA-track copies: [begin, end, start name, event index] (HBM sharing).
+    self.dma_q: list[list] = []
+    self.hbm_shared_s = 0.0
+    self.loose = 0.0
+    self.prefetch_s = 0.0
     self.exposed = 0.0
     self.compute = 0.0
     self.floored = 0.0
@@ -543,7 +567,7 @@ class _Sim:
 
   def _param_read(self, fused: str, k: int, nbytes: int, depth=0) -> int:
     """HBM bytes a fusion reads of its operand ``k``: slices read only
-    the slice (through bitcasts and nested fusions), an in-place
+    the slice (through bitcasts, pads and nested fusions), an in-place
     dynamic-update-slice reads nothing, anything else reads it all."""
     instrs = self.m.computations.get(fused, ())
     param = next((i for i in instrs if i.parameter_number == k), None)
@@ -561,7 +585,12 @@ class _Sim:
         total += u.nbytes
       elif u.opcode == "dynamic-update-slice" and u.operands[0] == name:
         continue
-      elif u.opcode == "bitcast":
+      elif u.opcode == "bitcast" or (
+        u.opcode == "pad" and u.operands[0] == name
+      ):
+        # A pad adds constants: its readers read no more of the operand
+        # than of the pad (XLA's windowed einsum pads the weight, then
+        # slices one chunk of it per step).
         total += self._reads(comp, instrs, u.name, nbytes, depth + 1)
       elif u.opcode == "fusion" and u.called:
         k = u.operands.index(name)
@@ -1148,10 +1177,15 @@ class _Sim:
     )
     key = f"{ins.name}#{next(self.seq)}"
     self.pending[ins.name] = _Transfer(key, family, begin, end, slots)
+    if track == "dma" and end > begin:
+      self.dma_q.append([begin, end, ins.name, len(self.events) - 1])
     self.transfers += 1
     return t
 
-  def _sources(self, comp: str, ins: Instr) -> list[str]:
+  def _sources(self, comp: str, ins: Instr, among=None) -> list[str]:
+    """Names in ``among`` (default: the pending transfers) that ``ins``
+    reads, through buffer-relabelling ops (``_PASS``)."""
+    among = self.pending if among is None else among
     table = self._table(comp)
     found, stack, seen = [], list(ins.operands), set()
     while stack:
@@ -1159,7 +1193,7 @@ class _Sim:
       if n in seen:
         continue
       seen.add(n)
-      if n in self.pending:
+      if n in among:
         found.append(n)
         continue
       src = table.get(n)
@@ -1185,15 +1219,89 @@ class _Sim:
   def _compute(self, comp: str, ins: Instr, t: float) -> float:
     stepped = self._stepped(comp, ins, t)
     if stepped is not None:
-      return stepped
+      self._share_hbm(comp, ins, t, stepped - t, in_place=True)
+      more = self._stream_end(comp, ins, t, stepped - t, 1.0) - (stepped - t)
+      self._emit("compute", ins.name, "compute", stepped, more, op=ins.opcode)
+      self.compute += max(more, 0.0)
+      return stepped + max(more, 0.0)
     cost = self._op_cost(comp, ins)
     flops = self._flops(ins)[0]
+    hbm = self._share_hbm(comp, ins, t, cost)
+    cost = self._stream_end(comp, ins, t, cost, flops)
     self.flops += flops
     self._emit(
-      "compute", ins.name, "compute", t, cost, op=ins.opcode, flops=flops
+      "compute",
+      ins.name,
+      "compute",
+      t,
+      cost,
+      op=ins.opcode,
+      flops=flops,
+      hbm=hbm,
     )
     self.compute += cost
     return t + cost
+
+  def _share_hbm(self, comp, ins, t, dur, in_place=False) -> float:
+    """HBM is one resource: a copy on the DMA track (``copy-start``,
+    ``slice-start``, a prefetch, our copy kernel) in flight while an op
+    reads or writes HBM gets only what the op leaves of the bandwidth.
+    The op, whose charge already covers its own HBM bytes, keeps its
+    time; the copies still running during it end later by the op's HBM
+    time in proportion to their overlap (``dur`` the op's time, ``t`` its
+    start), so a consumer waiting for such a copy's done waits longer:
+    two readers of HBM never each move at its full bandwidth at once.
+    Returns the op's HBM bytes."""
+    nbytes = self._hbm_bytes(comp, ins, in_place)
+    if dur <= 0 or not self.dma_q or self.free["dma"] <= t:
+      return nbytes
+    busy = sum(
+      max(0.0, min(e, t + dur) - max(b, t)) for b, e, _, _ in self.dma_q
+    )
+    hbm = nbytes / self.chip.hbm_bytes_per_s
+    delta = min(hbm, dur) * busy / dur
+    if delta <= 0:
+      return nbytes
+    self.hbm_shared_s += delta
+    self.free["dma"] += delta
+    for q in self.dma_q:
+      b, e, name, k = q
+      if e <= t:
+        continue
+      if b > t:
+        q[0] = b + delta
+      q[1] = e + delta
+      if name in self.pending:
+        self.pending[name].end = q[1]
+      done = self.stream_of.get(name)
+      if done in self.streams:
+        self.streams[done] = max(self.streams[done], q[1])
+      ev = self.events[k]
+      self.events[k] = dataclasses.replace(ev, start=q[0], dur=q[1] - q[0])
+    if self.loose > t:
+      self.loose += delta
+    self.dma_q = [q for q in self.dma_q if q[1] > t]
+    return nbytes
+
+  def _stream_end(self, comp, ins, t, cost, flops) -> float:
+    """``cost`` of an op that reads a free cross-program prefetch's
+    result: at least until that copy ends. Free, the prefetch never blocks
+    the op's start (XLA may issue it before the step), but its bytes cross
+    HBM in the step all the same, so the op reading them (a dot's weight
+    moved into VMEM) cannot finish before they have: the time is the
+    op's, as if it read the weight from HBM itself, and never below its
+    weight read. Charged, the op's start already waits for the copy's
+    done (``run``), so nothing is added here."""
+    ends = [self.streams.pop(n) for n in self._sources(comp, ins, self.streams)]
+    if flops > 0 and self.loose:  # the prefetch entered this loop or call
+      ends.append(self.loose)
+      self.loose = 0.0
+    extra = max(ends, default=0.0) - (t + cost)
+    if extra <= 0:
+      return cost
+    self.prefetch_s += extra
+    self.floored += extra
+    return cost + extra
 
   def run(self, comp: str, t: float) -> float:
     for ins in self.m.computations[comp]:
@@ -1201,6 +1309,9 @@ class _Sim:
       op = ins.opcode
       if op in _FREE:
         continue
+      if op in ("while", "call", "conditional"):
+        for n in self._sources(comp, ins, self.streams):
+          self.loose = max(self.loose, self.streams.pop(n))
       if op == "while":
         for _ in range(self._trips(comp, ins)):
           t = self.run(ins.body, t)
@@ -1216,6 +1327,8 @@ class _Sim:
       if ins.name.startswith("asyncops_") and op == "custom-call":
         twin = self._twin_cost(ins)
         if twin is not None:  # a kernel that also computes
+          self._share_hbm(comp, ins, t, twin, in_place=True)
+          twin = self._stream_end(comp, ins, t, twin, 1.0)
           self.flops += self._flops(ins)[0]
           self._emit("compute", ins.name, "compute", t, twin)
           self.compute += twin
@@ -1236,7 +1349,7 @@ class _Sim:
         sizes = [a.nbytes for a in ins.arrays if a.nbytes > 64]
         dur = min(sizes, default=0) / self.chip.hbm_bytes_per_s
         if "cross_program_prefetch" in ins.attrs and self.prefetch == "free":
-          dur = 0.0
+          self.free_prefetch.add(ins.name)  # its done does not block
         t = self._launch(ins, "dma", dur, t, "dma", charge=False)
         continue
       if base:
@@ -1255,7 +1368,14 @@ class _Sim:
         family = op.replace("-done", "-start")
         if family[: -len("-start")] not in _SYNC_COLLECTIVES | {"async"}:
           names = self._sources(comp, ins)
-          end = max((self.pending.pop(n).end for n in names), default=t)
+          end = t
+          for n in names:
+            done = self.pending.pop(n).end
+            if n in self.free_prefetch:  # owed by its reader, not waited
+              self.streams[ins.name] = max(self.streams.get(ins.name, 0), done)
+              self.stream_of[n] = ins.name
+            else:
+              end = max(end, done)
           if end > t:
             self._emit("compute", ins.name, "wait", t, end - t)
             t = end
@@ -1316,8 +1436,11 @@ def simulate(
       (default: ``len(coords)``).
     rings: the partition ids of each ring, in ring order (the mesh axis
       our kernels run over), e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``.
-    prefetch: whether XLA's cross-program prefetch is ``"free"`` (issued
-      before the step) or ``"charged"`` from time 0.
+    prefetch: XLA's cross-program prefetch, a copy on the DMA track from
+      time 0 either way: ``"charged"``, its consumer waits for its done
+      (XLA's schedule); ``"free"``, nothing waits for it (XLA may issue it
+      before the step), but the op reading its result ends no earlier
+      than the copy (its bytes cross HBM in the step).
     kernel_cost: seconds for a Pallas kernel from its jnp twin (see
       :mod:`benchmarks._kernel_costs`), or None when it has none.
     collectives: how XLA's all-gather, reduce-scatter and all-reduce use
@@ -1362,6 +1485,12 @@ def simulate(
     {k: [list(r) for r in v] for k, v in (axis_rings or {}).items()},
   )
   step = sim.run(module.entry, 0.0)
+  # A free prefetch nobody read (or that entered a loop without a dot)
+  # still crosses HBM in the step.
+  owed = max([*sim.streams.values(), sim.loose], default=0.0)
+  if owed > step:
+    sim.prefetch_s += owed - step
+    step = owed
   return Timeline(
     sim.events,
     step,
@@ -1372,6 +1501,8 @@ def simulate(
     flags=sim.flags,
     floored_s=sim.floored,
     twin_s=sim.twin,
+    prefetch_s=sim.prefetch_s,
+    hbm_shared_s=sim.hbm_shared_s,
     flops=sim.flops,
     loops=sim.loops,
   )
