@@ -608,3 +608,33 @@ def test_captured_window_source_reads_keep_the_numbers(case):
   ties = _count_eqns(jax.make_jaxpr(g)(x, w).jaxpr, "asyncops_tie")
   want_tied = jc.CAPTURED_WINDOW_TIE and u.CAPTURED_READS[case]
   assert (ties > 0) == want_tied, ties
+
+
+@pytest.mark.parametrize(
+  "case", ["other slot, traced", "outer Ref, other slot"]
+)
+def test_captured_window_other_slot_grad(case):
+  # jax.grad through a tied other-slot read (its own barrier with the
+  # semaphores, jc._tie_read): the lax reference's gradient; on jax 0.9
+  # reverse mode through the Ref API is refused with the fix.
+  body = u.captured_reads(case, "y")
+
+  def lax(x):
+    k = jax.lax.axis_index("y") % 2 if "traced" in case else 0
+    src = jnp.where(k == 0, x * 2.0, x * 3.0)
+    y = jnp.where(k == 0, x * 3.0, x * 2.0)
+    b = jax.lax.ppermute(src, "y", [(i, (i + 1) % 4) for i in range(4)])
+    return b + jnp.tanh(y) @ y
+
+  def grad_of(f):
+    g = jax.shard_map(f, mesh=_cpu_mesh(), in_specs=SPEC, out_specs=SPEC)
+    return jax.jit(jax.grad(lambda x: (g(x) ** 2).sum()))
+
+  x = jax.random.normal(jax.random.key(5), (8 * 128, 128)) / 4
+  if jc.REF_REVERSE_MODE:
+    np.testing.assert_allclose(
+      grad_of(body)(x), grad_of(lax)(x), rtol=1e-5, atol=1e-3
+    )
+  else:
+    with pytest.raises(NotImplementedError, match=r"jax >= 0\.10.*Fix"):
+      grad_of(body).trace(x)
