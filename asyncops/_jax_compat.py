@@ -782,7 +782,11 @@ def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
   return tie_window(start_eqn, sems)[0]
 
 
-def tie_window(start_eqn: Any, sems: list[Any]) -> tuple[list[Any], Any]:
+def tie_window(
+  start_eqn: Any,
+  sems: list[Any],
+  tie_read: Callable[[Any], bool] | None = None,
+) -> tuple[list[Any], Any]:
   """Keeps pure compute traced after ``start_eqn`` after it and before now.
 
   Inserts ``optimization_barrier(*inputs, *sems)`` right after the start
@@ -803,6 +807,14 @@ def tie_window(start_eqn: Any, sems: list[Any]) -> tuple[list[Any], Any]:
   traced, takes them as operands, so it runs after the compute (measured:
   without this XLA hoists the compute above the start, v5e and v6e).
 
+  ``tie_read(eqn)``: whether a Ref read (``get``) traced since the start
+  is tied too, its results passed with ``sems`` through a barrier right
+  after it, so the compute reading them runs after the start. Without it a
+  window's compute that reads only such results is tied to nothing before
+  it (a read is not an input of the first barrier) and XLA may hoist it
+  above the start (measured: a traced other slot of the source, v5e, v6e,
+  v5p).
+
   Returns the semaphores to await and the last barrier (``start_eqn`` when
   nothing was tied): compute traced later in the same frame belongs after
   it (a second done of the future, in another branch).
@@ -818,47 +830,108 @@ def tie_window(start_eqn: Any, sems: list[Any]) -> tuple[list[Any], Any]:
   between = [e for e in after if not e.effects]
   if not between:
     return sems, start_eqn
+  reads = [
+    e
+    for e in after
+    if e.effects and e.primitive.name == "get" and tie_read and tie_read(e)
+  ]
   # The barriers go into the start's frame even from a nested trace (a
   # cond branch closing over the future): jax._src.core's
   # set_current_trace is how a primitive is staged into a given trace.
   with _core.set_current_trace(trace):
-    return _tie_window(frame, trace, start_eqn, sems, after, defined, between)
+    return _tie_window(
+      frame, trace, start_eqn, sems, after, defined, between, reads
+    )
 
 
-def window_reads_ref(start_eqn: Any, sems: list[Any], ref: Any) -> bool:
+def window_reads_ref(
+  start_eqn: Any,
+  sems: list[Any],
+  ref: Any,
+  other_slot: Callable[[Any], bool] = lambda eqn: False,
+) -> bool:
   """Whether pure compute traced after ``start_eqn`` (in ``sems``' frame)
-  reads ``ref``'s buffer as a value: the value ``jax.new_ref`` made it of,
-  a value written whole into it, or a read of it (discharged, each is the
-  buffer itself). Unknown (False) for a Ref made in another frame."""
+  may read ``ref``'s buffer as a value: the value ``jax.new_ref`` made it
+  of, a value written whole into it, or a read of it (discharged, each is
+  the buffer itself), in any frame.
+
+  A Ref made in an enclosing frame (closed over) is looked through: a
+  value closed over is followed to the enclosing trace's ``Var``
+  (``constvar_to_val``), so the Ref's reads and its ``new_ref`` there
+  count as here. What no trace records, an argument of a nested frame
+  (a ``jit``'s, a loop's carry) of the Ref's whole type, may be its
+  buffer when the Ref was not made in that frame: counted (conservative).
+
+  ``other_slot(eqn)``: whether a ``get`` of the Ref reads only slots the
+  transfer does not (that read is a slice, not the in-flight buffer).
+  """
   frame = current_frame(sems[0])
-  var = getattr(ref, "val", None)
-  if frame is None or not isinstance(var, _core.Var):
+  rframe = current_frame(ref)
+  if frame is None or rframe is None or not isinstance(ref.val, _core.Var):
     return False
   eqns = live_eqns(frame)
   at = next((i for i, e in enumerate(eqns) if e is start_eqn), None)
   if at is None:
     return False
-  buffer = set()
-  for e in eqns:
-    vals = eqn_vals(e)
-    if not vals or (vals[0] is not var and var not in e.outvars):
-      continue
-    name = e.primitive.name
-    if name == "new_ref" and var in e.outvars:
-      buffer.update(v for v in vals if isinstance(v, _core.Var))
-    elif name == "get":
-      buffer.update(e.outvars)
-    elif name == "swap" and len(vals) == 2:  # a whole write
-      buffer.add(vals[1])
-  return any(
-    isinstance(v, _core.Var) and v in buffer
+  rframe, rvar = _root(rframe, ref.val)
+  roots = [
+    _root(frame, v)
     for e in eqns[at + 1 :]
     if not e.effects
     for v in eqn_vals(e)
+    if isinstance(v, _core.Var)
+  ]
+  frames = {id(f): f for f in [frame, rframe] + [f for f, _ in roots]}
+  buffer, made = set(), False
+  for f in frames.values():
+    for e in live_eqns(f):
+      vals = [_root(f, v)[1] for v in eqn_vals(e)]
+      name = e.primitive.name
+      if name == "new_ref" and rvar in e.outvars:
+        made = True
+        buffer.update(v for v in vals if isinstance(v, _core.Var))
+      elif not vals or vals[0] is not rvar:
+        continue
+      elif name == "get" and not other_slot(e):
+        buffer.update(e.outvars)
+      elif name == "swap" and len(vals) == 2:  # a whole write
+        buffer.add(vals[1])
+  if any(v in buffer for _, v in roots):
+    return True
+  whole = ref_inner_aval(ref)
+  return any(
+    (f is not rframe or not made)
+    and v in f.invars
+    and tuple(getattr(v.aval, "shape", ())) == tuple(whole.shape)
+    and getattr(v.aval, "dtype", None) == whole.dtype
+    for f, v in roots
   )
 
 
-def _tie_window(frame, trace, start_eqn, sems, after, defined, between):
+def reads_ref(eqn: Any, ref: Any) -> bool:
+  """Whether ``eqn`` (being traced) takes ``ref`` (a Ref tracer) as its
+  first operand, also as a constant closed over from ``ref``'s trace."""
+  t = eqn.in_tracers[0] if eqn.in_tracers else None
+  f, rf = current_frame(t), current_frame(ref)
+  if f is None or rf is None:
+    return False
+  return _root(f, t.val)[1] is _root(rf, ref.val)[1]
+
+
+def _root(frame: Any, v: Any) -> tuple[Any, Any]:
+  """``(frame, v)`` followed out through constants closed over from an
+  enclosing trace, to the frame and ``Var`` the value was traced as."""
+  for _ in range(64):
+    consts = getattr(frame, "constvar_to_val", {})
+    c = consts.get(v) if isinstance(v, _core.Var) else None
+    f = current_frame(c)
+    if f is None or not isinstance(getattr(c, "val", None), _core.Var):
+      break
+    frame, v = f, c.val
+  return frame, v
+
+
+def _tie_window(frame, trace, start_eqn, sems, after, defined, between, reads):
   """``tie_window`` once the frame's window is found (current trace: the
   start's)."""
   outside: dict[Any, Any] = {}
@@ -888,6 +961,8 @@ def _tie_window(frame, trace, start_eqn, sems, after, defined, between):
         new.get(t.val, t) if isinstance(t.val, _core.Var) else t
         for t in e.in_tracers
       ]
+  for g in reads:
+    _tie_read(frame, trace, g, sems, between)
   leaves = [(e, v) for e in between for v in e.outvars if v not in used]
   if not leaves:
     return sems, start_eqn
@@ -910,6 +985,32 @@ def _tie_window(frame, trace, start_eqn, sems, after, defined, between):
     tie.outvars[k] = v
     tie.in_tracers[k] = trace.var_to_tracer(fresh, e.source_info, e)
   return list(outs[len(leaves) :]), tie
+
+
+def _tie_read(frame, trace, g, sems, between) -> None:
+  """Passes the results of ``g`` (a Ref read) that ``between`` reads, with
+  ``sems``, through a barrier right after ``g``; ``between`` reads its
+  outputs."""
+  outs = [
+    v
+    for v in g.outvars
+    if any(getattr(t, "val", None) is v for e in between for t in e.in_tracers)
+  ]
+  if not outs:
+    return
+  tracers = [trace.var_to_tracer(v, g.source_info, g) for v in outs]
+  n = len(frame.tracing_eqns)
+  tied = tie_p.bind(*tracers, *sems)
+  (barrier,) = frame.tracing_eqns[n:]
+  del frame.tracing_eqns[n:]
+  pos = next(i for i, e in enumerate(frame.tracing_eqns) if _resolve(e) is g)
+  frame.tracing_eqns.insert(pos + 1, barrier)
+  new = dict(zip(outs, tied[: len(outs)], strict=True))
+  for e in between:
+    e.in_tracers = [
+      new.get(t.val, t) if isinstance(t.val, _core.Var) else t
+      for t in e.in_tracers
+    ]
 
 
 # Checks on every finished trace ---------------------------------------------

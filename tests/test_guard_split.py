@@ -469,3 +469,43 @@ def test_captured_window_compute_reading_the_source_is_left_untied(
   f, x = _compile(_ref_compute_then("branches", source=lambda x: x), topology)
   r = analyze(f, x)
   assert len(r.kernel_pairs) == 2 and hazards(r) == [], _kinds(r)
+
+
+def _matmul_in(m, instrs) -> bool:
+  """Whether the matmul (a convolution, alone or fused) is among
+  ``instrs``."""
+  for i in instrs:
+    if i.opcode in ("convolution", "dot"):
+      return True
+    if i.opcode == "fusion" and any(
+      j.opcode in ("convolution", "dot")
+      for c in i.called
+      if c in m.computations
+      for j in m.computations[c].instrs
+    ):
+      return True
+  return False
+
+
+# The captured window's source-read rule (jc.window_reads_ref through
+# stateful._api._window_reads_source; u.CAPTURED_READS): a read of a slot
+# proved different from the one in flight is tied (it was left untied
+# before, v5e window 1824 -> 18464 cycles); the in-flight slot, the
+# source's value and, through a Ref made outside the nested jit or loop
+# that starts and awaits, its value or an argument of its type are not
+# (tied they compiled with the done handed a copy: "source not live" for
+# "outer Ref, source value" and "as jit argument" on v5e, v6e and v5p,
+# "loop carry" on v6e, before this rule looked through outer Refs).
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("case", list(u.CAPTURED_READS))
+def test_captured_window_source_reads(topology, case):
+  f, x = _compile(u.captured_reads(case, "i"), topology)
+  r = analyze(f, x)
+  assert hazards(r) == [] and not r.inflight_copies, _kinds(r)
+  pairs = r.kernel_pairs
+  assert len(pairs) == 2 and all(p.source_live for p in pairs)
+  tied = u.CAPTURED_READS[case]
+  for p in pairs:
+    assert _matmul_in(r.module, p.between) == tied, (p.done, p.between_cycles)
+    if tied:
+      assert p.overlapped and p.between_cycles > 0

@@ -22,11 +22,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops import _jax_compat as jc
 from asyncops import stateful as st
 from asyncops.compare._patterns import BY_NAME, PATTERNS
 from asyncops.futures._future import FutureError, NeverAwaitedWarning
 from asyncops.inspect import analyze, tpu_mesh
 from asyncops.testing import assert_copy_free, assert_overlapped, cpu_mesh
+from tests import util as u
 
 AXES = ("x", "y")
 SPEC = P(AXES)
@@ -557,3 +559,82 @@ def test_captured_future_awaited_in_every_branch_on_tpu(topology):
   assert len(r.kernel_pairs) == 2  # one done per branch
   assert not r.unawaited_branches
   r.assert_no_hazards()
+
+
+def _count_eqns(jaxpr, name: str) -> int:
+  """Equations of primitive ``name`` in ``jaxpr`` and its sub-jaxprs."""
+  n = 0
+  for e in jaxpr.eqns:
+    n += e.primitive.name == name
+    for p in jax.tree_util.tree_leaves(e.params):
+      sub = getattr(p, "jaxpr", p)
+      if hasattr(sub, "eqns"):
+        n += _count_eqns(sub, name)
+  return n
+
+
+@pytest.mark.parametrize("case", list(u.CAPTURED_READS))
+def test_captured_window_source_reads_keep_the_numbers(case):
+  # A captured done's window reading the source Ref (u.captured_reads;
+  # structure on TPU in test_guard_split.py): the numbers of jax.lax, and
+  # the start's frame tied (an asyncops_tie barrier) per u.CAPTURED_READS
+  # on jax >= 0.10; on jax 0.9 (jc.CAPTURED_WINDOW_TIE off) never.
+  body = u.captured_reads(case, "y")
+  slot = "slot" in case
+  made_of_x = any(k in case for k in ("source", "jit argument", "loop"))
+
+  def ref(x, w):
+    return (body(x),)
+
+  def lax(x, w):
+    k = jax.lax.axis_index("y") % 2 if "traced" in case else 0
+    if slot:
+      src = jnp.where(k == 0, x * 2.0, x * 3.0)
+      y = src if "in-flight" in case else jnp.where(k == 0, x * 3.0, x * 2.0)
+    else:
+      src, y = (x if made_of_x else x * 2.0), x
+    b = jax.lax.ppermute(src, "y", [(i, (i + 1) % 4) for i in range(4)])
+    return (b + jnp.tanh(y) @ y,)
+
+  x = jax.random.normal(jax.random.key(3), (8 * 128, 128)) / 4
+  w = jnp.zeros((128, 128))
+  (want,) = _run(lax, 1, x, w, "start")
+  for transfer in ("start", "done"):
+    (got,) = _run(ref, 1, x, w, transfer)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  g = jax.shard_map(
+    ref, mesh=_cpu_mesh(), in_specs=(SPEC, P()), out_specs=(SPEC,)
+  )
+  ties = _count_eqns(jax.make_jaxpr(g)(x, w).jaxpr, "asyncops_tie")
+  want_tied = jc.CAPTURED_WINDOW_TIE and u.CAPTURED_READS[case]
+  assert (ties > 0) == want_tied, ties
+
+
+@pytest.mark.parametrize(
+  "case", ["other slot, traced", "outer Ref, other slot"]
+)
+def test_captured_window_other_slot_grad(case):
+  # jax.grad through a tied other-slot read (its own barrier with the
+  # semaphores, jc._tie_read): the lax reference's gradient; on jax 0.9
+  # reverse mode through the Ref API is refused with the fix.
+  body = u.captured_reads(case, "y")
+
+  def lax(x):
+    k = jax.lax.axis_index("y") % 2 if "traced" in case else 0
+    src = jnp.where(k == 0, x * 2.0, x * 3.0)
+    y = jnp.where(k == 0, x * 3.0, x * 2.0)
+    b = jax.lax.ppermute(src, "y", [(i, (i + 1) % 4) for i in range(4)])
+    return b + jnp.tanh(y) @ y
+
+  def grad_of(f):
+    g = jax.shard_map(f, mesh=_cpu_mesh(), in_specs=SPEC, out_specs=SPEC)
+    return jax.jit(jax.grad(lambda x: (g(x) ** 2).sum()))
+
+  x = jax.random.normal(jax.random.key(5), (8 * 128, 128)) / 4
+  if jc.REF_REVERSE_MODE:
+    np.testing.assert_allclose(
+      grad_of(body)(x), grad_of(lax)(x), rtol=1e-5, atol=1e-3
+    )
+  else:
+    with pytest.raises(NotImplementedError, match=r"jax >= 0\.10.*Fix"):
+      grad_of(body).trace(x)

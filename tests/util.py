@@ -514,3 +514,73 @@ def ring_program(fn, topology, shard):
   )
   f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i")))
   return f, x
+
+
+# A Ref future awaited in lax.cond branches that close over it, with the
+# window's compute reading the source Ref (design/inspect.md, "Overlap of a
+# captured Ref future": what is tied). Each maps a case to whether the
+# branches' done ties the start's frame (jax >= 0.10).
+CAPTURED_READS = {
+  "other slot": True,
+  "other slot, traced": True,
+  "in-flight slot": False,
+  "in-flight slot, traced": False,
+  "outer Ref, other value": True,
+  "outer Ref, source value": False,
+  "outer Ref, other slot": True,
+  "outer Ref, in-flight slot": False,
+  "outer Ref as jit argument": False,
+  "outer Ref, loop carry": False,
+}
+
+
+def captured_reads(case: str, axis: str):
+  """``body(x) -> (rolled source + z)`` for a ``CAPTURED_READS`` case.
+
+  The source is ``a`` (made of ``x``) or slot ``k`` (0, or traced: the
+  device's parity) of ``s = new_ref(stack([2x, 3x]))``; ``z = tanh(y) @ y``
+  for ``y`` the value the case reads, between the start and a done in both
+  branches of a ``lax.cond``. "outer Ref": the Refs (and ``x``) are made
+  outside a nested ``jax.jit`` that closes over them and starts, computes
+  and awaits; "as jit argument" passes them in; "loop carry": a
+  ``lax.scan`` body closes over the Refs and computes on its carry, which
+  starts as ``x`` and passes through.
+  """
+  from asyncops import stateful
+
+  def window(src, dst, y):
+    f = stateful.ppermute_start(src, dst, axis, shift=1)
+    z = jnp.tanh(y()) @ y()
+    i = jax.lax.axis_index(axis)
+    done = lambda: stateful.ppermute_done(f, src, dst)  # noqa: E731
+    jax.lax.cond(i == 0, done, done)
+    return z
+
+  def body(x):
+    b = jax.new_ref(jnp.zeros_like(x))
+    if "slot" in case:
+      s = jax.new_ref(jnp.stack([x * 2.0, x * 3.0]))
+      k = jax.lax.axis_index(axis) % 2 if "traced" in case else 0
+      read = k if "in-flight" in case else 1 - k
+      run = lambda: window(s.at[k], b, lambda: s[read])  # noqa: E731
+    else:
+      a = jax.new_ref(x if "source" in case or "jit" in case else x * 2.0)
+      if "loop" in case:
+        a = jax.new_ref(x)
+      run = lambda: window(a, b, lambda: x)  # noqa: E731
+    if case.startswith("outer Ref,") and "loop" not in case:
+      z = jax.jit(run)()
+    elif "jit argument" in case:
+      z = jax.jit(lambda a, b, x: window(a, b, lambda: x))(a, b, x)
+    elif "loop" in case:
+
+      def step(c, _):
+        return c, window(a, b, lambda: c)
+
+      _, zs = jax.lax.scan(step, x, None, 2)
+      z = zs[0]
+    else:
+      z = run()
+    return b[...] + z
+
+  return body

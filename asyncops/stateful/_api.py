@@ -169,7 +169,9 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
   elif (
     fut._track is not None
     and jc.CAPTURED_WINDOW_TIE
-    and not jc.window_reads_ref(fut._track[0], sems, fut._track[1].base)
+    and not jc.window_reads_ref(
+      fut._track[0], sems, fut._track[1].base, _other_slot(fut._track[1])
+    )
   ):
     # Tied in the start's frame (``jc.tie_window``); the branch closes over
     # the barrier's semaphores, so the cond waits for the compute. A later
@@ -178,11 +180,36 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
     # for the compute and hands the cond that copy, the branch's done an
     # HBM copy of it, not the buffer the DMA reads (v5e, v6e, v5p; the
     # guard refuses it): untied, XLA runs that compute before the start.
+    # A Ref made in an enclosing frame is looked through (its new_ref and
+    # reads there; an argument of its type of a nested frame counts). A
+    # read of a slot proved different from the one in flight is not the
+    # buffer; it is tied too (its own barrier with the semaphores, after
+    # the read), so the compute reading only it stays after the start.
     anchor, base = fut._window or (fut._track[0], sems)
-    sems, anchor = jc.tie_window(anchor, list(base))
+    sems, anchor = jc.tie_window(anchor, list(base), _other_slot(fut._track[1]))
     fut._window = (anchor, sems)
   with jax.named_scope(f"asyncops.{fut.spec.kind}_ref_done"):
     ref_done_p.bind(*operands, *sems, spec=fut.spec, layout=layout)
+
+
+def _other_slot(src: RefView):
+  """``eqn -> bool``: whether ``eqn`` reads only slots of ``src``'s Ref
+  that the program proves different from ``src``'s (never for a whole
+  source). Such a read is a slice, not the in-flight buffer: tied clean
+  on v5e, v6e and v5p (design/inspect.md). A read of the in-flight slot,
+  of the whole Ref, or of a slot not proven different is not."""
+  in_flight = _hazards.trace_slots(src)
+  aval = jc.ref_inner_aval(src.base)
+
+  def other_slot(eqn) -> bool:
+    if in_flight is None or eqn.primitive.name != "get":
+      return False
+    if not jc.reads_ref(eqn, src.base):
+      return False
+    read = _hazards.trace_read_slots(eqn, aval)
+    return read is not None and not _slots.may_overlap(in_flight, read)
+
+  return other_slot
 
 
 def _same_slots(a: RefView, b: RefView) -> bool:

@@ -304,32 +304,7 @@ class _Walk:
     if name not in _INDEXED or pos != 0 or "tree" not in eqn.params:
       return None
     leaves = eqn.invars[_INDEXED[name] :]
-    try:
-      transforms = jax.tree_util.tree_unflatten(eqn.params["tree"], leaves)
-    except Exception:  # noqa: BLE001 (an indexer we do not know)
-      return None
-    if not transforms:
-      return None
-    indices = getattr(transforms[0], "indices", None)
-    if not indices:
-      return None
-    first = indices[0]
-    n = _leading(ref)
-    if hasattr(first, "stride"):  # a Slice of the leading axis
-      start, size, stride = (
-        _slots._concrete_int(first.start),
-        first.size,
-        first.stride,
-      )
-      if start is None or not isinstance(size, int) or size <= 0:
-        return None
-      picked = {start + k * stride for k in range(size)}
-      if all(0 <= p < n for p in picked):
-        return Slots(None, (frozenset(picked),))
-      return None
-    if getattr(getattr(first, "aval", None), "shape", ()) not in ((), None):
-      return None  # an array of indices: any slot
-    return self.ev.slots(first, n)
+    return _indexer_slots(eqn.params["tree"], leaves, _leading(ref), self.ev)
 
   def check(self, eqn, ref, slots, write, read, scoped, how) -> None:
     if ref is None:
@@ -659,6 +634,56 @@ def _signature(live, body) -> tuple:
       continue
     out.append(tuple((id(b.ref), _slot_sig(b.slots)) for b in (t.src, t.dst)))
   return tuple(out)
+
+
+def _indexer_slots(tree, leaves, n: int, ev) -> Slots | None:
+  """The leading-axis slots an indexed Ref access selects (None: the whole
+  Ref, or an indexer not understood: any slot)."""
+  try:
+    transforms = jax.tree_util.tree_unflatten(tree, leaves)
+  except Exception:  # noqa: BLE001 (an indexer we do not know)
+    return None
+  if not transforms:
+    return None
+  indices = getattr(transforms[0], "indices", None)
+  if not indices:
+    return None
+  first = indices[0]
+  if hasattr(first, "stride"):  # a Slice of the leading axis
+    start, size, stride = (
+      _slots._concrete_int(first.start),
+      first.size,
+      first.stride,
+    )
+    if start is None or not isinstance(size, int) or size <= 0:
+      return None
+    picked = {start + k * stride for k in range(size)}
+    if all(0 <= p < n for p in picked):
+      return Slots(None, (frozenset(picked),))
+    return None
+  if getattr(getattr(first, "aval", None), "shape", ()) not in ((), None):
+    return None  # an array of indices: any slot
+  return ev.slots(first, n)
+
+
+def trace_read_slots(eqn: Any, ref_aval: Any) -> Slots | None:
+  """The leading-axis slots of a Ref that ``eqn``, a ``get`` being traced,
+  reads (None: the whole Ref, or not known: any slot).
+
+  ``ref_aval`` is the Ref's inner aval (its leading axis holds the slots).
+  """
+  if eqn.primitive.name != "get" or "tree" not in eqn.params:
+    return None
+  frame = jc.current_frame(eqn.in_tracers[0])
+  if frame is None:
+    return None
+  eqns = jc.live_eqns(frame)
+  defs = {v: e for e in eqns for v in e.outvars}
+  consts = dict(getattr(frame, "constvar_to_val", {}))
+  ev = _slots.Evaluator(defs, consts)
+  leaves = jc.eqn_vals(eqn)[_INDEXED["get"] :]
+  n = int(ref_aval.shape[0]) if ref_aval.shape else 1
+  return _indexer_slots(eqn.params["tree"], leaves, n, ev)
 
 
 def _leading(ref) -> int:
