@@ -22,6 +22,8 @@ from typing import Literal
 
 import numpy as np
 
+from asyncops.collective_matmul import _wiring
+
 Layout = Literal["ring", "line", "chapter"]
 
 
@@ -39,41 +41,10 @@ def quiet_fd2():
       os.close(saved)
 
 
-def _adjacent(a, b) -> bool:
-  return sum(abs(x - y) for x, y in zip(a, b, strict=True)) == 1
-
-
-def _cycles(chips: list[tuple], size: int) -> list[list[tuple]] | None:
-  """Partitions ``chips`` into cycles of ``size`` neighbouring chips.
-
-  Depth-first search (slices here have at most 16 chips); every cycle
-  closes (its last chip neighbours its first). None when impossible.
-  """
-  if size == 1:
-    return [[c] for c in chips]
-  if len(chips) % size:
-    return None
-
-  def extend(path, left):
-    if len(path) == size:
-      if size > 2 and not _adjacent(path[-1], path[0]):
-        return None
-      rest = solve(left)
-      return None if rest is None else [path, *rest]
-    for c in sorted(left):
-      if _adjacent(path[-1], c):
-        found = extend([*path, c], left - {c})
-        if found is not None:
-          return found
-    return None
-
-  def solve(left):
-    if not left:
-      return []
-    first = min(left)
-    return extend([first], left - {first})
-
-  return solve(frozenset(chips))
+# One rule for the meshes' cycles and the model's ring order
+# (``_timeline._ring_order`` imports ``_cycles`` from here), shared with
+# ``method="auto"``'s estimate of XLA's ring (``_wiring.xla_order``).
+_cycles = _wiring.cycles
 
 
 def make_mesh(topology: str, layout: Layout = "ring", tp: int | None = None):

@@ -41,7 +41,10 @@ to the benchmark model's figures (:data:`CAL`):
   link, ``T(2)`` moves half of ``T(1)``'s bytes per link; on a line (a
   sub-pod v5e/v6e ``y`` axis laid along one row of chips, no wraparound)
   the wrapping message crosses ``n - 1`` links and both directions share
-  each link, so ``T(2)`` moves as many bytes as ``T(1)``.
+  each link, so ``T(2)`` moves as many bytes as ``T(1)``. Our kernels and
+  value rings run in the mesh axis's order; XLA's collectives in XLA's
+  (``Wiring.xla``: a physical cycle through the ring's chips where one
+  exists, as the benchmark model reorders them).
 
 - ``xla ~ 1 us + T(1) + max(C, M) + CAL.xla_ag_w W``: XLA's collective
   inside ``shard_map`` blocks and runs over one ring direction (what the
@@ -801,8 +804,11 @@ def explain_allgather(
   hbm = (w_bytes + n * m * k * t + out_bytes) / chip.hbm
   chunk = m * k * t
   wr = _links(wiring, n)
+  # XLA's all-gather runs over its own ring order (a physical cycle where
+  # the mesh's order is not one: ``Wiring.xla``); our kernels, the mesh's.
+  wx = wr.xla
   xla_ring = (n - 1) * (
-    chunk * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
+    chunk * wx.shift_load / chip.link + wx.shift_hops * _HOP_S
   )
   # XLA's dot after its all-gather: the longer of its FLOPs and bytes,
   # and ``Cal.xla_ag_w`` of the weight read beside (XLA's estimate).
@@ -1051,8 +1057,12 @@ def explain_reducescatter(
   # float32 doubles the bytes (the model, v5e prefill f32, tp 4: 550 us
   # exposed, 3 steps of a 8 MiB float32 block).
   xla_part = m * c * b
+  # Over XLA's ring order (``Wiring.xla``): on tpu_mesh's 2x2 squares in
+  # device order the square's cycle, every hop one link (the model, v6e,
+  # chapter shape: 27.3 us; charged the mesh's order, 32.9).
+  wx = wr.xla
   ring = (n - 1) * (
-    xla_part * wr.shift_load / chip.link + wr.shift_hops * _HOP_S
+    xla_part * wx.shift_load / chip.link + wx.shift_hops * _HOP_S
   )
   xla_dot = max(compute, hbm / cal.xla_hbm) + cal.xla_rs_w * w_bytes / chip.hbm
   xla = _XLA_OVERHEAD_S + ring + xla_dot
@@ -1222,14 +1232,15 @@ def explain_allreduce(
     wiring=wiring,
   )
   wr = _links(wiring, n)
+  wx = wr.xla  # XLA's all-reduce and all-gather: XLA's ring order
   chip = chip_for(device_kind)
   # XLA's all-reduce moves the result's dtype (as its reduce-scatter).
   half = m * c * jnp.dtype(dtype).itemsize / chip.link
   # XLA's all-reduce: both halves over both ring directions (``rs``'s
   # XLA estimate has its reduce-scatter over one).
-  one_way = (n - 1) * (half * wr.shift_load + wr.shift_hops * _HOP_S)
+  one_way = (n - 1) * (half * wx.shift_load + wx.shift_hops * _HOP_S)
   xla = rs.xla_us * 1e-6 - one_way
-  xla += 2 * (n - 1) * (half * wr.bidi_load + wr.bidi_hops * _HOP_S)
+  xla += 2 * (n - 1) * (half * wx.bidi_load + wx.bidi_hops * _HOP_S)
   if rs.fused_us is None:
     # The rings' all-reduce is not estimated here: XLA's all-reduce.
     return Choice(

@@ -20,6 +20,17 @@ links one message crosses. Without coordinates (CPU, or no concrete mesh in
 sight) it returns None and the estimates assume :func:`ideal`, a ring whose
 every hop is one link.
 
+Two orders. Our kernels and the value rings send to the neighbours in the
+mesh axis's index order (``kernels/_common.ring_peer``: ``axis_index +-
+1`` as mesh coordinates), so their loads are the mesh's. XLA's
+collectives (all-gather, reduce-scatter, all-reduce over replica groups)
+reorder their ring onto a physical cycle of the group's chips when one
+exists (``has_reordering_map`` in the compiled HLO's backend config;
+:func:`xla_order`, the benchmark model's rule too): :attr:`Wiring.xla`
+holds that ring's loads. On ``tpu_mesh``'s ``y`` rows of a 2x4 v5e/v6e
+slice (2x2 squares in device order, two hops of 2 links) XLA's ring is
+the square's cycle, every hop one link.
+
 Example:
   >>> w = from_coords([[(0, 0, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)]],
   ...                 wrap=(False, False, False))
@@ -55,6 +66,9 @@ class Wiring:
       its ring (the fused all-gather's direct sends).
     direct_hops: its longest message.
     source: ``"coords"`` (the devices' coordinates) or ``"ideal"``.
+    xla_order: the wiring of XLA's collectives over the same groups (the
+      rings reordered onto a physical cycle, :func:`xla_order`) where that
+      differs; None: the same as this one (see :attr:`xla`).
   """
 
   n: int
@@ -65,6 +79,14 @@ class Wiring:
   direct_load: float
   direct_hops: int
   source: str = "coords"
+  xla_order: "Wiring | None" = dataclasses.field(
+    default=None, compare=False, repr=False
+  )
+
+  @property
+  def xla(self) -> "Wiring":
+    """The wiring XLA's collectives load: its ring order's."""
+    return self.xla_order if self.xla_order is not None else self
 
   @property
   def is_ideal(self) -> bool:
@@ -140,13 +162,83 @@ def _loads(pairs, extent, wrap) -> tuple[float, int]:
   return float(max(load.values(), default=0)), hops
 
 
+def adjacent(a, b) -> bool:
+  """Whether chips ``a`` and ``b`` are one link apart (no wraparound)."""
+  return sum(abs(x - y) for x, y in zip(a, b, strict=True)) == 1
+
+
+def cycles(chips: list[tuple], size: int) -> list[list[tuple]] | None:
+  """Partitions ``chips`` into cycles of ``size`` neighbouring chips.
+
+  Depth-first search (slices here have at most 16 chips); every cycle
+  closes (its last chip neighbours its first). None when impossible. (The
+  benchmarks' meshes, ``benchmarks/_mesh.py``, and the benchmark model's
+  ring order, ``benchmarks/_timeline.py``, use this one.)
+  """
+  if size == 1:
+    return [[c] for c in chips]
+  if len(chips) % size:
+    return None
+
+  def extend(path, left):
+    if len(path) == size:
+      if size > 2 and not adjacent(path[-1], path[0]):
+        return None
+      rest = solve(left)
+      return None if rest is None else [path, *rest]
+    for c in sorted(left):
+      if adjacent(path[-1], c):
+        found = extend([*path, c], left - {c})
+        if found is not None:
+          return found
+    return None
+
+  def solve(left):
+    if not left:
+      return []
+    first = min(left)
+    return extend([first], left - {first})
+
+  return solve(frozenset(chips))
+
+
+def xla_order(ring: Sequence[tuple]) -> list[tuple]:
+  """The order XLA runs its ring over the chips ``ring`` (coordinates in
+  mesh order): a physical cycle through them when one exists and every
+  device is a chip of its own (more than two), else as given.
+
+  XLA's TPU collectives reorder their ring (``has_reordering_map``); the
+  benchmark model (``benchmarks/_timeline.py``, ``_ring_order``) applies
+  this rule to every replica group.
+
+  Example:
+    >>> xla_order([(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)])
+    [(0, 0, 0), (0, 1, 0), (1, 1, 0), (1, 0, 0)]
+  """
+  ring = [tuple(c) for c in ring]
+  if len(set(ring)) != len(ring) or len(ring) <= 2:
+    return ring
+  found = cycles(sorted(ring), len(ring))
+  return found[0] if found else ring
+
+
 def from_coords(
   rings: Sequence[Sequence[tuple]], wrap: Sequence[bool]
 ) -> Wiring:
   """The wiring of ``rings`` (device coordinates in ring order, all rings
   of the axis, running at once) on a slice whose dimensions wrap as
-  ``wrap`` says."""
+  ``wrap`` says; its :attr:`Wiring.xla` is the wiring of the same rings
+  in XLA's order (:func:`xla_order`)."""
   rings = [[tuple(int(v) for v in c) for c in r] for r in rings]
+  reordered = [xla_order(r) for r in rings]
+  xla = None
+  if reordered != rings:
+    xla = _from_rings(reordered, wrap)
+  return dataclasses.replace(_from_rings(rings, wrap), xla_order=xla)
+
+
+def _from_rings(rings, wrap) -> Wiring:
+  """:func:`from_coords` in the given order only."""
   n = len(rings[0])
   dims = len(rings[0][0])
   extent = [1 + max(c[d] for r in rings for c in r) for d in range(dims)]
