@@ -176,29 +176,78 @@ def _ag_twin(operands, results, attrs=""):
   )
 
 
+def rs_blocks(k: int, ch: int, itemsize: int) -> int:
+  """``w`` blocks per half block of the fused reduce-scatter's steps
+  kernel (``RsSpec.nb``): ``ch`` columns a half, ``bn`` the widest block
+  dividing it that fits the library's ``w`` block budget
+  (``_fused.plan_reducescatter``); one when none does."""
+  from asyncops.collective_matmul import _fused as lib  # noqa: PLC0415
+
+  budget = lib._W_BLOCK_BYTES
+  bn = next(
+    (
+      b
+      for b in (2048, 1536, 1024, 768, 512, 384, 256, 128)
+      if ch % b == 0 and k * b * itemsize <= budget
+    ),
+    ch,
+  )
+  return max(ch // bn, 1)
+
+
+def rs_steps(n: int, directions: int, blocks: int) -> _kernel_costs.Steps:
+  """The fused reduce-scatter steps kernel's chain on a ring of ``n``.
+
+  Step ``s < n - 1`` sends slot ``s`` (its partial sums) once it ends;
+  step ``1 <= s <= n - 2`` waits for slot ``s - 1`` (the neighbour's
+  partial sums of its block; ``KernelSteps`` waits for ``needs[s + 1]``
+  inside step ``s``); the last step (the own product) waits for nothing.
+  The two halves of a two-way step count as one slot, sent at the step's
+  end, as the second half's is: each half waits before its last of
+  ``blocks`` blocks (``RsSpec.nb``), so ``1 / (directions blocks)`` of the
+  step runs after the wait, none when a half is one block (it waits after
+  its dot). The twin's one dot is split evenly over the ``n`` steps."""
+  needs = ((),) + tuple((s - 1,) if s >= 1 else () for s in range(n - 1))
+  sends = tuple(range(n - 1)) + (-1,)
+  tail = 1 / (directions * blocks) if blocks > 1 else 0.0
+  return _kernel_costs.Steps(
+    needs, blocks, (tail,) * n, units=(1,) * n, sends=sends
+  )
+
+
 def _rs_twin(operands, results, attrs=""):
   """Every step's product plus the partial sums received: one ``x [m, k]
-  @ w [k, n c] + r [m, n c]``, cast to the sent dtype."""
+  @ w [k, n c] + r [m, n c]``, cast to the sent dtype, split evenly over
+  the kernel's steps, each sending its partial sums and waiting for its
+  neighbour's (:func:`rs_steps`)."""
   del attrs
   _, x, w, recv = operands[:4]
   # A row panel's kernel may read all of x: its rows are the receive
   # buffer's (``[d, n - 1, m, c / d]``).
   m, k, cols = recv.dims[2], x.dims[1], w.dims[1]
+  d, n, ch = recv.dims[0], recv.dims[1] + 1, recv.dims[3]
+  item = jnp.dtype(_dt(recv)).itemsize
 
   def fn(x, w, r):
     y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_acc(x.dtype))
     return (y + r.astype(y.dtype)).astype(r.dtype)
 
-  return fn, (
-    _sds((m, k), _dt(x)),
-    _sds(w.dims, _dt(w)),
-    _sds((m, cols), _dt(recv)),
+  return (
+    fn,
+    (
+      _sds((m, k), _dt(x)),
+      _sds(w.dims, _dt(w)),
+      _sds((m, cols), _dt(recv)),
+    ),
+    rs_steps(n, d, rs_blocks(k, ch, item)),
   )
 
 
 def _rs_finish_twin(operands, results, attrs=""):
   """The last partial sums added to the own products: ``p [m, c] + r [m,
-  c]`` (float32 plus the sent dtype), cast to the result's dtype."""
+  c]`` (float32 plus the sent dtype), cast to the result's dtype. It
+  waits for the last slot (``n - 2``) before it adds: a first step of no
+  cost whose wait is that slot's."""
   del attrs
   own, recv = operands[:2]
   d, m, ch = own.dims
@@ -207,7 +256,13 @@ def _rs_finish_twin(operands, results, attrs=""):
   def fn(p, r):
     return (p + r.astype(p.dtype)).astype(out)
 
-  return fn, (_sds((m, d * ch), _dt(own)), _sds((m, d * ch), _dt(recv)))
+  last = recv.dims[1] - 1 if len(recv.dims) == 4 else -1
+  steps = _kernel_costs.Steps(((), (last,)), units=(0, 1))
+  return (
+    fn,
+    (_sds((m, d * ch), _dt(own)), _sds((m, d * ch), _dt(recv))),
+    *((steps,) if last >= 0 else ()),
+  )
 
 
 # Longer names first: the coster takes the first registered prefix.

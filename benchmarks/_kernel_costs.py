@@ -19,8 +19,10 @@ the kernel::
 
 A twin may return a third item, :class:`Steps`: the kernel then runs
 step by step, one twin dot per step (in program order), each step gated on
-the receive slots it consumes (``benchmarks._timeline.KernelSteps``); the
-kernel's total is still the twin program's modelled time.
+the receive slots it consumes (``benchmarks._timeline.KernelSteps``), and,
+on a chained ring (the fused reduce-scatter), sending a slot after a step
+(``Steps.sends``); the kernel's total is still the twin program's modelled
+time.
 
 Kernels with no twin fall back to the bytes model and are flagged in the
 row (``custom call without a cost``); our pure DMA start/done kernels need
@@ -59,6 +61,9 @@ class Steps:
   # (empty: one, plus one per slot it waits for after the first step).
   params: tuple[int, ...] = ()
   units: tuple[int, ...] = ()
+  # Per step, the receive slot it sends once it ends (-1: none): a chained
+  # ring, the fused reduce-scatter's (``_timeline.KernelSteps.sends``).
+  sends: tuple[int, ...] = ()
 
 
 _TWINS: dict[str, Twin] = {}
@@ -222,5 +227,5 @@ def _split(
   else:
     costs = [tl.step_s * g / sum(sizes) for g in sizes]
   return _timeline.KernelSteps(
-    tuple(costs), steps.needs, steps.blocks, steps.tails
+    tuple(costs), steps.needs, steps.blocks, steps.tails, steps.sends
   )

@@ -364,6 +364,10 @@ class _Transfer:
   end: float
   # Fused all-gather starts: arrival of each receive slot (both directions).
   slots: tuple[float, ...] = ()
+  # A chained ring's start (the fused reduce-scatter's): it sends nothing;
+  # one step's transfer, ``(link load, latency, steps)``, that its steps
+  # kernel sends after each step (``KernelSteps.sends``).
+  step: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,12 +382,18 @@ class KernelSteps:
       slots before its last block (after all of them when 1).
     tails: when given, per step the share of it that runs after that wait
       (the kernel's last grid iterations; replaces the last block).
+    sends: when given, per step the receive slot it sends once it ends
+      (-1: none), on a chained ring (the fused reduce-scatter: partial
+      sums exist only after a step): by symmetry every device runs the
+      same schedule, so that slot of this device arrives one step's
+      transfer later (its start sends nothing, ``_Transfer.step``).
   """
 
   costs: tuple[float, ...]
   needs: tuple[tuple[int, ...], ...]
   blocks: int = 1
   tails: tuple[float, ...] = ()
+  sends: tuple[int, ...] = ()
 
   @property
   def total(self) -> float:
@@ -707,8 +717,12 @@ class _Sim:
     if not isinstance(steps, KernelSteps):
       return None
     slots: tuple[float, ...] = ()
+    chain = None  # the chained ring this kernel sends (steps.sends)
     for name in self._sources(comp, ins):
       slots = slots or self.pending[name].slots
+      if steps.sends and self.pending[name].step is not None:
+        chain = chain or self.pending[name]
+    arrived: dict[int, float] = {}
     total = self._twin_cost(ins)  # the floor applies to the whole kernel
     extra = total - steps.total
     costs = list(steps.costs)
@@ -737,8 +751,25 @@ class _Sim:
       else:
         self._emit("compute", ins.name, "compute", t, cost, op=ins.opcode)
         t += cost
+      if chain is not None and i < len(steps.sends) and steps.sends[i] >= 0:
+        arrived[steps.sends[i]] = self._send_step(ins, chain, t)
+        slots = tuple(arrived[u] for u in sorted(arrived))
+    if chain is not None and arrived:
+      chain.slots = slots
+      chain.end = max(chain.end, *arrived.values())
     self.compute += total
     return t
+
+  def _send_step(self, ins: Instr, chain: _Transfer, t: float) -> float:
+    """One step's transfer of a chained ring, sent at ``t``; its arrival."""
+    load, latency, _ = chain.step
+    begin, end = self._ici_slot(t, load, latency)
+    lane = self._lane(begin, end)
+    self._emit(
+      "ici", ins.name, "transfer", begin, end - begin, lane, links=dict(load)
+    )
+    self.transfers += 1
+    return end
 
   def _ici(self, sends, nbytes, scale: float = 1.0):
     """An ICI transfer: ``(bytes per directed link, hop latency)``."""
@@ -1146,6 +1177,11 @@ class _Sim:
       t += self.chip.issue_s
     args = {"op": ins.opcode}
     slots: tuple[float, ...] = ()
+    step = self._chain_step(ins, track, cost)
+    if step is not None:  # sends nothing: its steps kernel sends each step
+      key = f"{ins.name}#{next(self.seq)}"
+      self.pending[ins.name] = _Transfer(key, family, t, t, (), step)
+      return t
     if track == "ici":
       parts = self._allgather_slots(ins) if ins.opcode == "custom-call" else []
       if parts:  # slot by slot, in the order the start sends them
@@ -1182,6 +1218,41 @@ class _Sim:
     self.transfers += 1
     return t
 
+  def _chain_step(self, ins: Instr, track: str, cost):
+    """``(link load, latency, steps)`` of one step of a chained ring's
+    start (the fused reduce-scatter's: a barrier; its steps kernel sends
+    each step's partial sums once they exist), or None for every other
+    transfer, or when no kernel cost can send them (the start then
+    charges the whole ring, as it did)."""
+    if (
+      track != "ici"
+      or self.kernel_cost is None
+      or ins.opcode != "custom-call"
+      or not ins.name.startswith("asyncops_ring_reducescatter_start")
+      or not ins.arrays
+      or len(ins.arrays[0].dims) != 4
+    ):
+      return None
+    load, latency = cost
+    n1 = max(ins.arrays[0].dims[1], 1)
+    per = {k: v / n1 for k, v in load.items()}
+    return per, latency / max(self.ring_size - 1, 1), n1
+
+  def _end(self, name: str) -> float:
+    """When the pending transfer ``name`` ends (and drops it). A chained
+    ring whose steps kernel sent nothing (not charged step by step) is
+    charged whole from its start, as a start that sends it would be."""
+    tr = self.pending.pop(name)
+    if tr.step is not None and not tr.slots:
+      load, latency, n1 = tr.step
+      whole = {k: v * n1 for k, v in load.items()}
+      begin, end = self._ici_slot(tr.start, whole, latency * n1)
+      lane = self._lane(begin, end)
+      self._emit("ici", name, "transfer", begin, end - begin, lane, links=whole)
+      self.transfers += 1
+      return end
+    return tr.end
+
   def _sources(self, comp: str, ins: Instr, among=None) -> list[str]:
     """Names in ``among`` (default: the pending transfers) that ``ins``
     reads, through buffer-relabelling ops (``_PASS``)."""
@@ -1206,7 +1277,7 @@ class _Sim:
     if not names:  # crossed a loop/call boundary: oldest of the family.
       same = [k for k, v in self.pending.items() if v.family == family]
       names = same[:1]
-    end = max((self.pending.pop(n).end for n in names), default=t)
+    end = max((self._end(n) for n in names), default=t)
     if end > t:
       self._emit("compute", ins.name, "wait", t, end - t)
       self.exposed += end - t

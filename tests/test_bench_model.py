@@ -609,7 +609,7 @@ def test_fused_reducescatter_is_charged_its_dots_and_not_copied():
 
   bf, f32 = jnp.bfloat16, jnp.float32
   x, w, r = (m, k), (k, n * c), (m, n * c)
-  steps_fn, _ = _fused_variants._rs_twin(
+  steps_fn, *_ = _fused_variants._rs_twin(
     [
       None,
       _hlo_leaf(x, "bf16"),
@@ -631,6 +631,82 @@ def test_fused_reducescatter_is_charged_its_dots_and_not_copied():
 
 def _hlo_leaf(dims, dtype):
   return types.SimpleNamespace(dims=tuple(dims), dtype=dtype)
+
+
+def _rs_line(topology, layout, variant):
+  """The fused matmul-reduce-scatter at the chapter's shape (bf16, tp 4)
+  on ``layout``, compiled and modelled like a table row; ``(timeline,
+  steps kernel's boxes, finish's boxes)``."""
+  from benchmarks import _fused_variants, _measure  # noqa: PLC0415, F401
+
+  spec = _measure.Spec(
+    variant, topology, 4, (1024, 2048, 8192), jnp.bfloat16, layout=layout
+  )
+  with _measure.cache_off():
+    tl = _measure.measure(spec).timeline
+  assert not tl.flags, tl.flags
+
+  def boxes(prefix):
+    return [e for e in tl.events if e.name.startswith(prefix)]
+
+  return (
+    tl,
+    boxes("ring_reducescatter_matmul"),
+    boxes("ring_reducescatter_finish"),
+  )
+
+
+@pytest.mark.parametrize("variant", ["", "_uni"])
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_fused_reducescatter_on_a_line_waits_for_its_partial_sums(
+  topology, variant
+):
+  """On a line of 4 a step's partial sums take longer to reach the
+  neighbour (the wrap-around crosses 3 links) than a step's dots take: the
+  kernel is a chain (its start sends nothing; step ``s`` sends after it
+  ends, steps ``1 .. n - 2`` and the finish wait for the neighbour's).
+  The model charges that chain, with its waits as exposed communication:
+  the start, the first step's dots, ``n - 1`` steps of the longer of a
+  step's dots and a step's transfer (its bytes on the busiest link, 3 hops
+  of latency), the finish, the done."""
+  chip = _chips.CHIPS[topology.split(":")[0]]
+  tl, steps, finish = _rs_line(
+    topology, "line", "reducescatter:asyncops_fused" + variant
+  )
+  n, m, c = 4, 512, 512
+  dots = sum(e.dur for e in steps if e.kind == "compute")
+  fin = sum(e.dur for e in finish if e.kind == "compute")
+  # Both directions' halves (two-way) or the whole block (one-way) and
+  # its wrap-around cross the busiest link each step.
+  hop = m * c * 2 / chip.ici_link_bytes_per_s + 3 * chip.ici_hop_s
+  assert hop > dots / n  # the ring is the longer: a chain
+  chain = chip.issue_s + dots / n + (n - 1) * hop + fin + chip.done_s
+  assert tl.step_s == pytest.approx(chain, rel=0.03)
+  # One transfer a step after each of the first n - 1 steps, none at start.
+  sent = [e for e in tl.events if e.track == "ici"]
+  assert len(sent) == n - 1
+  assert all(e.name.startswith("ring_reducescatter_matmul") for e in sent)
+  waits = [e for e in steps + finish if e.kind == "wait"]
+  # Steps 1 .. n - 2 and the finish each wait a step's transfer less a
+  # step's dots; inside the kernels, so exposed.
+  assert len(waits) == n - 1
+  waited = sum(e.dur for e in waits)
+  assert waited == pytest.approx((n - 1) * (hop - dots / n), rel=0.05)
+  assert tl.exposed_comm_s >= waited
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_fused_reducescatter_on_a_ring_never_waits(topology):
+  """On the ring layout (one hop a step) a step's partial sums arrive
+  before the next step needs them: the kernel's dots, the finish and the
+  done back to back, nothing exposed, as before the chain."""
+  chip = _chips.CHIPS[topology.split(":")[0]]
+  tl, steps, finish = _rs_line(topology, "ring", "reducescatter:asyncops_fused")
+  dots = sum(e.dur for e in steps if e.kind == "compute")
+  fin = sum(e.dur for e in finish if e.kind == "compute")
+  assert not [e for e in steps + finish if e.kind == "wait"]
+  assert tl.step_s == pytest.approx(chip.issue_s + dots + fin + chip.done_s)
+  assert tl.exposed_comm_s == pytest.approx(0.0, abs=1e-8)
 
 
 def test_compile_cache_is_keyed_on_the_lowered_program(tmp_path, monkeypatch):
