@@ -1132,10 +1132,11 @@ def test_fused_reducescatter_on_a_line_waits_for_its_partial_sums(kind, layout):
   reduce-scatter's ring is longer than its kernels, and the kernel gates
   it: step ``s`` sends its partial sums after its dots and waits for the
   neighbour's before its last block, and the finish waits for the last
-  ones (``kernels/_reducescatter_matmul.py``). The benchmark model charges
+  ones (``kernels/_reducescatter_matmul.py``). The benchmark model charged
   the ring as one transfer from the start kernel that neither kernel
-  waits for (only the done): 17% to 22% under the kernel's own chain
-  (the model's per-op costs in that order: issue, the first step's
+  waited for (only the done): 17% to 22% under the kernel's own chain
+  (fixed by branch h-rswait; the model's recorded per-op costs below are
+  of before it, in that order: issue, the first step's
   share of the steps kernel, ``n - 1`` steps of the longer of a step's
   share and a step's transfer, the finish, the done). Auto's estimate
   (the weight read before the ring, the finish after it) follows that
