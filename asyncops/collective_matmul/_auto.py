@@ -371,7 +371,6 @@ def _fused_s(
   *,
   directions=2,
   x_copy_s=0.0,
-  from_start=False,
   finish_s=0.0,
   floor_s=0.0,
 ):
@@ -385,15 +384,17 @@ def _fused_s(
   (``wiring.bidi_load`` chunks per link), once the dots have made them.
 
   With ``directions=1`` every block travels whole one way
-  (``wiring.shift_load``). ``from_start`` charges the ring from the
-  kernel's start, beside the panel's weight read and dots, as the
-  benchmark model does (v6e prefill, one-way: 139.8 us of transfer under
-  a 186.6 us kernel); the two kernels are compared in that form.
-  ``x_copy_s`` is XLA's prefetch of a panel's ``x`` into VMEM before the
-  kernel (``Cal.rs_x_vmem``), exposed. ``finish_s`` is the finish kernel
-  over all the rows (the own float32 products and the last received
-  partial sums read, the result written), after each panel's steps (the
-  model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel).
+  (``wiring.shift_load``), a step's whole partial sum on one link: the
+  kernel's chain (each step sends its partial sums when it ends, the next
+  waits for them before its last block) is then ring-bound where the
+  two-way kernel's halves are not (the model since h-rswait, ring layout,
+  chapter's shape: one-way 51.2 us on v5e, 27.3 on v6e, against the
+  two-way kernel's 43.7 and 20.3). ``x_copy_s`` is XLA's prefetch of a
+  panel's ``x`` into VMEM before the kernel (``Cal.rs_x_vmem``), exposed.
+  ``finish_s`` is the finish kernel over all the rows (the own float32
+  products and the last received partial sums read, the result written),
+  after each panel's steps (the model, v5e tp 4 M = 1024: 20.5 us after a
+  784.6 us steps kernel).
   ``floor_s`` is each panel's steps kernel's floor: its operands' bytes
   at HBM bandwidth (the model charges a Pallas kernel no less than its
   roofline; a panel's kernel is handed all of ``x``)."""
@@ -407,8 +408,6 @@ def _fused_s(
   ring = (n - 1) * (chunk / p * load / link + hops * _HOP_S)
   fin = finish_s / p
   kernel = max(read + c, floor_s)
-  if from_start:
-    return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, ring + c / n) + fin)
   # The finish adds the last partial sums once they arrive: after the
   # dots, or after the ring when it is the longer (the last step's own
   # product is made while the last sums travel).
@@ -1130,19 +1129,17 @@ def explain_reducescatter(
   # 20.6 us on the ring layout) over XLA's 3% margin on v6e's 2x2
   # squares (estimated 32.2 against 32.9).
   if plan.spec is not None and plan_uni.spec is not None:
-    # The two kernels compared with their rings from the start (the
-    # model's overlap), each with its panels and x copy; the one-way
-    # kernel's estimate is the two-way one's scaled by their ratio.
-    def from_start(p, d, pl):
-      return fused_s(
-        p,
-        directions=d,
-        x_copy_s=_x_copy_s(pl, k, t, chip, cal),
-        from_start=True,
-      )
+    # The two kernels compared as chains (their rings after each step's
+    # dots, as the model charges them since h-rswait; before, from the
+    # kernel's start: the one-way kernel's whole partial sums hid under
+    # the dots, and it ran at v6e's prefill, the model 209.9 us against
+    # the two-way kernel's 198.3), each with its panels and x copy; the
+    # one-way kernel's estimate is the two-way one's scaled by their ratio.
+    def chained(p, d, pl):
+      return fused_s(p, directions=d, x_copy_s=_x_copy_s(pl, k, t, chip, cal))
 
     p1 = max(plan_uni.panels, 1)
-    ratio = from_start(p1, 1, plan_uni) / from_start(panels, 2, plan)
+    ratio = chained(p1, 1, plan_uni) / chained(panels, 2, plan)
     fused_uni = fused * ratio
   rings = {}
   for d in (1, 2):
