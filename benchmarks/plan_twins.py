@@ -38,12 +38,12 @@ PLANS = ((1, 1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 3), (2, 2), (4,))
 def _model(fn, args, chip):
   text = jax.jit(fn).trace(*args).lower().compile().as_text()
   module = _hlo.parse(text)
-  return module, _timeline.simulate(module, chip, prefetch="charged")
+  return module, _timeline.simulate(module, chip, prefetch="free")
 
 
 def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
   """``{plan: (total s, per-step s)}`` and the unsharded dot's seconds
-  (its weight prefetch charged, as twins are modelled)."""
+  (its weight prefetch free, as twins are modelled)."""
   chip = _chips.chip_for(topology)
   device = _measure.mesh_for(topology, "ring", n).devices.flat[0]
   s = jax.sharding.SingleDeviceSharding(device)
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
   costs, local = plan_costs(a.topology, n, m, k, f, w_dtype, out_dtype)
   print(
     f"{a.topology} (n, m, k, f) = ({n}, {m}, {k}, {f}), w {w_dtype.name}: "
-    f"unsharded dot {local * 1e6:.1f} us (prefetch charged)"
+    f"unsharded dot {local * 1e6:.1f} us (prefetch free)"
   )
   print("| plan | twin (us) | per step (us) |")
   print("|---|---:|---|")
