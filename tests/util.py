@@ -521,8 +521,8 @@ def ring_program(fn, topology, shard):
 # captured Ref future": what is tied). Each maps a case to whether the
 # branches' done ties the start's frame (jax >= 0.10).
 CAPTURED_READS = {
-  "other slot": False,
-  "other slot, traced": False,
+  "other slot": True,
+  "other slot, traced": True,
   "in-flight slot": False,
   "in-flight slot, traced": False,
   "outer Ref, other value": True,
