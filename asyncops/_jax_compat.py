@@ -774,12 +774,38 @@ def window_tie(window: Sequence[Any], rest: Sequence[Any]):
   return list(out[: len(window)]), list(out[len(window) :])
 
 
-def tie_between(start_eqn: Any, sems: list[Any]) -> list[Any]:
-  """``tie_window(start_eqn, sems)``'s semaphores, for a done traced in the
-  start's own trace (a captured future is left untied)."""
+def tie_between(
+  start_eqn: Any,
+  sems: list[Any],
+  tie_read: Callable[[Any], bool] | None = None,
+) -> list[Any]:
+  """``tie_window(start_eqn, sems, tie_read)``'s semaphores, for a done
+  traced in the start's own trace (a captured future is left untied)."""
   if captured(sems[0]):
     return sems
-  return tie_window(start_eqn, sems)[0]
+  return tie_window(start_eqn, sems, tie_read)[0]
+
+
+def reads_idle_local_ref(eqn: Any, sems: list[Any], busy: str) -> bool:
+  """Whether ``eqn`` (a ``get``, traced in ``sems``' frame) reads a Ref
+  that ``jax.new_ref`` made in that frame and that no equation of the
+  frame named ``busy`` (a transfer's start) takes as an operand.
+
+  Such a read is of a buffer no transfer started in the frame uses. A Ref
+  closed over from an enclosing frame or passed in as an argument (which
+  may be a buffer in flight there) is not one.
+  """
+  frame = current_frame(sems[0])
+  t = eqn.in_tracers[0] if eqn.in_tracers else None
+  if frame is None or current_frame(t) is not frame:
+    return False
+  v = getattr(t, "val", None)
+  if not isinstance(v, _core.Var) or v in getattr(frame, "constvar_to_val", {}):
+    return False
+  eqns = live_eqns(frame)
+  if not any(e.primitive.name == "new_ref" and v in e.outvars for e in eqns):
+    return False
+  return not any(e.primitive.name == busy and v in eqn_vals(e) for e in eqns)
 
 
 def tie_window(

@@ -509,3 +509,22 @@ def test_captured_window_source_reads(topology, case):
     assert _matmul_in(r.module, p.between) == tied, (p.done, p.between_cycles)
     if tied:
       assert p.overlapped and p.between_cycles > 0
+
+
+# A top-level done whose window's compute reads only a Ref read
+# (u.TOP_READS; stateful._api._done's tie_read): a read of another Ref
+# made here is tied, so the matmul stays in the window (before: hoisted
+# above the start, 0 cycles on v5e, v6e, v5p), also when that Ref holds
+# the source's value; reads of the source, any slot, are not (left as XLA
+# schedules them; the guard accepts them).
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("case", list(u.TOP_READS))
+def test_top_level_window_of_ref_reads(topology, case):
+  f, x = _compile(u.top_reads(case, "i"), topology)
+  r = analyze(f, x)
+  assert hazards(r) == [] and not r.inflight_copies, _kinds(r)
+  (p,) = r.kernel_pairs
+  assert p.source_live
+  if u.TOP_READS[case]:
+    assert _matmul_in(r.module, p.between), (p.done, p.between_cycles)
+    assert p.overlapped and p.between_cycles > 0

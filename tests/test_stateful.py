@@ -610,6 +610,43 @@ def test_captured_window_source_reads_keep_the_numbers(case):
   assert (ties > 0) == want_tied, ties
 
 
+@pytest.mark.parametrize("case", list(u.TOP_READS))
+def test_top_level_window_ref_reads_keep_the_numbers(case):
+  # A top-level done's window reading only a Ref read (u.top_reads;
+  # structure on TPU in test_guard_split.py): the numbers of jax.lax, and
+  # asyncops_tie barriers: the one after the compute, one for the read
+  # when u.TOP_READS ties it, one before the traced other slot's 1 - k
+  # (its read itself untied).
+  body = u.top_reads(case, "y")
+
+  def ref(x, w):
+    return (body(x),)
+
+  def lax(x, w):
+    k = jax.lax.axis_index("y") % 2 if "traced" in case else 0
+    if "slot" in case:
+      src = jnp.where(k == 0, x * 2.0, x * 3.0)
+      y = src if "in-flight" in case else jnp.where(k == 0, x * 3.0, x * 2.0)
+    else:
+      src = x * 2.0
+      y = x * 3.0 if case == "other Ref" else src
+    b = jax.lax.ppermute(src, "y", [(i, (i + 1) % 4) for i in range(4)])
+    return (b + jnp.tanh(y) @ y,)
+
+  x = jax.random.normal(jax.random.key(3), (8 * 128, 128)) / 4
+  w = jnp.zeros((128, 128))
+  (want,) = _run(lax, 1, x, w, "start")
+  for transfer in ("start", "done"):
+    (got,) = _run(ref, 1, x, w, transfer)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  g = jax.shard_map(
+    ref, mesh=_cpu_mesh(), in_specs=(SPEC, P()), out_specs=(SPEC,)
+  )
+  ties = _count_eqns(jax.make_jaxpr(g)(x, w).jaxpr, "asyncops_tie")
+  tied = u.TOP_READS[case]
+  assert ties == 1 + tied + (case == "other slot, traced"), ties
+
+
 @pytest.mark.parametrize(
   "case", ["other slot, traced", "outer Ref, other slot"]
 )

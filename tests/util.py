@@ -534,6 +534,51 @@ CAPTURED_READS = {
 }
 
 
+# A Ref future awaited at top level (no cond) whose window's compute reads
+# only a Ref read (design/inspect.md, "Top-level windows of Ref reads
+# (h-topread)"). Each maps a case to whether the read is tied, so the
+# compute stays in the window: another Ref made here; not the source (its
+# buffer is in flight), nor another slot of it (in the window untied).
+TOP_READS = {
+  "other Ref": True,
+  "other Ref of the source's value": True,
+  "other slot": False,
+  "other slot, traced": False,
+  "in-flight slot": False,
+  "in-flight slot, traced": False,
+  "source": False,
+}
+
+
+def top_reads(case: str, axis: str):
+  """``body(x) -> (rolled source + z)`` for a ``TOP_READS`` case: a
+  ``ppermute_start``, ``z = tanh(y) @ y`` for ``y`` a Ref read, the done,
+  all at top level. The source is ``a = new_ref(2x)`` (``y`` the read of
+  ``c = new_ref(3x)``, or of ``c = new_ref(a[...])`` for "the source's
+  value", or of ``a`` for "source") or slot ``k`` (0, or
+  traced: the device's parity) of ``s = new_ref(stack([2x, 3x]))``.
+  """
+  from asyncops import stateful
+
+  def body(x):
+    b = jax.new_ref(jnp.zeros_like(x))
+    if "slot" in case:
+      s = jax.new_ref(jnp.stack([x * 2.0, x * 3.0]))
+      k = jax.lax.axis_index(axis) % 2 if "traced" in case else 0
+      src, read = s.at[k], (lambda: s[k if "in-flight" in case else 1 - k])
+    else:
+      a = jax.new_ref(x * 2.0)
+      c = jax.new_ref(a[...] if "value" in case else x * 3.0)
+      src, read = a, (lambda: (a if case == "source" else c)[...])
+    f = stateful.ppermute_start(src, b, axis, shift=1)
+    y = read()
+    z = jnp.tanh(y) @ y
+    stateful.ppermute_done(f, src, b)
+    return b[...] + z
+
+  return body
+
+
 def captured_reads(case: str, axis: str):
   """``body(x) -> (rolled source + z)`` for a ``CAPTURED_READS`` case.
 

@@ -165,7 +165,25 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
   fut.consume(fn, here, nested)
   sems = list(fut.sems)
   if fut._track is not None and nested is None:
-    sems = jc.tie_between(fut._track[0], sems)
+    # A window whose compute reads only another Ref's reads has no input
+    # through the first barrier; XLA hoisted it above the start (v5e, v6e,
+    # v5p: design/inspect.md, h-topread). Such a read is tied too, under
+    # the captured path's rule (not when the window reads the source's
+    # buffer), and only of a Ref made here that no transfer started here
+    # uses. Not a read of the source, also of another slot: here those
+    # stayed in the window untied, and tying a traced slot's read split
+    # its dynamic slice out of the matmul (a longer window, v5e 16640 ->
+    # 38352 cycles).
+    src = fut._track[1]
+    tie_read = None
+    if not jc.window_reads_ref(fut._track[0], sems, src.base, _other_slot(src)):
+
+      def tie_read(eqn):
+        return not jc.reads_ref(eqn, src.base) and jc.reads_idle_local_ref(
+          eqn, sems, ref_start_p.name
+        )
+
+    sems = jc.tie_between(fut._track[0], sems, tie_read)
   elif (
     fut._track is not None
     and jc.CAPTURED_WINDOW_TIE
