@@ -573,6 +573,21 @@ def _count_eqns(jaxpr, name: str) -> int:
   return n
 
 
+def _window_numbers_and_ties(ref, lax) -> int:
+  """``ref`` (a Ref program) gives ``lax``'s numbers (transfer at the start
+  and at the done); returns its ``asyncops_tie`` barriers."""
+  x = jax.random.normal(jax.random.key(3), (8 * 128, 128)) / 4
+  w = jnp.zeros((128, 128))
+  (want,) = _run(lax, 1, x, w, "start")
+  for transfer in ("start", "done"):
+    (got,) = _run(ref, 1, x, w, transfer)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  g = jax.shard_map(
+    ref, mesh=_cpu_mesh(), in_specs=(SPEC, P()), out_specs=(SPEC,)
+  )
+  return _count_eqns(jax.make_jaxpr(g)(x, w).jaxpr, "asyncops_tie")
+
+
 @pytest.mark.parametrize("case", list(u.CAPTURED_READS))
 def test_captured_window_source_reads_keep_the_numbers(case):
   # A captured done's window reading the source Ref (u.captured_reads;
@@ -596,16 +611,7 @@ def test_captured_window_source_reads_keep_the_numbers(case):
     b = jax.lax.ppermute(src, "y", [(i, (i + 1) % 4) for i in range(4)])
     return (b + jnp.tanh(y) @ y,)
 
-  x = jax.random.normal(jax.random.key(3), (8 * 128, 128)) / 4
-  w = jnp.zeros((128, 128))
-  (want,) = _run(lax, 1, x, w, "start")
-  for transfer in ("start", "done"):
-    (got,) = _run(ref, 1, x, w, transfer)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  g = jax.shard_map(
-    ref, mesh=_cpu_mesh(), in_specs=(SPEC, P()), out_specs=(SPEC,)
-  )
-  ties = _count_eqns(jax.make_jaxpr(g)(x, w).jaxpr, "asyncops_tie")
+  ties = _window_numbers_and_ties(ref, lax)
   want_tied = jc.CAPTURED_WINDOW_TIE and u.CAPTURED_READS[case]
   assert (ties > 0) == want_tied, ties
 
@@ -633,16 +639,7 @@ def test_top_level_window_ref_reads_keep_the_numbers(case):
     b = jax.lax.ppermute(src, "y", [(i, (i + 1) % 4) for i in range(4)])
     return (b + jnp.tanh(y) @ y,)
 
-  x = jax.random.normal(jax.random.key(3), (8 * 128, 128)) / 4
-  w = jnp.zeros((128, 128))
-  (want,) = _run(lax, 1, x, w, "start")
-  for transfer in ("start", "done"):
-    (got,) = _run(ref, 1, x, w, transfer)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  g = jax.shard_map(
-    ref, mesh=_cpu_mesh(), in_specs=(SPEC, P()), out_specs=(SPEC,)
-  )
-  ties = _count_eqns(jax.make_jaxpr(g)(x, w).jaxpr, "asyncops_tie")
+  ties = _window_numbers_and_ties(ref, lax)
   tied = u.TOP_READS[case]
   assert ties == 1 + tied + (case == "other slot, traced"), ties
 
