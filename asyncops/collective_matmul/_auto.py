@@ -373,6 +373,7 @@ def _fused_s(
   x_copy_s=0.0,
   finish_s=0.0,
   floor_s=0.0,
+  stream=False,
 ):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
@@ -397,7 +398,10 @@ def _fused_s(
   784.6 us steps kernel).
   ``floor_s`` is each panel's steps kernel's floor: its operands' bytes
   at HBM bandwidth (the model charges a Pallas kernel no less than its
-  roofline; a panel's kernel is handed all of ``x``)."""
+  roofline; a panel's kernel is handed all of ``x``).
+  ``stream`` (with ``overlap`` 1, ``Cal.rs_stream``): the read streams
+  under the dots (the longer of the two, the model's twin since
+  h-twinfree), while the ring still starts after the whole read."""
   p = panels
   w = wiring
   c = max(compute / p, rest_s / p)
@@ -411,7 +415,10 @@ def _fused_s(
   # The finish adds the last partial sums once they arrive: after the
   # dots, or after the ring when it is the longer (the last step's own
   # product is made while the last sums travel).
-  return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, read + ring) + fin)
+  # The ring's partial sums wait for their step's weight block whether or
+  # not the read streams under the dots (``stream``).
+  ring_after = (w_s if stream else read) + ring
+  return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, ring_after) + fin)
 
 
 def _fused_ag_s(
@@ -1091,6 +1098,9 @@ def explain_reducescatter(
     # (v6e tp 4 M = 16384, 16 panels: 222.5 us a panel, the 143.2 us read
     # of all of x, w's 71.6 and the sums' 7.7, against 186.6 at M = 4096).
     floor = (w_bytes + m * k * t + (n - 1) * part / p) / chip.hbm
+    # The streamed read (``Cal.rs_stream``) as measured: one row panel on
+    # rings of 4 or more (a ring of two's picks not re-measured).
+    stream = cal.rs_stream and p == 1 and n > 2
     est = _fused_s(
       p,
       compute,
@@ -1100,8 +1110,9 @@ def explain_reducescatter(
       part,
       chip.link,
       wr,
-      cal.rs_overlap,
+      1.0 if stream else cal.rs_overlap,
       finish_s=finish,
+      stream=stream,
       floor_s=floor,
       **kw,
     )

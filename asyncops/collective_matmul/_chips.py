@@ -354,6 +354,16 @@ class Cal:
       Llama-3-70B shard at M = 256 (the model 90.0 us; estimated 90.4,
       was 109.5 over XLA's program's 103.7, which auto ran at 118.8);
       0 elsewhere.
+    rs_stream: a single-panel fused reduce-scatter's weight read streams
+      under its dots (its estimate charges the longer of the two, and its
+      ring's partial sums still wait for the read), as the model charges
+      the kernel's twin since branch h-twinfree. v5e (and v4): True, the
+      Llama-3-70B shard at tp 4 (the model, M = 256: 171.1 us, estimated
+      187.2, was 302.6, XLA's 235.5 ran; M = 1024: 663.2, estimated 632.4,
+      was 775.8, the one-way value ring's 726.4 ran; branch h-rsstream).
+      False elsewhere: v6e's picks did not move and v5p keeps
+      ``rs_overlap``; row panels (M >= 2048) and rings of two keep the
+      serial read, their picks not re-measured.
     ag_step_s: the fused all-gather's fixed cost per ring step at decode
       sizes, beyond its weight read (barrier, sends, each step's dot and
       accumulator pass), which its estimate leaves out: XLA's program is
@@ -481,6 +491,7 @@ class Cal:
   fused_acc: float = 1.0
   rs_ring_w: float = 0.0
   rs_overlap: float = 0.0
+  rs_stream: bool = False
   ag_step_s: float = float("inf")
   ag_ring_pass: float = 0.0
   bidi_rs_acc: float = 1.0
@@ -533,6 +544,7 @@ _V5E = Cal(
   0.0,
   rs_ring_w=0.45,
   rs_panel_w=0.35,
+  rs_stream=True,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
   whole_tail=0.25,
