@@ -41,12 +41,6 @@ def quiet_fd2():
       os.close(saved)
 
 
-# One rule for the meshes' cycles and the model's ring order
-# (``_timeline._ring_order`` imports ``_cycles`` from here), shared with
-# ``method="auto"``'s estimate of XLA's ring (``_wiring.xla_order``).
-_cycles = _wiring.cycles
-
-
 def make_mesh(topology: str, layout: Layout = "ring", tp: int | None = None):
   """A ``("x", "y")`` mesh of the topology's devices.
 
@@ -106,11 +100,11 @@ def _ring_rows(devs, tp):
   if per_chip > 1:  # several cores per chip: x = the core, y = the chips
     if tp != len(chips):
       return None
-    cycle = _cycles(chips, tp)
+    cycle = _wiring.cycles(chips, tp)
     if cycle is None:
       return None
     return [[by_chip[c][core] for c in cycle[0]] for core in range(per_chip)]
-  cycles = _cycles(chips, tp)
+  cycles = _wiring.cycles(chips, tp)
   if cycles is None:
     return None
   return [[by_chip[c][0] for c in cyc] for cyc in cycles]

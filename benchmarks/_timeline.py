@@ -65,6 +65,7 @@ from typing import Literal
 
 import numpy as np
 
+from asyncops.collective_matmul import _wiring
 from asyncops.inspect import Instr
 from benchmarks._chips import Chip
 from benchmarks._hlo import Module
@@ -830,12 +831,9 @@ class _Sim:
       for d in group:
         by.setdefault(tuple(self.coords[d]), []).append(d)
       order = list(group)
-      if all(len(v) == 1 for v in by.values()) and len(by) > 2:
-        from benchmarks._mesh import _cycles  # noqa: PLC0415
-
-        cyc = _cycles(sorted(by), len(by))
-        if cyc:
-          order = [by[c][0] for c in cyc[0]]
+      if all(len(v) == 1 for v in by.values()):
+        # The rule auto's estimate of XLA's ring uses too: one place.
+        order = [by[c][0] for c in _wiring.xla_order(list(by))]
       self._rings[key] = order
     return self._rings[key]
 
