@@ -970,23 +970,9 @@ def _tie_window(frame, trace, start_eqn, sems, after, defined, between, reads):
       if isinstance(v, _core.Var) and v not in defined:
         outside.setdefault(v, t)
   if outside:
-    ins = list(outside.values())
-    n = len(frame.tracing_eqns)
-    outs = tie_p.bind(*ins, *sems)
-    (barrier,) = frame.tracing_eqns[n:]
-    del frame.tracing_eqns[n:]
-    pos = next(
-      i
-      for i, e in enumerate(frame.tracing_eqns)
-      if (e if isinstance(e, _pe.TracingEqn) else e()) is start_eqn
+    _barrier_after(
+      frame, start_eqn, list(outside), list(outside.values()), sems, between
     )
-    frame.tracing_eqns.insert(pos + 1, barrier)
-    new = {t.val: o for t, o in zip(ins, outs[: len(ins)], strict=False)}
-    for e in between:
-      e.in_tracers = [
-        new.get(t.val, t) if isinstance(t.val, _core.Var) else t
-        for t in e.in_tracers
-      ]
   for g in reads:
     _tie_read(frame, trace, g, sems, between)
   leaves = [(e, v) for e in between for v in e.outvars if v not in used]
@@ -1025,13 +1011,22 @@ def _tie_read(frame, trace, g, sems, between) -> None:
   if not outs:
     return
   tracers = [trace.var_to_tracer(v, g.source_info, g) for v in outs]
+  _barrier_after(frame, g, outs, tracers, sems, between)
+
+
+def _barrier_after(frame, anchor, keys, tracers, sems, between) -> None:
+  """Binds ``optimization_barrier(*tracers, *sems)``, moves it right after
+  ``anchor`` in ``frame``, and makes ``between`` read its outputs where it
+  read ``keys`` (the ``Var`` of each tracer)."""
   n = len(frame.tracing_eqns)
   tied = tie_p.bind(*tracers, *sems)
   (barrier,) = frame.tracing_eqns[n:]
   del frame.tracing_eqns[n:]
-  pos = next(i for i, e in enumerate(frame.tracing_eqns) if _resolve(e) is g)
+  pos = next(
+    i for i, e in enumerate(frame.tracing_eqns) if _resolve(e) is anchor
+  )
   frame.tracing_eqns.insert(pos + 1, barrier)
-  new = dict(zip(outs, tied[: len(outs)], strict=True))
+  new = dict(zip(keys, tied[: len(keys)], strict=True))
   for e in between:
     e.in_tracers = [
       new.get(t.val, t) if isinstance(t.val, _core.Var) else t
