@@ -514,6 +514,14 @@ def is_ref(x: Any) -> bool:
   )
 
 
+def jaxpr_arg_names(jaxpr: Any) -> tuple[str, ...] | None:
+  """The Python names of a traced function's arguments, one per invar of
+  ``jaxpr`` (``""`` for a value closed over), when JAX recorded them."""
+  info = getattr(getattr(jaxpr, "jaxpr", jaxpr), "debug_info", None)
+  names = getattr(info, "arg_names", None)
+  return tuple(names) if names is not None else None
+
+
 # ``jax.empty_ref`` (a Ref with no fill) is new in jax 0.10; on 0.9 a Ref of
 # zeros stands in (one fill of the buffer, same values never read).
 def empty_ref(like: Any) -> Any:
@@ -1067,6 +1075,40 @@ def on_jaxpr_traced(check: Callable[[Any, Sequence[Any]], None]) -> None:
     _jaxpr_checks.append(check)
 
 
+# A checked frame traced under no enclosing jaxpr trace (jax 0.10's
+# ``custom_vjp``/``custom_jvp`` trace their function with an eval parent)
+# cannot mark the frame it is later bound into. It is remembered by its
+# first equation, which the call's sub-jaxpr shares, and the frame that
+# holds that sub-jaxpr is checked when it ends (its arguments, e.g. one
+# Ref passed twice, are only visible there). The outermost frame of a
+# program is remembered too and never found: the table is bounded.
+_orphans: dict[int, Any] = {}
+_MAX_ORPHANS = 64
+
+
+def _add_orphan(jaxpr: Any) -> None:
+  eqns = getattr(jaxpr, "eqns", None)
+  if not eqns:
+    return
+  if len(_orphans) >= _MAX_ORPHANS:
+    _orphans.pop(next(iter(_orphans)))
+  _orphans[id(eqns[0])] = eqns[0]
+
+
+def _holds_orphan(jaxpr: Any) -> bool:
+  if not _orphans:
+    return False
+  found = False
+  for e in jaxpr.eqns:
+    for sub in jaxprs_in_params(e.params):
+      inner = getattr(sub, "jaxpr", sub)
+      first = inner.eqns[0] if getattr(inner, "eqns", None) else None
+      if first is not None and _orphans.get(id(first)) is first:
+        del _orphans[id(first)]
+        found = True
+  return found
+
+
 def _install_finish_hook() -> None:
   frame_cls = _pe.JaxprStackFrame
   original = frame_cls.to_jaxpr
@@ -1075,10 +1117,12 @@ def _install_finish_hook() -> None:
 
   def to_jaxpr(self, trace, *args, **kwargs):
     jaxpr, consts = original(self, trace, *args, **kwargs)
-    if _marked.pop(id(self), False):
+    if _marked.pop(id(self), False) or _holds_orphan(jaxpr):
       parent = getattr(trace, "parent_trace", None)
       if isinstance(parent, _pe.DynamicJaxprTrace):
         _marked[id(parent.frame)] = True
+      else:
+        _add_orphan(jaxpr)
       for check in list(_jaxpr_checks):
         check(jaxpr, consts)
     return jaxpr, consts
