@@ -1058,11 +1058,16 @@ _marked: dict[int, bool] = {}
 _jaxpr_checks: list[Callable[[Any, Sequence[Any]], None]] = []
 
 
-def mark_frame(x: Any) -> None:
-  """Marks the jaxpr ``x`` (a tracer) is traced into for the checks."""
+def mark_frame(x: Any, orphan: bool = False) -> None:
+  """Marks the jaxpr ``x`` (a tracer) is traced into for the checks.
+
+  ``orphan``: also when that jaxpr (or one enclosing it) is traced under
+  no enclosing jaxpr trace (a ``custom_vjp`` function), check the frame
+  its call is bound into when that ends (see ``_orphans``).
+  """
   frame = current_frame(x)
   if frame is not None:
-    _marked[id(frame)] = True
+    _marked[id(frame)] = _ORPHAN if orphan else _marked.get(id(frame), True)
 
 
 def on_jaxpr_traced(check: Callable[[Any, Sequence[Any]], None]) -> None:
@@ -1084,6 +1089,7 @@ def on_jaxpr_traced(check: Callable[[Any, Sequence[Any]], None]) -> None:
 # program is remembered too and never found: the table is bounded.
 _orphans: dict[int, Any] = {}
 _MAX_ORPHANS = 64
+_ORPHAN = "orphan"  # a mark that follows a frame out of such a trace
 
 
 def _add_orphan(jaxpr: Any) -> None:
@@ -1095,17 +1101,17 @@ def _add_orphan(jaxpr: Any) -> None:
   _orphans[id(eqns[0])] = eqns[0]
 
 
-def _holds_orphan(jaxpr: Any) -> bool:
+def _holds_orphan(jaxpr: Any) -> Any:
   if not _orphans:
     return False
-  found = False
+  found: Any = False
   for e in jaxpr.eqns:
     for sub in jaxprs_in_params(e.params):
       inner = getattr(sub, "jaxpr", sub)
       first = inner.eqns[0] if getattr(inner, "eqns", None) else None
       if first is not None and _orphans.get(id(first)) is first:
         del _orphans[id(first)]
-        found = True
+        found = _ORPHAN
   return found
 
 
@@ -1117,11 +1123,13 @@ def _install_finish_hook() -> None:
 
   def to_jaxpr(self, trace, *args, **kwargs):
     jaxpr, consts = original(self, trace, *args, **kwargs)
-    if _marked.pop(id(self), False) or _holds_orphan(jaxpr):
+    mark = _marked.pop(id(self), False) or _holds_orphan(jaxpr)
+    if mark:
       parent = getattr(trace, "parent_trace", None)
       if isinstance(parent, _pe.DynamicJaxprTrace):
-        _marked[id(parent.frame)] = True
-      else:
+        key = id(parent.frame)
+        _marked[key] = _ORPHAN if _ORPHAN in (mark, _marked.get(key)) else True
+      elif mark == _ORPHAN:
         _add_orphan(jaxpr)
       for check in list(_jaxpr_checks):
         check(jaxpr, consts)

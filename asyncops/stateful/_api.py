@@ -119,7 +119,9 @@ def _start(src_ref, dst_ref, fn: str, make_spec) -> RefFuture:
   fut = RefFuture(sems, spec, layout, origin=origin, token=token)
   frame = jc.current_frame(sems[0]) if sems else None
   if frame is not None:
-    jc.mark_frame(sems[0])  # the checks run when this trace ends
+    # The checks run when this trace ends, and in the frame a custom_vjp
+    # function holding it is called from (a Ref passed in twice).
+    jc.mark_frame(sems[0], orphan=True)
     fut._track = (jc.live_eqns(frame)[-1], src, dst)
   return fut
 
