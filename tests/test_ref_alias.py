@@ -369,6 +369,14 @@ def _slice_view_write(x):
   return b[...]
 
 
+def _slice_view_read_dst(x):
+  s = jax.new_ref(jnp.stack([x * 2.0, x]))
+  f = _start(s.at[0], s.at[1])
+  y = s.at[1:2][0]  # view-read-dst
+  _done(f, s.at[0], s.at[1])
+  return s[1] + y
+
+
 def _reshape_view_read(x):
   a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
   f = _start(a, b)
@@ -385,9 +393,18 @@ def _reshape_view_read(x):
     (_cond_twice, ValueError, "only one reference to a mutable array"),
     (_named_call_twice, FutureError, "named-write"),
     (_slice_view_write, FutureError, "view-write"),
+    (_slice_view_read_dst, FutureError, "view-read-dst"),
     (_reshape_view_read, FutureError, "reshape-read"),
   ],
-  ids=["jit", "scan carry", "cond", "named_call", "slice view", "reshape"],
+  ids=[
+    "jit",
+    "scan carry",
+    "cond",
+    "named_call",
+    "slice view write",
+    "slice view read destination",
+    "reshape",
+  ],
 )
 def test_other_aliases_stay_refused(body, error, match):
   # Pinned: JAX refuses a Ref passed twice into these frames; one tracer
@@ -420,3 +437,41 @@ def test_source_is_destination_through_a_frame_on_tpu(topology):
   assert hazards(r) == []
   assert not r.defensive_copies and not r.inflight_copies
   assert r.kernel_pairs and all(p.source_live for p in r.kernel_pairs)
+
+
+def _smap_program(twice: bool, mesh):
+  """Refs made at jit level, passed into a shard_map (the source twice,
+  written through the second name in the window, or each once)."""
+
+  def f(x):
+    a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+
+    def inner(p, q, d):
+      fut = _start(p, d)
+      if twice:
+        q[...] = q[...] * 0.0 + 5.0
+      _done(fut, p, d)
+      return d[...]
+
+    s = jax.shard_map(
+      inner, mesh=mesh, in_specs=(P("i"),) * 3, out_specs=P("i")
+    )
+    return s(a, a if twice else jax.new_ref(x), b)  # smap-twice
+
+  return jax.jit(f)
+
+
+def test_a_ref_passed_twice_into_a_shard_map_is_refused():
+  # JAX's shard_map accepts one Ref passed twice (each name its own copy):
+  # refused when a transfer uses it; each passed once, lax's numbers.
+  mesh = _cpu_mesh()
+  x = _x(mesh)
+  with pytest.raises(FutureError, match="shard_map called at") as e:
+    _smap_program(True, mesh).trace(x)
+  line = u.marker_line(__file__, "smap-twice")
+  assert f"test_ref_alias.py:{line}:" in str(e.value)
+  want = np.asarray(_jit(lambda v: _roll(v * 2.0), mesh)(x))
+  for transfer in ("start", "done"):
+    with asyncops.emulation(transfer):
+      got = np.asarray(_smap_program(False, mesh)(x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
