@@ -99,6 +99,12 @@ CAPTURED_WINDOW_TIE = JAX_VERSION >= (0, 10)
 # jax 0.10 (``asyncops.stateful._ad`` refuses it earlier, with the fix).
 REF_REVERSE_MODE = JAX_VERSION >= (0, 10)
 
+# A ``jax.Ref`` made outside a ``shard_map`` and passed in as an argument:
+# jax 0.10 traces it (one Ref passed twice too: each name its own copy,
+# refused by the hazard check when a transfer uses it); jax 0.9 fails
+# inside JAX (``reshard`` asserts a ShapedArray).
+REF_INTO_SHARD_MAP = JAX_VERSION >= (0, 10)
+
 # The libtpu of jax 0.9 (0.0.34) aborts the whole process (a failed CHECK
 # in memory-space assignment, "Conflicting pending required assignment")
 # compiling programs whose kernels move 8-bit floats or 4-bit types; the
