@@ -822,6 +822,76 @@ def reads_idle_local_ref(eqn: Any, sems: list[Any], busy: str) -> bool:
   return not any(e.primitive.name == busy and v in eqn_vals(e) for e in eqns)
 
 
+def read_may_hold_buffer_of(eqn: Any, ref: Any) -> bool:
+  """Whether ``eqn`` (a ``get`` being traced) reads a Ref whose buffer may
+  be the same XLA value as ``ref``'s (a destination about to be written
+  in place).
+
+  The read Ref's ``new_ref`` operand, or a value written whole into it,
+  is compared with ``ref``'s buffer values (its ``new_ref`` operand, a
+  value written whole into it, a whole read of it) as computations: the
+  same ``Var``, or equations of one primitive and parameters on such
+  operands (XLA's CSE makes ``new_ref(x * 3)`` twice one value). Tied
+  after the start, such a read needs its value kept from the start's
+  in-place write: XLA copies it (v5e, v6e: design/inspect.md, h-alias).
+  """
+  t = eqn.in_tracers[0] if eqn.in_tracers else None
+  frame, rframe = current_frame(t), current_frame(ref)
+  if frame is None or frame is not rframe:
+    return False
+  eqns = live_eqns(frame)
+  defs = {v: e for e in eqns for v in e.outvars}
+
+  def values(var, reads: bool) -> list[Any]:
+    out = []
+    for e in eqns:
+      vals = eqn_vals(e)
+      name = e.primitive.name
+      if name == "new_ref" and var in e.outvars:
+        out += vals[:1]
+      elif not vals or vals[0] is not var:
+        continue
+      elif name == "swap" and len(vals) == 2:  # a whole write
+        out.append(vals[1])
+      elif reads and name == "get" and len(vals) == 1:  # a whole read
+        out += e.outvars
+    return out
+
+  mine = values(getattr(t, "val", None), reads=False)
+  theirs = values(getattr(ref, "val", None), reads=True)
+  return any(_same_computation(defs, u, v, 0) for u in mine for v in theirs)
+
+
+def _same_computation(defs: dict, u: Any, v: Any, depth: int) -> bool:
+  if u is v:
+    return True
+  if depth > 12:
+    return False
+  if not isinstance(u, _core.Var) or not isinstance(v, _core.Var):
+    lu, lv = getattr(u, "val", None), getattr(v, "val", None)
+    try:
+      return lu is not None and lv is not None and bool(lu == lv)
+    except Exception:  # noqa: BLE001 (arrays: not compared)
+      return False
+  eu, ev = defs.get(u), defs.get(v)
+  if eu is None or ev is None or eu.effects or ev.effects:
+    return False
+  if eu.primitive is not ev.primitive or len(eu.outvars) != len(ev.outvars):
+    return False
+  if list(eu.outvars).index(u) != list(ev.outvars).index(v):
+    return False
+  try:
+    if eu.params != ev.params:
+      return False
+  except Exception:  # noqa: BLE001 (parameters that do not compare)
+    return False
+  iu, iv = eqn_vals(eu), eqn_vals(ev)
+  return len(iu) == len(iv) and all(
+    _same_computation(defs, a, b, depth + 1)
+    for a, b in zip(iu, iv, strict=True)
+  )
+
+
 def tie_window(
   start_eqn: Any,
   sems: list[Any],

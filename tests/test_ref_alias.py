@@ -480,3 +480,88 @@ def test_a_ref_passed_twice_into_a_shard_map_is_refused():
     with asyncops.emulation(transfer):
       got = np.asarray(_smap_program(False, mesh)(x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# A top-level window reading another local Ref (h-topread ties that read
+# after the start) whose buffer may be the destination's value: tied, XLA
+# copied that value to keep it from the start's in-place write (v5e, v6e:
+# a defensive copy); now left untied. case -> (program, lax, tied).
+def _dst_value_alias(x):
+  # b and c made of one computation (XLA's CSE: one value).
+  a = jax.new_ref(x * 2.0)
+  b, c = jax.new_ref(x * 3.0), jax.new_ref(x * 3.0)
+  f = _start(a, b)
+  z = jnp.tanh(c[...]) @ c[...]
+  _done(f, a, b)
+  return b[...] + z
+
+
+def _dst_read_copy(x):
+  a, b = jax.new_ref(x * 2.0), jax.new_ref(x * 3.0)
+  c = jax.new_ref(b[...])
+  f = _start(a, b)
+  z = jnp.tanh(c[...]) @ c[...]
+  _done(f, a, b)
+  return b[...] + z
+
+
+def _dst_other_value(x):
+  a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+  c = jax.new_ref(x * 3.0)
+  f = _start(a, b)
+  z = jnp.tanh(c[...]) @ c[...]
+  _done(f, a, b)
+  return b[...] + z
+
+
+def _mm3(x):
+  return _roll(x * 2.0) + jnp.tanh(x * 3.0) @ (x * 3.0)
+
+
+DST_READS = {
+  "same computation as the destination": (_dst_value_alias, False),
+  "made of a read of the destination": (_dst_read_copy, False),
+  "another value": (_dst_other_value, True),
+}
+
+
+def _ties(jaxpr) -> int:
+  n = 0
+  for e in jaxpr.eqns:
+    n += e.primitive.name == "asyncops_tie"
+    for p in jax.tree_util.tree_leaves(e.params):
+      sub = getattr(p, "jaxpr", p)
+      if hasattr(sub, "eqns"):
+        n += _ties(sub)
+  return n
+
+
+@pytest.mark.parametrize("case", list(DST_READS))
+def test_window_read_of_the_destinations_value_is_not_tied(case):
+  # lax's numbers at both emulation points; asyncops_tie barriers: the one
+  # after the compute, and one per read of c (two) when they are tied.
+  body, tied = DST_READS[case]
+  mesh = _cpu_mesh()
+  x = _x(mesh)
+  want = np.asarray(_jit(_mm3, mesh)(x))
+  for transfer in ("start", "done"):
+    with asyncops.emulation(transfer):
+      got = np.asarray(_jit(body, mesh)(x))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  g = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+  assert _ties(jax.make_jaxpr(g)(x).jaxpr) == 1 + 2 * tied
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+@pytest.mark.parametrize("case", list(DST_READS))
+def test_window_read_of_the_destinations_value_on_tpu(case, topology):
+  # Guard clean, no copy (tied, the first two copied the destination's
+  # value on v5e and v6e); the compute in the window iff tied.
+  body, tied = DST_READS[case]
+  f, x = u.ring_program(body, topology, (1024, 1024))
+  r = analyze(f, x)
+  assert hazards(r) == []
+  assert not r.defensive_copies and not r.inflight_copies
+  (pair,) = r.kernel_pairs
+  assert pair.source_live
+  assert pair.overlapped == tied
