@@ -1130,7 +1130,7 @@ def _barrier_after(frame, anchor, keys, tracers, sems, between) -> None:
 # asyncops traced something (``mark_frame``) are checked, and a checked
 # frame marks its parent, which sees the sub-jaxpr in context.
 
-_marked: dict[int, bool] = {}
+_marked: dict[int, Any] = {}  # True, or _ORPHAN
 _jaxpr_checks: list[Callable[[Any, Sequence[Any]], None]] = []
 
 

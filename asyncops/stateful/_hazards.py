@@ -23,7 +23,10 @@ Assumptions (documented in ``design/stateful.md``): a future awaited at a
 done is in flight on the Refs and slots passed to that done (the start's
 Refs are checked against them when both are in one trace); the loop bounds
 are not used (slots are compared for every value of a loop index); Refs
-are distinct unless they are the same traced Ref.
+are distinct unless they are the same traced Ref. A Ref that enters a
+frame (``jax.checkpoint``, ``custom_vjp``, ``shard_map``) under two names
+is two copies to JAX there: a transfer on it, or the frame entered so
+while a transfer is in flight on it, is refused.
 """
 
 from __future__ import annotations
