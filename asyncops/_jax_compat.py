@@ -99,6 +99,12 @@ CAPTURED_WINDOW_TIE = JAX_VERSION >= (0, 10)
 # jax 0.10 (``asyncops.stateful._ad`` refuses it earlier, with the fix).
 REF_REVERSE_MODE = JAX_VERSION >= (0, 10)
 
+# A ``jax.Ref`` made outside a ``shard_map`` and passed in as an argument:
+# jax 0.10 traces it (one Ref passed twice too: each name its own copy,
+# refused by the hazard check when a transfer uses it); jax 0.9 fails
+# inside JAX (``reshard`` asserts a ShapedArray).
+REF_INTO_SHARD_MAP = JAX_VERSION >= (0, 10)
+
 # The libtpu of jax 0.9 (0.0.34) aborts the whole process (a failed CHECK
 # in memory-space assignment, "Conflicting pending required assignment")
 # compiling programs whose kernels move 8-bit floats or 4-bit types; the
@@ -514,6 +520,14 @@ def is_ref(x: Any) -> bool:
   )
 
 
+def jaxpr_arg_names(jaxpr: Any) -> tuple[str, ...] | None:
+  """The Python names of a traced function's arguments, one per invar of
+  ``jaxpr`` (``""`` for a value closed over), when JAX recorded them."""
+  info = getattr(getattr(jaxpr, "jaxpr", jaxpr), "debug_info", None)
+  names = getattr(info, "arg_names", None)
+  return tuple(names) if names is not None else None
+
+
 # ``jax.empty_ref`` (a Ref with no fill) is new in jax 0.10; on 0.9 a Ref of
 # zeros stands in (one fill of the buffer, same values never read).
 def empty_ref(like: Any) -> Any:
@@ -808,6 +822,76 @@ def reads_idle_local_ref(eqn: Any, sems: list[Any], busy: str) -> bool:
   return not any(e.primitive.name == busy and v in eqn_vals(e) for e in eqns)
 
 
+def read_may_hold_buffer_of(eqn: Any, ref: Any) -> bool:
+  """Whether ``eqn`` (a ``get`` being traced) reads a Ref whose buffer may
+  be the same XLA value as ``ref``'s (a destination about to be written
+  in place).
+
+  The read Ref's ``new_ref`` operand, or a value written whole into it,
+  is compared with ``ref``'s buffer values (its ``new_ref`` operand, a
+  value written whole into it, a whole read of it) as computations: the
+  same ``Var``, or equations of one primitive and parameters on such
+  operands (XLA's CSE makes ``new_ref(x * 3)`` twice one value). Tied
+  after the start, such a read needs its value kept from the start's
+  in-place write: XLA copies it (v5e, v6e: design/inspect.md, h-alias).
+  """
+  t = eqn.in_tracers[0] if eqn.in_tracers else None
+  frame, rframe = current_frame(t), current_frame(ref)
+  if frame is None or frame is not rframe:
+    return False
+  eqns = live_eqns(frame)
+  defs = {v: e for e in eqns for v in e.outvars}
+
+  def values(var, reads: bool) -> list[Any]:
+    out = []
+    for e in eqns:
+      vals = eqn_vals(e)
+      name = e.primitive.name
+      if name == "new_ref" and var in e.outvars:
+        out += vals[:1]
+      elif not vals or vals[0] is not var:
+        continue
+      elif name == "swap" and len(vals) == 2:  # a whole write
+        out.append(vals[1])
+      elif reads and name == "get" and len(vals) == 1:  # a whole read
+        out += e.outvars
+    return out
+
+  mine = values(getattr(t, "val", None), reads=False)
+  theirs = values(getattr(ref, "val", None), reads=True)
+  return any(_same_computation(defs, u, v, 0) for u in mine for v in theirs)
+
+
+def _same_computation(defs: dict, u: Any, v: Any, depth: int) -> bool:
+  if u is v:
+    return True
+  if depth > 12:
+    return False
+  if not isinstance(u, _core.Var) or not isinstance(v, _core.Var):
+    lu, lv = getattr(u, "val", None), getattr(v, "val", None)
+    try:
+      return lu is not None and lv is not None and bool(lu == lv)
+    except Exception:  # noqa: BLE001 (arrays: not compared)
+      return False
+  eu, ev = defs.get(u), defs.get(v)
+  if eu is None or ev is None or eu.effects or ev.effects:
+    return False
+  if eu.primitive is not ev.primitive or len(eu.outvars) != len(ev.outvars):
+    return False
+  if list(eu.outvars).index(u) != list(ev.outvars).index(v):
+    return False
+  try:
+    if eu.params != ev.params:
+      return False
+  except Exception:  # noqa: BLE001 (parameters that do not compare)
+    return False
+  iu, iv = eqn_vals(eu), eqn_vals(ev)
+  return len(iu) == len(iv) and all(
+    _same_computation(defs, a, b, depth + 1)
+    for a, b in zip(iu, iv, strict=True)
+  )
+
+
 def tie_window(
   start_eqn: Any,
   sems: list[Any],
@@ -1046,15 +1130,20 @@ def _barrier_after(frame, anchor, keys, tracers, sems, between) -> None:
 # asyncops traced something (``mark_frame``) are checked, and a checked
 # frame marks its parent, which sees the sub-jaxpr in context.
 
-_marked: dict[int, bool] = {}
+_marked: dict[int, Any] = {}  # True, or _ORPHAN
 _jaxpr_checks: list[Callable[[Any, Sequence[Any]], None]] = []
 
 
-def mark_frame(x: Any) -> None:
-  """Marks the jaxpr ``x`` (a tracer) is traced into for the checks."""
+def mark_frame(x: Any, orphan: bool = False) -> None:
+  """Marks the jaxpr ``x`` (a tracer) is traced into for the checks.
+
+  ``orphan``: also when that jaxpr (or one enclosing it) is traced under
+  no enclosing jaxpr trace (a ``custom_vjp`` function), check the frame
+  its call is bound into when that ends (see ``_orphans``).
+  """
   frame = current_frame(x)
   if frame is not None:
-    _marked[id(frame)] = True
+    _marked[id(frame)] = _ORPHAN if orphan else _marked.get(id(frame), True)
 
 
 def on_jaxpr_traced(check: Callable[[Any, Sequence[Any]], None]) -> None:
@@ -1067,6 +1156,41 @@ def on_jaxpr_traced(check: Callable[[Any, Sequence[Any]], None]) -> None:
     _jaxpr_checks.append(check)
 
 
+# A checked frame traced under no enclosing jaxpr trace (jax 0.10's
+# ``custom_vjp``/``custom_jvp`` trace their function with an eval parent)
+# cannot mark the frame it is later bound into. It is remembered by its
+# first equation, which the call's sub-jaxpr shares, and the frame that
+# holds that sub-jaxpr is checked when it ends (its arguments, e.g. one
+# Ref passed twice, are only visible there). The outermost frame of a
+# program is remembered too and never found: the table is bounded.
+_orphans: dict[int, Any] = {}
+_MAX_ORPHANS = 64
+_ORPHAN = "orphan"  # a mark that follows a frame out of such a trace
+
+
+def _add_orphan(jaxpr: Any) -> None:
+  eqns = getattr(jaxpr, "eqns", None)
+  if not eqns:
+    return
+  if len(_orphans) >= _MAX_ORPHANS:
+    _orphans.pop(next(iter(_orphans)))
+  _orphans[id(eqns[0])] = eqns[0]
+
+
+def _holds_orphan(jaxpr: Any) -> Any:
+  if not _orphans:
+    return False
+  found: Any = False
+  for e in jaxpr.eqns:
+    for sub in jaxprs_in_params(e.params):
+      inner = getattr(sub, "jaxpr", sub)
+      first = inner.eqns[0] if getattr(inner, "eqns", None) else None
+      if first is not None and _orphans.get(id(first)) is first:
+        del _orphans[id(first)]
+        found = _ORPHAN
+  return found
+
+
 def _install_finish_hook() -> None:
   frame_cls = _pe.JaxprStackFrame
   original = frame_cls.to_jaxpr
@@ -1075,10 +1199,14 @@ def _install_finish_hook() -> None:
 
   def to_jaxpr(self, trace, *args, **kwargs):
     jaxpr, consts = original(self, trace, *args, **kwargs)
-    if _marked.pop(id(self), False):
+    mark = _marked.pop(id(self), False) or _holds_orphan(jaxpr)
+    if mark:
       parent = getattr(trace, "parent_trace", None)
       if isinstance(parent, _pe.DynamicJaxprTrace):
-        _marked[id(parent.frame)] = True
+        key = id(parent.frame)
+        _marked[key] = _ORPHAN if _ORPHAN in (mark, _marked.get(key)) else True
+      elif mark == _ORPHAN:
+        _add_orphan(jaxpr)
       for check in list(_jaxpr_checks):
         check(jaxpr, consts)
     return jaxpr, consts

@@ -119,7 +119,9 @@ def _start(src_ref, dst_ref, fn: str, make_spec) -> RefFuture:
   fut = RefFuture(sems, spec, layout, origin=origin, token=token)
   frame = jc.current_frame(sems[0]) if sems else None
   if frame is not None:
-    jc.mark_frame(sems[0])  # the checks run when this trace ends
+    # The checks run when this trace ends, and in the frame a custom_vjp
+    # function holding it is called from (a Ref passed in twice).
+    jc.mark_frame(sems[0], orphan=True)
     fut._track = (jc.live_eqns(frame)[-1], src, dst)
   return fut
 
@@ -177,10 +179,17 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
     src = fut._track[1]
     tie_read = None
     if not jc.window_reads_ref(fut._track[0], sems, src.base, _other_slot(src)):
+      dst_base = fut._track[2].base
 
       def tie_read(eqn):
-        return not jc.reads_ref(eqn, src.base) and jc.reads_idle_local_ref(
-          eqn, sems, ref_start_p.name
+        # Not a read of a Ref whose buffer may be the destination's value
+        # (new_ref of the same computation, of a read of it): tied after
+        # the start, XLA copies that value to keep it from the start's
+        # in-place write (v5e, v6e; design/inspect.md, h-alias).
+        return (
+          not jc.reads_ref(eqn, src.base)
+          and jc.reads_idle_local_ref(eqn, sems, ref_start_p.name)
+          and not jc.read_may_hold_buffer_of(eqn, dst_base)
         )
 
     sems = jc.tie_between(fut._track[0], sems, tie_read)

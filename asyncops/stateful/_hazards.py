@@ -23,7 +23,10 @@ Assumptions (documented in ``design/stateful.md``): a future awaited at a
 done is in flight on the Refs and slots passed to that done (the start's
 Refs are checked against them when both are in one trace); the loop bounds
 are not used (slots are compared for every value of a loop index); Refs
-are distinct unless they are the same traced Ref.
+are distinct unless they are the same traced Ref. A Ref that enters a
+frame (``jax.checkpoint``, ``custom_vjp``, ``shard_map``) under two names
+is two copies to JAX there: a transfer on it, or the frame entered so
+while a transfer is in flight on it, is refused.
 """
 
 from __future__ import annotations
@@ -149,6 +152,34 @@ class _Transfer:
   key: object  # identity across translations into and out of sub-jaxprs
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Alias:
+  """One Ref that entered a frame under several names.
+
+  ``key`` identifies the Ref across frames; ``where`` is the frame's call
+  (user code), ``frame`` what kind of frame, ``names`` how the Ref is
+  named there (``argument 'p'``, ``a value closed over``).
+  """
+
+  key: object
+  where: str
+  frame: str
+  names: tuple[str, ...]
+
+
+# Call-like frames whose arguments JAX does not check for one Ref passed
+# twice (jit, cond, switch and the loops refuse it), by primitive name.
+_FRAMES = {
+  "remat": "jax.checkpoint",
+  "remat2": "jax.checkpoint",
+  "checkpoint": "jax.checkpoint",
+  "custom_vjp_call": "jax.custom_vjp function",
+  "custom_vjp_call_jaxpr": "jax.custom_vjp function",
+  "custom_jvp_call": "jax.custom_jvp function",
+  "shard_map": "shard_map",
+}
+
+
 _REF_PRIMS = ("asyncops_ref_start", "asyncops_ref_done")
 _INDEXED = {"get": 1, "swap": 2, "addupdate": 2}
 _FORWARD = {"asyncops_tie", "optimization_barrier", "pvary", "copy", "copy_p"}
@@ -186,10 +217,13 @@ class _Walk:
     live: ``invar -> transfer`` for semaphores passed in.
     ambient: transfers in flight whose semaphores are not passed in.
     assumed: inside :func:`assume_disjoint`.
+    aliases: ``id(invar) -> _Alias`` for Refs passed in under several
+      names (one buffer outside).
   """
 
-  def __init__(self, jaxpr, consts, live, ambient, assumed):
+  def __init__(self, jaxpr, consts, live, ambient, assumed, aliases=None):
     self.jaxpr = jaxpr
+    self.aliases: dict[int, _Alias] = dict(aliases or {})
     self.live: dict[Any, _Transfer] = dict(live)
     self.ambient: list[_Transfer] = list(ambient)
     self.assumed = assumed
@@ -276,7 +310,12 @@ class _Walk:
       sides.append(_Buf(ref, slots))
     token = eqn.params.get("token")
     origin = origins.get(token) or jc.user_frame(eqn)
-    return _Transfer(spec.short(), origin, sides[0], sides[1], object())
+    t = _Transfer(spec.short(), origin, sides[0], sides[1], object())
+    for role, b in (("source", t.src), ("destination", t.dst)):
+      alias = self.aliases.get(id(b.ref)) if b.ref is not None else None
+      if alias is not None:
+        self.fail_alias(t, role, alias, "uses it")
+    return t
 
   def slots(self, ref, atom) -> Slots:
     shape = getattr(getattr(ref, "aval", None), "inner_aval", None)
@@ -352,6 +391,21 @@ class _Walk:
       "asyncops.stateful.assume_disjoint()."
     )
 
+  def fail_alias(self, t: _Transfer, role: str, alias: _Alias, how) -> None:
+    names = " and ".join(alias.names)
+    raise FutureError(
+      f"asyncops.stateful: the {role} Ref of the {t.what} started at "
+      f"{t.origin} reaches the {alias.frame} called at {alias.where} under "
+      f"two names ({names}), and the transfer {how}. Inside such a frame "
+      "JAX gives each name its own copy of the buffer (jax.jit, lax.cond "
+      "and the loops refuse one Ref passed twice), so a write or read "
+      "through the other name misses the buffer the DMA reads or writes, "
+      "and a transfer between the two names is a DMA onto its own buffer. "
+      "Pass the Ref into the frame once and use that one name for it "
+      "(not also as a second argument, a second pytree leaf or a value "
+      "closed over), or use a separate Ref."
+    )
+
   def done_where(self, t: _Transfer) -> str:
     sems = {v for v, u in self.live.items() if u.key is t.key}
     for eqn in self.eqns[self.at :]:
@@ -371,6 +425,7 @@ class _Walk:
 
   def structured(self, eqn, name: str, scoped: bool) -> None:
     p = eqn.params
+    self.frame_eqn = eqn  # the call being descended into (aliases)
     if name == "while":
       nc, nb = p["cond_nconsts"], p["body_nconsts"]
       self.loop(
@@ -445,12 +500,49 @@ class _Walk:
     ambient = [
       _translate(t, into) for t in self.inflight() if t.key not in passed
     ]
-    walk = _Walk(inner, consts, live, ambient, scoped)
+    aliases = self.aliases_into(closed, ops)
+    walk = _Walk(inner, consts, live, ambient, scoped, aliases)
     for k, (v, o) in enumerate(zip(inner.invars, ops, strict=False)):
       if known is None or k in known:
         walk.ev.memo[id(v)] = self.ev.value(o)
     outs = walk.run()
     return outs, walk.awaited
+
+  def aliases_into(self, closed, ops) -> dict[int, _Alias]:
+    """``id(invar) -> _Alias`` for the invars of ``closed`` (receiving
+    ``ops``) that name one Ref together (passed twice, or already aliased
+    here); raises when a transfer in flight uses such a Ref."""
+    inner = getattr(closed, "jaxpr", closed)
+    groups: dict[object, list[int]] = {}
+    for k, o in enumerate(ops):
+      if _is_var(o) and jc.is_ref(o):
+        key = self.aliases[id(o)].key if id(o) in self.aliases else o
+        groups.setdefault(key, []).append(k)
+    eqn = getattr(self, "frame_eqn", None)
+    where = jc.eqn_where(eqn) if eqn is not None else "unknown"
+    name = eqn.primitive.name if eqn is not None else "frame"
+    frame = _FRAMES.get(name, f"{name} frame")
+    arg_names = jc.jaxpr_arg_names(closed)
+    out: dict[int, _Alias] = {}
+    for key, ks in groups.items():
+      outer = [
+        self.aliases[id(ops[k])] for k in ks if id(ops[k]) in self.aliases
+      ]
+      if len(ks) < 2 and not outer:
+        continue
+      if len(ks) < 2:  # one name here, several outside: keep those
+        alias = outer[0]
+      else:
+        names = tuple(_arg_name(arg_names, k) for k in ks)
+        alias = _Alias(key, where, frame, names)
+        for t in self.inflight():
+          for role, b in (("source", t.src), ("destination", t.dst)):
+            if b.ref is not None and any(b.ref is ops[k] for k in ks):
+              self.fail_alias(t, role, alias, "is in flight on it")
+      for k in ks:
+        if k < len(inner.invars):
+          out[id(inner.invars[k])] = alias
+    return out
 
   def settle(self, awaited) -> None:
     for t in self.inflight():
@@ -529,6 +621,12 @@ class _Walk:
       seen.append(sig)
       live = nxt
     self.bind_outputs(ops, eqn.outvars[:ncarry], outs[:ncarry], body, loop=True)
+
+
+def _arg_name(names, k: int) -> str:
+  if names is None or k >= len(names):
+    return f"operand {k}"
+  return f"argument {names[k]!r}" if names[k] else "a value closed over"
 
 
 def _call_jaxpr(eqn):
