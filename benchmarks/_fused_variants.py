@@ -19,15 +19,18 @@ Twins (:mod:`benchmarks._kernel_costs`): what each computing kernel of
 ``asyncops/kernels/_allgather_matmul.py`` and ``_reducescatter_matmul.py``
 does, written with ``jnp`` ops of the same shapes:
 
-- ``ring_allgather_matmul``: one ``x_s [m, g k] @ w_s [g k, f]`` dot per
-  step of the kernel's plan (``g`` chunks; the plan is read from the
-  kernel's ``ring_steps_<plan>_nf<blocks>`` scope) added into a float32
-  accumulator, cast once (:func:`ring_steps`); each step waits for the
-  receive slots it consumes (:class:`_kernel_costs.Steps`). Not the
-  unsharded matmul:
-  XLA's estimate of one ``[m, n k] x [n k, f]`` dot is the work of a
-  different program (and, simulated with its weight prefetch charged,
-  serialises the weight read before the dot, which the kernel streams).
+- ``ring_allgather_matmul``: one contraction over every chunk the kernel
+  holds, ``x [n, m, k]`` (the chunks stacked, as its local chunk and
+  receive slots are) by ``w`` as ``[n, k, f]``, accumulated in float32
+  inside the contraction and cast once (:func:`ring_contraction`): the
+  kernel keeps its ``[m, f]`` accumulator in VMEM for the whole ring and
+  writes it to HBM once, so its twin makes no accumulator pass through
+  HBM between steps. Each step of the kernel's plan (read from its
+  ``ring_steps_<plan>_nf<blocks>`` scope) waits for the receive slots it
+  consumes and is charged the contraction's time in proportion to its
+  chunks (:class:`_kernel_costs.Steps`, ``_kernel_costs._split``). (Before
+  branch h-acctwin: one dot per step added into an accumulator XLA placed
+  in HBM, :func:`ring_steps`, kept to compare.)
 - ``ring_reducescatter_matmul``: every step's product plus the partial
   sums received, cast: ``x [m, k] @ w [k, n c] + r [m, n c]`` (it writes
   ``n - 1`` sent blocks and keeps its own product: ``n c`` columns);
@@ -70,37 +73,64 @@ def _matmul_cast(x, w, out_dtype):
   ).astype(out_dtype)
 
 
+def _mxu_operands(x, w):
+  """``(x, w, precision)`` as the kernel's dots see them: quantized int8
+  codes meet the MXU as bfloat16 (exact); the kernel reads a wider ``w``
+  as stored and rounds it in VMEM, the same work as a dot in ``w``'s
+  dtype at DEFAULT precision (one bfloat16 pass); float32 chunks travel
+  only at HIGHEST precision (``_fused``)."""
+  floating = jnp.issubdtype(w.dtype, jnp.floating)
+  highest = jnp.dtype(x.dtype) == jnp.float32
+  if jnp.dtype(x.dtype) == jnp.int8 and floating:
+    x = x.astype(jnp.bfloat16)
+  if floating and jnp.dtype(w.dtype).itemsize > jnp.dtype(x.dtype).itemsize:
+    x = x.astype(w.dtype)
+  precision = jax.lax.Precision.HIGHEST if highest else None
+  return x, w.astype(x.dtype), precision
+
+
+def ring_contraction(w, x, *, out_dtype):
+  """The all-gather kernel's work: ``w [n k, f]`` (every row, as stored)
+  by the ``n`` chunks ``x [n, m, k]`` it multiplies (its local chunk and
+  receive slots, stacked), one contraction over the chunks and their
+  columns, ``sum_s x[s] @ w[s k : (s + 1) k]``, in float32 (int32 for
+  int8) and cast once. The kernel accumulates every step's product into
+  an ``[m, f]`` accumulator that stays in VMEM for the whole ring and is
+  written to HBM once; here the accumulation is inside the contraction,
+  so XLA's estimate has no pass of it through HBM either. (``w`` as
+  ``[n, k, f]`` is a bitcast; XLA compiles this to one convolution
+  fusion of the two parameters, no copy or transpose.)"""
+  n, m, k = x.shape
+  x, w, precision = _mxu_operands(x, w)
+  y = jnp.einsum(
+    "smk,skf->mf",
+    x,
+    w.reshape(n, k, w.shape[1]),
+    preferred_element_type=_acc(x.dtype),
+    precision=precision,
+  )
+  return y.astype(out_dtype)
+
+
 def ring_steps(w, *xs, plan=None, out_dtype):
-  """The all-gather kernel's work, one dot per step of its plan: ``w [n k,
-  f]`` (every row, as stored), ``xs[s] [m, g_s k]`` (the ``g_s`` chunks
-  step ``s`` holds; ``plan`` = ``(g_0, g_1, ...)``, default one chunk per
-  step). Step ``s`` adds ``xs[s] @ w_s`` (its ``g_s k`` rows of ``w``) into
-  a float32 (int32 for int8) accumulator, cast once at the end. XLA decides
-  where the accumulator lives, as it would for this program written by
-  hand."""
+  """One dot per step of a plan, added into an accumulator that XLA
+  places (in HBM at the shapes that matter): the all-gather kernel's
+  twin before branch h-acctwin, kept to compare (``benchmarks.
+  plan_twins``). ``w [n k, f]`` (every row, as stored), ``xs[s] [m, g_s
+  k]`` (the ``g_s`` chunks step ``s`` holds; ``plan`` = ``(g_0, g_1,
+  ...)``, default one chunk per step). Step ``s`` adds ``xs[s] @ w_s``
+  (its ``g_s k`` rows of ``w``) into a float32 (int32 for int8)
+  accumulator, cast once at the end."""
   k = xs[0].shape[1] // (plan[0] if plan else 1)
   plan = plan or tuple(x.shape[1] // k for x in xs)
   acc = None
-  floating = jnp.issubdtype(w.dtype, jnp.floating)
-  # float32 chunks travel only at HIGHEST precision (``_fused``); bfloat16
-  # chunks meet a float32 w in one bfloat16 pass (DEFAULT).
-  highest = jnp.dtype(xs[0].dtype) == jnp.float32
   row = 0
   for xs_, g in zip(xs, plan, strict=True):
     ws = w[row * k : (row + g) * k]
     row += g
-    if jnp.dtype(xs_.dtype) == jnp.int8 and floating:
-      xs_ = xs_.astype(jnp.bfloat16)  # quantized codes meet the MXU as bf16
-    wider = jnp.dtype(ws.dtype).itemsize > jnp.dtype(xs_.dtype).itemsize
-    if floating and wider:
-      # The kernel reads w as stored and rounds it in VMEM: the same work
-      # as a dot in w's dtype at DEFAULT precision (one bfloat16 pass).
-      xs_ = xs_.astype(ws.dtype)
+    xs_, ws, precision = _mxu_operands(xs_, ws)
     y = jnp.dot(
-      xs_,
-      ws.astype(xs_.dtype),
-      preferred_element_type=_acc(xs_.dtype),
-      precision=jax.lax.Precision.HIGHEST if highest else None,
+      xs_, ws, preferred_element_type=_acc(xs_.dtype), precision=precision
     )
     acc = y if acc is None else acc + y
   return acc.astype(out_dtype)
@@ -131,10 +161,12 @@ def step_tail(attrs: str) -> int | None:
 
 
 def _ag_twin(operands, results, attrs=""):
-  """One ``[m, g k] x [g k, f]`` dot per step of the kernel's plan (``g``
-  chunks), accumulated (see :func:`ring_steps`): the shapes of the dots
-  the kernel runs (it tiles each in ``[k/d, bn]`` blocks inside one
-  pipeline). Each step waits for its chunks' receive slots."""
+  """One contraction over the kernel's ``n`` chunks with the accumulation
+  inside it (:func:`ring_contraction`): the kernel's work, its float32
+  accumulator in VMEM for the whole ring. Each step of the kernel's plan
+  (``g`` chunks) waits for its chunks' receive slots and is charged
+  ``g / n`` of the contraction (``Steps.units``; no chunk parameter per
+  step, so ``_kernel_costs._split`` splits in proportion)."""
   # Operands: me, x, [x scales [d, m, 128]], w, recv, [recv scales], sems.
   _, x, *rest = operands
   w = next(o for o in rest if len(o.dims) == 2)
@@ -159,20 +191,16 @@ def _ag_twin(operands, results, attrs=""):
   tails = (
     tuple(min(1.0, tail / (blocks * g * nd)) for g in plan) if tail else ()
   )
-  fn = functools.partial(ring_steps, plan=plan, out_dtype=_dt(results[0]))
+  fn = functools.partial(ring_contraction, out_dtype=_dt(results[0]))
   needs, unit = [], 0
   for g in plan:
     needs.append(tuple(u - 1 for u in range(unit, unit + g) if u > 0))
     unit += g
-  args = (_sds((n * k, f), _dt(w)),) + tuple(
-    _sds((m, g * k), _dt(x)) for g in plan
-  )
-  # Twin parameters: w, then step s's chunks (parameter s + 1).
-  params = tuple(range(1, len(plan) + 1))
+  args = (_sds((n * k, f), _dt(w)), _sds((n, m, k), _dt(x)))
   return (
     fn,
     args,
-    _kernel_costs.Steps(tuple(needs), blocks, tails, params, plan),
+    _kernel_costs.Steps(tuple(needs), blocks, tails, (), plan),
   )
 
 

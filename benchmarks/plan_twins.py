@@ -1,12 +1,15 @@
-"""What the model charges a fused all-gather step plan, before any wait.
+"""What a fused all-gather step plan would cost with its accumulator in HBM.
 
-The fused all-gather kernel is charged XLA's estimate of its jnp twin, one
-dot per step of its plan (:func:`benchmarks._fused_variants.ring_steps`),
-each step's share attributed to the dot that reads its chunks
-(:mod:`benchmarks._kernel_costs`). This prints that twin's modelled time
-for each plan, step by step, next to the unsharded local matmul, for one
-device's shapes ``x [m, k]`` (``n`` chunks), ``w [n k, f]``: the floor no
-kernel running that plan goes under in the model, whatever its waits.
+Since branch h-acctwin the fused all-gather kernel is charged XLA's
+estimate of one contraction over all its chunks
+(:func:`benchmarks._fused_variants.ring_contraction`; its float32
+accumulator stays in VMEM for the whole ring), split over the steps of any
+plan in proportion to their chunks: plans differ in the model only by
+their waits. This prints, for comparison, each plan written as one dot per
+step added into an accumulator XLA places (:func:`benchmarks.
+_fused_variants.ring_steps`, the twin before that branch), step by step,
+next to the contraction and the unsharded local matmul, for one device's
+shapes ``x [m, k]`` (``n`` chunks), ``w [n k, f]``.
 
 Usage::
 
@@ -42,8 +45,9 @@ def _model(fn, args, chip):
 
 
 def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
-  """``{plan: (total s, per-step s)}`` and the unsharded dot's seconds
-  (its weight prefetch free, as twins are modelled)."""
+  """``{plan: (total s, per-step s)}`` (and ``"contraction"``: the
+  charged twin) and the unsharded dot's seconds (prefetch free, as twins
+  are modelled)."""
   chip = _chips.chip_for(topology)
   device = _measure.mesh_for(topology, "ring", n).devices.flat[0]
   s = jax.sharding.SingleDeviceSharding(device)
@@ -64,6 +68,10 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
     steps = _kernel_costs.Steps(((),) * len(plan), 1, (), params, plan)
     split = _kernel_costs.step_costs(module, tl, steps)
     out[plan] = (tl.step_s, split.costs)
+
+  one = functools.partial(_fused_variants.ring_contraction, out_dtype=out_dtype)
+  _, tl = _model(one, (w, sds((n, m, k), x_dtype)), chip)
+  out["contraction"] = (tl.step_s, (tl.step_s,))
 
   def dot(x, w):
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
         "topology": a.topology,
         "dims": [n, m, k, f],
         "w_dtype": w_dtype.name,
-        "plan": list(plan),
+        "plan": plan if isinstance(plan, str) else list(plan),
         "twin_us": total * 1e6,
         "step_us": [c * 1e6 for c in steps],
         "unsharded_us": local * 1e6,

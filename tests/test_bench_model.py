@@ -339,32 +339,61 @@ def test_run_measure_keeps_its_signature():
   assert 0 < row["alloc_mib"] <= row["temp_mib"] + 1e-6
 
 
-@pytest.fixture(scope="module")
-def fused_chapter():
-  """The fused all-gather matmul at the chapter's shape (bf16, v5e:2x4,
-  tp 4), compiled and modelled like a table row."""
+@pytest.fixture(scope="module", params=["v5e:2x4", "v6e:2x4"])
+def fused_chapter(request):
+  """The fused all-gather matmul at the chapter's shape (bf16, tp 4) on
+  v5e:2x4 and v6e:2x4, compiled and modelled like a table row."""
   from benchmarks import _fused_variants, _measure  # noqa: PLC0415, F401
 
   spec = _measure.Spec(
-    "allgather_matmul_fused", "v5e:2x4", None, (1024, 2048, 8192), jnp.bfloat16
+    "allgather_matmul_fused",
+    request.param,
+    None,
+    (1024, 2048, 8192),
+    jnp.bfloat16,
   )
   with _measure.cache_off():
-    return _measure.measure(spec)
+    return request.param, _measure.measure(spec)
 
 
-def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
-  """The fused kernel costs XLA's estimate of the dots it runs, one
-  ``[m, g k] x [g k, f]`` per step of its plan (``g`` chunks) into a
-  float32 accumulator (not one unsharded dot with its weight prefetch
-  serialised before it), never less than the FLOPs at peak; each step
-  waits for the receive slots it consumes; its start's sends are routed
-  peer by peer."""
-  from benchmarks import _fused_variants, _measure  # noqa: PLC0415
+def _ag_twins(topology, dims, plan):
+  """XLA's modelled estimate (prefetch free, as the coster models twins)
+  of two jnp programs of the fused all-gather's work for one device's
+  ``dims = (n, m, k, f)`` (bf16): one contraction over the stacked chunks
+  with the accumulation inside it (the kernel's charge), and one dot per
+  step of ``plan`` added into a float32 accumulator (its charge before
+  branch h-acctwin); ``(contraction timeline, its HLO text, per-step
+  timeline)``."""
+  chip = _chips.chip_for(topology)
+  device = _measure.mesh_for(topology, "ring", None).devices.flat[0]
+  s = jax.sharding.SingleDeviceSharding(device)
+  n, m, k, f = dims
+  bf, f32 = jnp.bfloat16, jnp.float32
 
-  res = fused_chapter
-  tl = res.timeline
-  assert not tl.flags, tl.flags
-  n, m, k, f = 4, 512, 512, 2048
+  def modelled(fn, shapes):
+    args = [jax.ShapeDtypeStruct(sh, bf, sharding=s) for sh in shapes]
+    text = jax.jit(fn).trace(*args).lower().compile().as_text()
+    return _timeline.simulate(_hlo.parse(text), chip, prefetch="free"), text
+
+  def contraction(w, x):
+    y = jnp.einsum(
+      "smk,skf->mf", x, w.reshape(n, k, f), preferred_element_type=f32
+    )
+    return y.astype(bf)
+
+  def per_step(w, *xs):
+    acc, row = None, 0
+    for x, g in zip(xs, plan, strict=True):
+      y = jnp.dot(x, w[row * k : (row + g) * k], preferred_element_type=f32)
+      acc, row = (y if acc is None else acc + y), row + g
+    return acc.astype(bf)
+
+  one, text = modelled(contraction, [(n * k, f), (n, m, k)])
+  steps, _ = modelled(per_step, [(n * k, f)] + [(m, g * k) for g in plan])
+  return one, text, steps
+
+
+def _ag_kernel(res):
   module = _hlo.parse(res.text)
   (kernel,) = [
     i
@@ -372,23 +401,48 @@ def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
     for i in c
     if i.name.startswith("ring_allgather_matmul")
   ]
+  return module, kernel
+
+
+def test_fused_kernel_is_charged_one_contraction(fused_chapter):
+  """The fused kernel keeps its float32 accumulator in VMEM for the whole
+  ring, so it costs XLA's estimate of one contraction over its chunks
+  with the accumulation inside it (``x [n, m, k]`` by ``w`` as ``[n, k,
+  f]``: one convolution fusion, no copy or transpose besides XLA's
+  cross-program prefetch, no float32 ``[m, f]`` accumulator in HBM),
+  below the one-dot-per-step twin that adds into an accumulator, never
+  less than the FLOPs at peak; each step is charged its share of chunks
+  and waits for the receive slots it consumes; its start's sends are
+  routed peer by peer. On v5e and v6e."""
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
+  topology, res = fused_chapter
+  chip = _chips.chip_for(topology)
+  tl = res.timeline
+  assert not tl.flags, tl.flags
+  n, m, k, f = 4, 512, 512, 2048
+  module, kernel = _ag_kernel(res)
   plan, blocks = _fused_variants.step_plan(kernel.attrs, n)
   assert sum(plan) == n and blocks == f // 1024
-  device = _measure.mesh_for("v5e:2x4", "ring", None).devices.flat[0]
-  s = jax.sharding.SingleDeviceSharding(device)
-  args = [jax.ShapeDtypeStruct((n * k, f), jnp.bfloat16, sharding=s)] + [
-    jax.ShapeDtypeStruct((m, g * k), jnp.bfloat16, sharding=s) for g in plan
-  ]
-
-  def fn(w, *xs):
-    return _fused_variants.ring_steps(w, *xs, plan=plan, out_dtype=jnp.bfloat16)
-
-  twin_text = jax.jit(fn).trace(*args).lower().compile().as_text()
-  steps = _timeline.simulate(_hlo.parse(twin_text), CHIP, prefetch="free")
-  assert tl.twin_s == pytest.approx(steps.step_s)
-  assert tl.twin_s >= 2 * m * n * k * f / CHIP.bf16_flops
-  # One dot per step, each of the step's shape.
-  assert twin_text.count("convolution(") + twin_text.count(" dot(") == len(plan)
+  one, text, per_step = _ag_twins(topology, (n, m, k, f), plan)
+  assert tl.twin_s == pytest.approx(one.step_s, rel=1e-6)
+  assert tl.twin_s >= 2 * m * n * k * f / chip.bf16_flops
+  # No accumulator pass through HBM: below the per-step twin's adds.
+  assert tl.twin_s < 0.9 * per_step.step_s
+  entry = _hlo.parse(text)
+  ops = [i.opcode for i in entry.computations[entry.entry]]
+  assert ops.count("fusion") == 1, ops
+  assert not {"copy", "transpose", "concatenate"} & set(ops), ops
+  assert "f32[1024" not in text.split("ENTRY")[1].replace("f32[1024]", "")
+  assert text.count("convolution(") + text.count(" dot(") == 1
+  # Each step its share of the contraction, in proportion to its chunks.
+  device = _measure.mesh_for(topology, "ring", None).devices.flat[0]
+  split = _kernel_costs.KernelCoster(chip, device)(kernel, module)
+  assert isinstance(split, _timeline.KernelSteps)
+  assert split.total == pytest.approx(one.step_s, rel=1e-6)
+  assert list(split.costs) == pytest.approx(
+    [one.step_s * g / n for g in plan], rel=1e-6
+  )
   # The kernel's boxes: its compute plus any wait for a step's chunks,
   # which counts as exposed communication.
   boxes = [e for e in tl.events if e.name == kernel.name]
@@ -396,9 +450,15 @@ def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
   waited = sum(e.dur for e in boxes if e.kind == "wait")
   assert busy == pytest.approx(tl.twin_s)
   assert tl.exposed_comm_s >= waited
-  # No result copy: the kernel's output is the program's result.
-  kinds = [e.name.split(".")[0] for e in tl.events if e.track == "compute"]
-  assert not [k for k in kinds if k.startswith("copy")], kinds
+  # No result copy: the kernel's output is the program's result (on v6e
+  # XLA prefetches x before the start: a copy-done, not after the kernel).
+  end = max(e.start + e.dur for e in boxes)
+  copies = [
+    e.name
+    for e in tl.events
+    if e.track == "compute" and e.name.startswith("copy") and e.start >= end
+  ]
+  assert not copies, copies
   # Direct sends: each of the 8 devices sends its chunk to its 3 peers,
   # each copy routed on its own (the antipode is 2 hops away), so the
   # links carry more than one link-crossing per copy.
@@ -406,6 +466,47 @@ def test_fused_kernel_is_charged_its_ring_steps(fused_chapter):
   assert start.dur > 0
   chunk = m * k * 2
   assert sum(start.args["links"].values()) > 8 * (n - 1) * chunk
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_fused_kernel_at_prefill_makes_no_accumulator_pass(topology):
+  """At the prefill shape (2048, 8192, 28672), bf16, tp 4, the per-step
+  twin's three adds of float32 ``[1024, 7168]`` partial products are HBM
+  passes the kernel never makes (its accumulator stays in VMEM). The
+  kernel is charged the one contraction, which costs what XLA estimates
+  for the unsharded local matmul (the bound: the same work), less than
+  the per-step twin by more than the 28 MiB accumulator's bytes at HBM
+  bandwidth on v6e (XLA's estimate of the adds: 23.4 us)."""
+  from benchmarks import _fused_variants  # noqa: PLC0415, F401
+
+  chip = _chips.chip_for(topology)
+  shape = (2048, 8192, 28672)
+  spec = _measure.Spec(
+    "allgather_matmul_fused", topology, None, shape, jnp.bfloat16
+  )
+  bound = _measure.Spec("unsharded", topology, None, shape, jnp.bfloat16)
+  with _measure.cache_off():
+    res = _measure.measure(spec)
+    local = _measure.measure(bound)
+  tl = res.timeline
+  assert not tl.flags, tl.flags
+  n, m, k, f = 4, 1024, 2048, 7168
+  _, kernel = _ag_kernel(res)
+  plan, _ = _fused_variants.step_plan(kernel.attrs, n)
+  one, _, per_step = _ag_twins(topology, (n, m, k, f), plan)
+  assert tl.twin_s == pytest.approx(one.step_s, rel=1e-6)
+  assert tl.twin_s == pytest.approx(local.timeline.step_s, rel=0.01)
+  acc = m * f * 4
+  if topology == "v6e:2x4":
+    assert per_step.step_s - tl.twin_s >= acc / chip.hbm_bytes_per_s
+  else:
+    assert tl.twin_s < per_step.step_s
+  # The kernel's steps never wait here (the transfers hide under the
+  # dots): the row is the twin plus start, done and, on v6e, XLA's
+  # prefetch of x before the start (2.6 us).
+  waits = [e for e in tl.events if e.name == kernel.name and e.kind == "wait"]
+  assert not waits
+  assert tl.step_s - tl.twin_s < 5e-6
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
