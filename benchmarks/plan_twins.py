@@ -6,7 +6,10 @@ each step's share attributed to the dot that reads its chunks
 (:mod:`benchmarks._kernel_costs`). This prints that twin's modelled time
 for each plan, step by step, next to the unsharded local matmul, for one
 device's shapes ``x [m, k]`` (``n`` chunks), ``w [n k, f]``: the floor no
-kernel running that plan goes under in the model, whatever its waits.
+kernel running that plan goes under in the model, whatever its waits. The
+twin is modelled as the coster models it for the two-way kernel: its
+pipeline fill (``x`` and one ``[k/2, bn]`` block of ``w``) first, in the
+total and in no step.
 
 Usage::
 
@@ -35,15 +38,30 @@ from benchmarks import (
 PLANS = ((1, 1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 3), (2, 2), (4,))
 
 
-def _model(fn, args, chip):
+def _model(fn, args, chip, fill=None):
   text = jax.jit(fn).trace(*args).lower().compile().as_text()
   module = _hlo.parse(text)
-  return module, _timeline.simulate(module, chip, prefetch="free")
+  return module, _timeline.simulate(module, chip, prefetch="free", fill=fill)
+
+
+def _reads(k, f, w_dtype, plan) -> _kernel_costs.Reads:
+  """The two-way kernel's reads (``_fused_variants._ag_reads``): ``x``
+  whole, ``w`` and the later steps' chunks streamed, one ``[k/2, bn]``
+  block of ``w`` in the fill (``bn`` as the library plans it)."""
+  from asyncops.collective_matmul import _fused as lib  # noqa: PLC0415
+
+  item = jnp.dtype(w_dtype).itemsize
+  bn = lib._block_cols(f, k, item) or f
+  return _kernel_costs.Reads(
+    whole=(1,),
+    streamed=(0, *range(2, len(plan) + 1)),
+    first=((0, k // 2 * bn * item),),
+  )
 
 
 def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
-  """``{plan: (total s, per-step s)}`` and the unsharded dot's seconds
-  (its weight prefetch free, as twins are modelled)."""
+  """``{plan: (total s, per-step s)}`` (the total with the kernel's fill)
+  and the unsharded dot's seconds (XLA's program: its prefetch free)."""
   chip = _chips.chip_for(topology)
   device = _measure.mesh_for(topology, "ring", n).devices.flat[0]
   s = jax.sharding.SingleDeviceSharding(device)
@@ -59,10 +77,11 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
       _fused_variants.ring_steps, plan=plan, out_dtype=out_dtype
     )
     args = (w,) + tuple(sds((m, g * k), x_dtype) for g in plan)
-    module, tl = _model(fn, args, chip)
+    fill = _kernel_costs.fill_of(_reads(k, f, w_dtype, plan), args, chip)
+    module, tl = _model(fn, args, chip, fill)
     params = tuple(range(1, len(plan) + 1))
     steps = _kernel_costs.Steps(((),) * len(plan), 1, (), params, plan)
-    split = _kernel_costs.step_costs(module, tl, steps)
+    split = _kernel_costs.step_costs(module, tl, steps, fill.seconds)
     out[plan] = (tl.step_s, split.costs)
 
   def dot(x, w):
