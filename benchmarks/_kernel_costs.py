@@ -159,19 +159,24 @@ def fill_of(reads: Reads, args: Sequence[Any], chip: Chip) -> _timeline.Fill:
   """The twin's ``_timeline.Fill`` for a kernel that reads ``args`` (its
   twin's arguments, shaped) as ``reads`` says: the whole reads and the
   first blocks at HBM bandwidth (the pipeline's prologue is a DMA from
-  HBM into VMEM, as the model charges every copy on its DMA track)."""
-  whole = sum(
-    int(np.prod(args[p].shape)) * jnp.dtype(args[p].dtype).itemsize
-    for p in reads.whole
-  )
+  HBM into VMEM, as the model charges every copy on its DMA track); an
+  op of the twin bound by its bytes that reads those parts from HBM
+  itself is charged them once (``_timeline.Fill.parts``)."""
+  whole = sum(_nbytes(args[p]) for p in reads.whole)
   bw = chip.hbm_bytes_per_s
   first = sum(b for _, b in reads.first)
+  parts = [(p, _nbytes(args[p]) / bw) for p in reads.whole]
   return _timeline.Fill(
     frozenset(reads.whole),
     frozenset(reads.streamed),
     (whole + first + reads.extra_bytes) / bw,
     tuple((p, b / bw) for p, b in reads.first),
+    tuple(parts) + tuple((p, b / bw) for p, b in reads.first),
   )
+
+
+def _nbytes(arg) -> int:
+  return int(np.prod(arg.shape)) * jnp.dtype(arg.dtype).itemsize
 
 
 def _sds(leaf, sharding):

@@ -434,12 +434,20 @@ class Fill:
     first: ``(parameter, seconds)``: a streamed operand whose first block
       is the end of the fill; its prefetch starts that long before the
       fill ends (the same bytes), the rest of it under the dots.
+    parts: ``(parameter, seconds)`` of each part of the fill (the whole
+      reads and the first blocks). The first op that reads one of those
+      parameters from HBM itself (not prefetched) and is bound by its
+      bytes (its HBM bytes at bandwidth at least its FLOPs at peak) has
+      them in its estimate already: it is charged that much less, never
+      below the rest of its bytes or its FLOPs (``_fill_credit``). A
+      compute-bound op keeps its estimate: the fill is before it.
   """
 
   whole: frozenset = frozenset()
   streamed: frozenset = frozenset()
   seconds: float = 0.0
   first: tuple[tuple[int, float], ...] = ()
+  parts: tuple[tuple[int, float], ...] = ()
 
 
 # Kernel-cost hook: (kernel instruction, module) -> seconds (or a
@@ -514,6 +522,10 @@ class _Sim:
   ):
     self.m, self.chip, self.coords = m, chip, coords
     self.fill = fill
+    # The fill's parts no op has read from HBM yet (``_fill_credit``).
+    self.fill_left: dict[int, float] = {}
+    for p, s in fill.parts if fill else ():
+      self.fill_left[p] = self.fill_left.get(p, 0.0) + s
     self.axis_rings = axis_rings or {}
     self.collectives = collectives
     self._rings: dict = {}
@@ -1340,6 +1352,7 @@ class _Sim:
       self.compute += max(more, 0.0)
       return stepped + max(more, 0.0)
     cost = self._op_cost(comp, ins)
+    cost -= self._fill_credit(comp, ins, cost)
     flops = self._flops(ins)[0]
     hbm = self._share_hbm(comp, ins, t, cost)
     cost = self._stream_end(comp, ins, t, cost, flops)
@@ -1356,6 +1369,30 @@ class _Sim:
     )
     self.compute += cost
     return t + cost
+
+  def _fill_credit(self, comp: str, ins: Instr, cost: float) -> float:
+    """What a twin's op bound by its bytes need not charge again: the
+    parts of the kernel's fill (``Fill.parts``) it reads from HBM itself
+    (an entry parameter, through bitcasts), which the fill has moved
+    before it; never below the rest of its bytes or its FLOPs."""
+    if not self.fill_left or comp != self.m.entry:
+      return 0.0
+    table = self._table(comp)
+    params, stack = set(), list(ins.operands)
+    while stack:
+      src = table.get(stack.pop())
+      if src is None:
+        continue
+      if src.opcode == "parameter":
+        params.add(src.parameter_number)
+      elif src.opcode == "bitcast":
+        stack.extend(src.operands)
+    got = sum(self.fill_left.pop(p) for p in params if p in self.fill_left)
+    hbm = self._hbm_bytes(comp, ins) / self.chip.hbm_bytes_per_s
+    flops = self._flops_s(ins)
+    if got <= 0 or hbm < flops:
+      return 0.0
+    return max(0.0, min(got, cost - max(flops, hbm - got)))
 
   def _share_hbm(self, comp, ins, t, dur, in_place=False) -> float:
     """HBM is one resource: a copy on the DMA track (``copy-start``,
