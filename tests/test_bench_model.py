@@ -1236,3 +1236,48 @@ def test_fused_allgather_fill_runs_before_its_first_step(topology):
   # Every box of the kernel (fill, steps, waits) is in the step.
   busy = sum(e.dur for e in boxes if e.kind == "compute")
   assert busy == pytest.approx(tl.twin_s)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_fill_is_not_charged_twice_by_a_dot_bound_by_its_bytes(topology):
+  """At decode (the Llama-3-70B shard, tp 4, M = 16) the fused
+  reduce-scatter is bound by its weight read (117 MB). XLA's program of
+  its twin prefetches ``w`` on v5e (streamed: its prefetch starts with the
+  fill's first block, the same bytes) and ``x`` on v6e (the fill's read),
+  where its one dot reads ``w`` from HBM, bound by those bytes: its
+  estimate already moves the fill's first ``[k, bn]`` block of ``w``. The
+  twin costs the fill (``x`` and that block, 4.8 us on v5e) once, not on
+  top of the read: within a tenth of the fill of the free twin, never
+  under it or the weight read."""
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
+  chip = _chips.chip_for(topology)
+  m, k, cols = 16, 28672 // 4, 8192
+  operands = [
+    None,
+    _hlo_leaf((m, k), "bf16"),
+    _hlo_leaf((k, cols), "bf16"),
+    _hlo_leaf((2, 3, m, cols // 8), "bf16"),
+  ]
+  fn, args, _ = _fused_variants._rs_twin(operands, [])
+  device = _measure.mesh_for(topology, "ring", 4).devices.flat[0]
+  s = jax.sharding.SingleDeviceSharding(device)
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a in args]
+  with _mesh.quiet_fd2():
+    text = jax.jit(fn).trace(*args).lower().compile().as_text()
+  twin = _hlo.parse(text)
+  entry = {i.name: i for i in twin.computations[twin.entry]}
+  (pre,) = [i for i in entry.values() if "cross_program_prefetch" in i.attrs]
+  copied = entry[pre.operands[0]].parameter_number
+  assert copied == (1 if topology.startswith("v5e") else 0)  # w; x
+  bw = chip.hbm_bytes_per_s
+  w_read = k * cols * 2 / bw
+  assert w_read > 5 * 2 * m * k * cols / chip.bf16_flops  # bound by bytes
+  fill = _kernel_costs.fill_of(
+    _fused_variants._rs_reads(operands, []), args, chip
+  )
+  assert fill.seconds > 1e-6  # x and a w block of 3.7 MB
+  free = _timeline.simulate(twin, chip, prefetch="free").step_s
+  paid = _timeline.simulate(twin, chip, prefetch="free", fill=fill).step_s
+  assert paid >= free * (1 - 1e-9) and paid >= w_read
+  assert paid <= free + 0.1 * fill.seconds
