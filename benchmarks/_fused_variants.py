@@ -299,6 +299,110 @@ _kernel_costs.register("ring_reducescatter_matmul", _rs_twin)
 _kernel_costs.register("ring_reducescatter_finish", _rs_finish_twin)
 
 
+# What each kernel reads before its first dot (its BlockSpecs), numbered
+# as its twin's parameters (``_kernel_costs.Reads``). Keep these in step
+# with the twins' arguments above and the kernels' ``_in_specs``.
+
+
+def _bytes(dims, leaf) -> int:
+  n = 1
+  for v in dims:
+    n *= v
+  return n * jnp.dtype(_dt(leaf)).itemsize
+
+
+def _in_vmem(leaf) -> bool:
+  """Whether XLA placed the kernel's operand in VMEM (its copy before the
+  kernel, if any, is on the program's timeline): the kernel reads it
+  there, not from HBM."""
+  return getattr(leaf, "memory_space", 0) == 1
+
+
+def _reads(whole, w_param, w_block, streamed, x, w, extra=0):
+  """``Reads`` of a kernel that reads ``x`` (twin parameter ``whole``)
+  whole and streams ``w`` (``w_param``, first block ``w_block`` bytes):
+  an operand XLA already put in VMEM is read there (no fill; a prefetch
+  of it in the twin free)."""
+  x_vmem, w_vmem = _in_vmem(x), _in_vmem(w)
+  return _kernel_costs.Reads(
+    whole=() if x_vmem else (whole,),
+    streamed=tuple(sorted({*streamed, *((whole,) if x_vmem else ())})),
+    first=() if w_vmem else ((w_param, w_block),),
+    extra_bytes=extra,
+  )
+
+
+def _ag_reads(operands, results, attrs=""):
+  """The all-gather compute kernel (``_allgather_matmul._in_specs``) reads
+  ``x``, its local chunk, and a quantized chunk's scales whole
+  (``pl.Buffered(1)``) and streams ``w`` (twin parameter 0) in ``[k/d,
+  bn]`` blocks (``bn = f / nf``, its ``ring_steps_.._nf<nf>`` scope); it
+  copies each later step's chunks into VMEM under the step before's last
+  block (the model charges their arrival, ``KernelSteps.needs``). In the
+  contraction twin (:func:`ring_contraction`) every chunk is one stacked
+  parameter (1) whose first block is the local chunk: both parameters are
+  streamed, and the fill is their first blocks, one ``w`` block and the
+  local chunk ``[m, k]`` (an operand XLA placed in VMEM is read there: no
+  fill)."""
+  del results
+  _, x, *rest = operands
+  w = next(o for o in rest if len(o.dims) == 2)
+  recv = next((o for o in rest if len(o.dims) == 4), None)
+  if recv is not None:
+    nd, n, m = recv.dims[0], recv.dims[1] + 1, recv.dims[2]
+  else:
+    found = _timeline._SLOTS.search(attrs)
+    if found is None:
+      raise ValueError("ring_allgather_matmul: no receive buffer or slots")
+    nd, n1, m, _, _ = (int(v) for v in found.groups())
+    n = n1 + 1
+  _, blocks = step_plan(attrs, n)
+  k, f = x.dims[1], w.dims[1]
+  scales = [o for o in rest if len(o.dims) == 3]  # [d, rows, 128] float32
+  extra = sum(
+    _bytes((o.dims[0], m, o.dims[2]), o) for o in scales[:1] if not _in_vmem(o)
+  )
+  first = ()
+  if not _in_vmem(w):
+    first += ((0, _bytes((k // nd, f // blocks), w)),)
+  if not _in_vmem(x):
+    first += ((1, _bytes((m, k), x)),)
+  return _kernel_costs.Reads(
+    whole=(), streamed=(0, 1), first=first, extra_bytes=extra
+  )
+
+
+def _rs_reads(operands, results, attrs=""):
+  """The reduce-scatter steps kernel (``_reducescatter_matmul._in_specs``)
+  reads ``x`` (twin parameter 0) whole (``pl.Buffered(1)``) and streams
+  ``w`` (parameter 1) in ``[k, bn]`` blocks (:func:`rs_blocks`): its fill
+  is ``x`` and one ``w`` block. Each step's received partial sums (in
+  parameter 2) it copies into VMEM under the step's last block: streamed
+  when a half has two blocks or more; after its dot (one block) it waits
+  for the copy, so a prefetch of them is charged. An operand XLA placed
+  in VMEM is read there (no fill)."""
+  del results, attrs
+  _, x, w, recv = operands[:4]
+  k, ch = x.dims[1], recv.dims[3]
+  nb = rs_blocks(k, ch, jnp.dtype(_dt(recv)).itemsize)
+  streamed = (1, 2) if nb > 1 else (1,)
+  return _reads(0, 1, _bytes((k, ch // nb), w), streamed, x, w)
+
+
+def _rs_finish_reads(operands, results, attrs=""):
+  """The finish reads its own products (twin parameter 0) from VMEM (the
+  steps kernel's VMEM output): nothing to fill, a prefetch of them free.
+  It copies the last partial sums (parameter 1) from HBM after it has
+  waited for them, before it adds: a prefetch of them is charged."""
+  del operands, results, attrs
+  return _kernel_costs.Reads(streamed=(0,))
+
+
+_kernel_costs.register_reads("ring_allgather_matmul", _ag_reads)
+_kernel_costs.register_reads("ring_reducescatter_matmul", _rs_reads)
+_kernel_costs.register_reads("ring_reducescatter_finish", _rs_finish_reads)
+
+
 # Variants ------------------------------------------------------------------
 
 

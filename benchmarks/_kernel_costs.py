@@ -7,9 +7,18 @@ the same work written with ``jnp`` ops of the same shapes, compiled for the
 same chip and modelled the same way, and never less than the kernel's own
 roofline (FLOPs at peak, HBM bytes at HBM bandwidth; the timeline applies
 that floor). Otherwise our kernels would be graded more kindly than XLA's.
-The twin's program runs with its cross-program prefetch free (the weight
-streams under its dots from the kernel's start, as the kernel's pipeline
-streams its blocks), in every row; see ``KernelCoster.__call__``.
+
+The twin's program is modelled as the kernel reads its operands, which
+the kernel's author declares next to the twin from the kernel's
+``BlockSpec``s (:class:`Reads`, :func:`register_reads`): a cross-program
+prefetch XLA puts in the twin is free only for an operand the kernel
+streams under its dots (double-buffered blocks); an operand the kernel
+reads whole before its first dot (a ``pl.Buffered(1)`` block) and the
+first block of each streamed one are its pipeline fill, charged at HBM
+bandwidth before the twin's first op (``_timeline.Fill``); a prefetch of
+any other operand is charged (its reader waits for it). A twin with no
+declared reads streams nothing and has no fill. See
+``KernelCoster.__call__``.
 
 A kernel author registers the twin next to the benchmark variant that uses
 the kernel::
@@ -19,6 +28,12 @@ the kernel::
     return jnp.matmul, (x, w)                # fn, arguments (Leaf or SDS)
 
   register("asyncops_fused_matmul", _twin)   # instruction-name prefix
+
+  def _reads(operands, results, attrs):     # from the kernel's BlockSpecs
+    # x whole, w streamed in [k, bn] blocks: one of them in the fill.
+    return Reads(whole=(0,), streamed=(1,), first=((1, k * bn * 2),))
+
+  register_reads("asyncops_fused_matmul", _reads)
 
 A twin may return a third item, :class:`Steps`: the kernel then runs
 step by step, one twin dot per step (in program order), each step gated on
@@ -40,6 +55,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from asyncops.inspect import Instr
 from benchmarks import _hlo, _timeline
@@ -69,7 +85,33 @@ class Steps:
   sends: tuple[int, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Reads:
+  """How a kernel reads its twin's parameters (numbered as the twin's
+  ``args``), from the kernel's ``BlockSpec``s.
+
+  Attributes:
+    whole: parameters the kernel reads whole before its first dot (a
+      ``pl.Buffered(1)`` block): their bytes are in its fill.
+    streamed: parameters it streams under its dots (a double-buffered
+      block, or chunks it copies into VMEM under an earlier dot): XLA's
+      prefetch of one in the twin stays free.
+    first: ``(parameter, bytes)``: the first block of a streamed operand,
+      in its fill.
+    extra_bytes: the rest of its fill: what it reads whole that is no twin
+      parameter (a quantized chunk's scales).
+  """
+
+  whole: tuple[int, ...] = ()
+  streamed: tuple[int, ...] = ()
+  first: tuple[tuple[int, int], ...] = ()
+  extra_bytes: int = 0
+
+
+Reader = Callable[[Sequence[Any], Sequence[Any], str], Reads]
+
 _TWINS: dict[str, Twin] = {}
+_READS: dict[str, Reader] = {}
 
 _DTYPES = {
   "bf16": jnp.bfloat16,
@@ -94,8 +136,47 @@ def register(prefix: str, twin: Twin) -> None:
   _TWINS[prefix] = twin
 
 
+def register_reads(prefix: str, reads: Reader) -> None:
+  """Registers how the kernels named ``prefix`` read their twin's
+  parameters: ``reads(operands, results, attrs) -> Reads`` (the same
+  arguments as the twin). Without it the kernel streams nothing (every
+  prefetch in its twin is charged) and has no fill.
+
+  Raises:
+    ValueError: ``prefix`` is empty.
+  """
+  if not prefix:
+    raise ValueError("register_reads: prefix must name a kernel, got ''.")
+  _READS[prefix] = reads
+
+
 def unregister(prefix: str) -> None:
   _TWINS.pop(prefix, None)
+  _READS.pop(prefix, None)
+
+
+def fill_of(reads: Reads, args: Sequence[Any], chip: Chip) -> _timeline.Fill:
+  """The twin's ``_timeline.Fill`` for a kernel that reads ``args`` (its
+  twin's arguments, shaped) as ``reads`` says: the whole reads and the
+  first blocks at HBM bandwidth (the pipeline's prologue is a DMA from
+  HBM into VMEM, as the model charges every copy on its DMA track); an
+  op of the twin bound by its bytes that reads those parts from HBM
+  itself is charged them once (``_timeline.Fill.parts``)."""
+  whole = sum(_nbytes(args[p]) for p in reads.whole)
+  bw = chip.hbm_bytes_per_s
+  first = sum(b for _, b in reads.first)
+  parts = [(p, _nbytes(args[p]) / bw) for p in reads.whole]
+  return _timeline.Fill(
+    frozenset(reads.whole),
+    frozenset(reads.streamed),
+    (whole + first + reads.extra_bytes) / bw,
+    tuple((p, b / bw) for p, b in reads.first),
+    tuple(parts) + tuple((p, b / bw) for p, b in reads.first),
+  )
+
+
+def _nbytes(arg) -> int:
+  return int(np.prod(arg.shape)) * jnp.dtype(arg.dtype).itemsize
 
 
 def _sds(leaf, sharding):
@@ -134,29 +215,42 @@ class KernelCoster:
     fn, args, *steps = built
     s = jax.sharding.SingleDeviceSharding(self.device)
     args = tuple(_sds(a, s) for a in args)
-    key = (prefix, tuple((a.shape, str(a.dtype)) for a in args), *steps)
+    reader = _READS.get(prefix)
+    reads = reader(operands, list(ins.arrays), ins.attrs) if reader else Reads()
+    shapes = tuple((a.shape, str(a.dtype)) for a in args)
+    key = (prefix, shapes, reads, *steps)
     if key not in self.cache:
       text = jax.jit(fn).trace(*args).lower().compile().as_text()
       module = _hlo.parse(text)
-      # Free: the kernel streams its weight from HBM through its own
-      # pipeline (BlockSpec blocks, double-buffered) under its dots, from
-      # the kernel's start; it uses no cross-program prefetch. The twin's
-      # dot still ends no earlier than its weight has crossed HBM
-      # (``_timeline._stream_end``), and ``_twin_cost`` floors the kernel
-      # at its roofline, so the read is inside the kernel either way.
-      tl = _timeline.simulate(module, self.chip, prefetch="free")
-      self.cache[key] = step_costs(module, tl, steps[0]) if steps else tl.step_s
+      # The kernel uses no cross-program prefetch: it reads ``reads.whole``
+      # and the first block of each streamed operand before its first dot
+      # (its fill, first on the twin's timeline), then streams its blocks
+      # from HBM through its pipeline under its dots. So XLA's prefetch
+      # of a streamed operand in the twin is free (the dot reading it
+      # still ends no earlier than its bytes have crossed HBM, after the
+      # whole reads: ``_timeline._stream_end``), one of a whole-read
+      # operand is the fill's read, any other is charged; ``_twin_cost``
+      # floors the kernel at its roofline.
+      fill = fill_of(reads, args, self.chip)
+      tl = _timeline.simulate(module, self.chip, prefetch="free", fill=fill)
+      self.cache[key] = (
+        step_costs(module, tl, steps[0], fill.seconds) if steps else tl.step_s
+      )
     return self.cache[key]
 
 
 def step_costs(
-  module: _hlo.Module, tl: _timeline.Timeline, steps: Steps
+  module: _hlo.Module,
+  tl: _timeline.Timeline,
+  steps: Steps,
+  fill: float = 0.0,
 ) -> _timeline.KernelSteps:
   """A twin's modelled time ``tl`` split by the kernel's ``steps``, each
   dot charged to the step whose chunks it reads in ``module`` (the twin's
-  compiled HLO)."""
+  compiled HLO); ``fill`` (the kernel's pipeline fill, the first box of
+  ``tl``) runs before the first step."""
   owners, reads = _dot_steps(module, steps.params)
-  return _split(tl, steps, owners, reads)
+  return _split(tl, steps, owners, reads, fill)
 
 
 def _dot_steps(module: _hlo.Module, params: tuple[int, ...]):
@@ -188,6 +282,7 @@ def _split(
   steps: Steps,
   owners: dict | None = None,
   reads: dict | None = None,
+  fill: float = 0.0,
 ) -> _timeline.KernelSteps:
   """The twin's modelled time step by step.
 
@@ -203,11 +298,16 @@ def _split(
   dot go to the last step, so a step's cost never carries work of the
   steps after it. If XLA did not keep one dot per step, the time is split
   in proportion to each step's chunks (its slots; one for the first
-  step)."""
+  step). The kernel's pipeline fill (``fill`` seconds, its box in ``tl``)
+  is in no step: it runs before the first (``KernelSteps.fill``)."""
   n = len(steps.needs)
   sizes = steps.units or tuple(max(len(nd), 1) for nd in steps.needs)
   costs = [0.0] * n
-  boxes = [e for e in tl.events if e.track == "compute"]
+  boxes = [
+    e
+    for e in tl.events
+    if e.track == "compute" and e.args.get("op") != _timeline.FILL_OP
+  ]
   dots = [e for e in boxes if e.args.get("flops", 0) > 0]
   owners, reads = owners or {}, reads or {}
   order = [owners.get(e.name) for e in dots]
@@ -232,9 +332,10 @@ def _split(
       costs[st] += keep
       rest += c - keep
     costs[-1] += rest
-    costs[-1] += tl.step_s - sum(costs)  # anything off the compute track
+    # Anything off the compute track.
+    costs[-1] += tl.step_s - fill - sum(costs)
   else:
-    costs = [tl.step_s * g / sum(sizes) for g in sizes]
+    costs = [(tl.step_s - fill) * g / sum(sizes) for g in sizes]
   return _timeline.KernelSteps(
-    tuple(costs), steps.needs, steps.blocks, steps.tails, steps.sends
+    tuple(costs), steps.needs, steps.blocks, steps.tails, steps.sends, fill
   )

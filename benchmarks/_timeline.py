@@ -39,7 +39,10 @@ Charged, its consumer waits for its done (XLA's schedule); free (the
 default: XLA may issue it before the step), it never blocks, but the
 consumer (the first op reading its result, else the step) ends no
 earlier than the copy: an op never finishes before the weight it reads
-has crossed HBM once in the step (see ``_stream_end``).
+has crossed HBM once in the step (see ``_stream_end``). A Pallas kernel's
+jnp twin (``fill``, :class:`Fill`) is modelled as the kernel reads: its
+pipeline fill (what it reads whole, and the first block of what it
+streams) first, free only the prefetches of what it streams.
 
 While loops run their body ``known_trip_count`` times (from
 ``backend_config``); conditionals run their longest branch.
@@ -95,6 +98,10 @@ _SYNC_COLLECTIVES = {
 _SMALL_BYTES = 64 * 1024
 # Custom calls that only re-label buffers.
 _FREE_TARGETS = {"ConcatBitcast", "AllocateBuffer", "Sharding"}
+# A Pallas kernel's pipeline fill (``Fill``): its box's name in a twin's
+# timeline, and its ``op`` there and in the kernel's own boxes.
+FILL_NAME = "pipeline_fill"
+FILL_OP = "pipeline-fill"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +395,8 @@ class KernelSteps:
       sums exist only after a step): by symmetry every device runs the
       same schedule, so that slot of this device arrives one step's
       transfer later (its start sends nothing, ``_Transfer.step``).
+    fill: seconds before the first step (the kernel's pipeline fill: what
+      it reads before its first dot, see :class:`Fill`); in ``total``.
   """
 
   costs: tuple[float, ...]
@@ -395,10 +404,50 @@ class KernelSteps:
   blocks: int = 1
   tails: tuple[float, ...] = ()
   sends: tuple[int, ...] = ()
+  fill: float = 0.0
 
   @property
   def total(self) -> float:
-    return sum(self.costs)
+    return self.fill + sum(self.costs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fill:
+  """What a Pallas kernel reads before its first dot, for its jnp twin's
+  program (:func:`simulate`'s ``fill``): the twin is modelled as the kernel
+  runs, not as XLA would run that program.
+
+  Attributes:
+    whole: the twin's parameter numbers the kernel reads whole before its
+      first dot (a ``pl.Buffered(1)`` block). A cross-program prefetch of
+      one is that read, inside ``seconds`` (not free, not twice).
+    streamed: the twin's parameter numbers the kernel streams under its
+      dots (a double-buffered ``BlockSpec``, or chunks it copies into VMEM
+      under an earlier step's dots): a prefetch of one stays free (it
+      blocks nothing; its reader ends no earlier than its bytes have
+      crossed HBM, ``_stream_end``). A prefetch of any other parameter is
+      charged: its reader waits for its done.
+    seconds: the pipeline fill: the whole reads plus the first block of
+      each streamed operand, at HBM bandwidth; a compute-track box before
+      the twin's first op (the kernel's first dot waits for it). HBM moves
+      nothing else meanwhile: the twin's copies start after it.
+    first: ``(parameter, seconds)``: a streamed operand whose first block
+      is the end of the fill; its prefetch starts that long before the
+      fill ends (the same bytes), the rest of it under the dots.
+    parts: ``(parameter, seconds)`` of each part of the fill (the whole
+      reads and the first blocks). The first op that reads one of those
+      parameters from HBM itself (not prefetched) and is bound by its
+      bytes (its HBM bytes at bandwidth at least its FLOPs at peak) has
+      them in its estimate already: it is charged that much less, never
+      below the rest of its bytes or its FLOPs (``_fill_credit``). A
+      compute-bound op keeps its estimate: the fill is before it.
+  """
+
+  whole: frozenset = frozenset()
+  streamed: frozenset = frozenset()
+  seconds: float = 0.0
+  first: tuple[tuple[int, float], ...] = ()
+  parts: tuple[tuple[int, float], ...] = ()
 
 
 # Kernel-cost hook: (kernel instruction, module) -> seconds (or a
@@ -469,8 +518,14 @@ class _Sim:
     kernel_cost=None,
     collectives="ring",
     axis_rings=None,
+    fill=None,
   ):
     self.m, self.chip, self.coords = m, chip, coords
+    self.fill = fill
+    # The fill's parts no op has read from HBM yet (``_fill_credit``).
+    self.fill_left: dict[int, float] = {}
+    for p, s in fill.parts if fill else ():
+      self.fill_left[p] = self.fill_left.get(p, 0.0) + s
     self.axis_rings = axis_rings or {}
     self.collectives = collectives
     self._rings: dict = {}
@@ -731,6 +786,9 @@ class _Sim:
     nb = max(steps.blocks, 1)
     frac = (nb - 1) / nb if nb > 1 else 1.0
     self.flops += self._flops(ins)[0]
+    if steps.fill > 0:  # its pipeline fill, before its first dot
+      self._emit("compute", ins.name, "compute", t, steps.fill, op=FILL_OP)
+      t += steps.fill
     for i, cost in enumerate(costs):
       if i + 1 < len(costs):
         ready = max(
@@ -1294,6 +1352,7 @@ class _Sim:
       self.compute += max(more, 0.0)
       return stepped + max(more, 0.0)
     cost = self._op_cost(comp, ins)
+    cost -= self._fill_credit(comp, ins, cost)
     flops = self._flops(ins)[0]
     hbm = self._share_hbm(comp, ins, t, cost)
     cost = self._stream_end(comp, ins, t, cost, flops)
@@ -1310,6 +1369,30 @@ class _Sim:
     )
     self.compute += cost
     return t + cost
+
+  def _fill_credit(self, comp: str, ins: Instr, cost: float) -> float:
+    """What a twin's op bound by its bytes need not charge again: the
+    parts of the kernel's fill (``Fill.parts``) it reads from HBM itself
+    (an entry parameter, through bitcasts), which the fill has moved
+    before it; never below the rest of its bytes or its FLOPs."""
+    if not self.fill_left or comp != self.m.entry:
+      return 0.0
+    table = self._table(comp)
+    params, stack = set(), list(ins.operands)
+    while stack:
+      src = table.get(stack.pop())
+      if src is None:
+        continue
+      if src.opcode == "parameter":
+        params.add(src.parameter_number)
+      elif src.opcode == "bitcast":
+        stack.extend(src.operands)
+    got = sum(self.fill_left.pop(p) for p in params if p in self.fill_left)
+    hbm = self._hbm_bytes(comp, ins) / self.chip.hbm_bytes_per_s
+    flops = self._flops_s(ins)
+    if got <= 0 or hbm < flops:
+      return 0.0
+    return max(0.0, min(got, cost - max(flops, hbm - got)))
 
   def _share_hbm(self, comp, ins, t, dur, in_place=False) -> float:
     """HBM is one resource: a copy on the DMA track (``copy-start``,
@@ -1372,6 +1455,25 @@ class _Sim:
     self.floored += extra
     return cost + extra
 
+  def _prefetch_read(self, comp: str, ins: Instr) -> tuple[str, int | None]:
+    """How the kernel a twin stands for reads what the cross-program
+    prefetch ``ins`` copies (:class:`Fill`), and the twin's parameter it
+    copies: ``"whole"`` (in its fill), ``"streamed"`` (free) or
+    ``"charged"`` (waited for); ``"streamed"`` when no ``fill`` is given
+    (XLA's own programs: every prefetch free)."""
+    if self.fill is None:
+      return "streamed", None
+    table = self._table(comp)
+    src = table.get(ins.operands[0]) if ins.operands else None
+    while src is not None and src.opcode in ("bitcast", "copy"):
+      src = table.get(src.operands[0]) if src.operands else None
+    if src is None or src.opcode != "parameter":
+      return "charged", None
+    k = src.parameter_number
+    if k in self.fill.whole:
+      return "whole", k
+    return ("streamed" if k in self.fill.streamed else "charged"), k
+
   def run(self, comp: str, t: float) -> float:
     for ins in self.m.computations[comp]:
       self._comp = comp
@@ -1417,9 +1519,16 @@ class _Sim:
         # copy-start, slice-start, ...: a local DMA (HBM <-> VMEM).
         sizes = [a.nbytes for a in ins.arrays if a.nbytes > 64]
         dur = min(sizes, default=0) / self.chip.hbm_bytes_per_s
+        at = t
         if "cross_program_prefetch" in ins.attrs and self.prefetch == "free":
-          self.free_prefetch.add(ins.name)  # its done does not block
-        t = self._launch(ins, "dma", dur, t, "dma", charge=False)
+          read, k = self._prefetch_read(comp, ins)
+          if read == "whole":  # the kernel's fill has read it
+            dur = 0.0
+          elif read == "streamed":
+            self.free_prefetch.add(ins.name)  # its done does not block
+            # Its first block is the end of the fill: the same bytes.
+            at -= dict(self.fill.first if self.fill else ()).get(k, 0.0)
+        self._launch(ins, "dma", dur, at, "dma", charge=False)
         continue
       if base:
         if base == "async":
@@ -1492,6 +1601,7 @@ def simulate(
   kernel_cost: KernelCost | None = None,
   collectives: Literal["ring", "multicast"] = "ring",
   axis_rings: dict[str, Sequence[Sequence[int]]] | None = None,
+  fill: Fill | None = None,
 ) -> Timeline:
   """Simulates one device's step of a scheduled TPU HLO module.
 
@@ -1519,6 +1629,10 @@ def simulate(
     axis_rings: the rings along each mesh axis by name, for a ppermute
       kernel whose op name says ``ring_axis_<name>`` (one over another axis
       than ``rings``'); such a kernel with an unknown axis is an error.
+    fill: ``module`` is a Pallas kernel's jnp twin (see
+      :mod:`benchmarks._kernel_costs`): its pipeline fill runs first, and
+      only the prefetches of the parameters the kernel streams are free
+      (``prefetch="free"``); see :class:`Fill`. None: XLA's own program.
 
   Returns:
     The :class:`Timeline`.
@@ -1552,8 +1666,16 @@ def simulate(
     kernel_cost,
     collectives,
     {k: [list(r) for r in v] for k, v in (axis_rings or {}).items()},
+    fill,
   )
-  step = sim.run(module.entry, 0.0)
+  t0 = 0.0
+  if fill is not None and fill.seconds > 0:
+    # The kernel's first dot waits for its fill; the twin's copies (on the
+    # DMA track, issued from t0) wait for it too.
+    sim._emit("compute", FILL_NAME, "compute", 0.0, fill.seconds, op=FILL_OP)
+    sim.compute += fill.seconds
+    t0 = fill.seconds
+  step = sim.run(module.entry, t0)
   # A free prefetch nobody read (or that entered a loop without a dot)
   # still crosses HBM in the step.
   owed = max([*sim.streams.values(), sim.loose], default=0.0)

@@ -10,6 +10,9 @@ step added into an accumulator XLA places (:func:`benchmarks.
 _fused_variants.ring_steps`, the twin before that branch), step by step,
 next to the contraction and the unsharded local matmul, for one device's
 shapes ``x [m, k]`` (``n`` chunks), ``w [n k, f]``.
+Each twin is modelled as the coster models it for the two-way kernel
+(branch h-xfill): its pipeline fill (the local chunk ``x`` and one ``[k/2,
+bn]`` block of ``w``) first, in the total and in no step.
 
 Usage::
 
@@ -38,16 +41,45 @@ from benchmarks import (
 PLANS = ((1, 1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 3), (2, 2), (4,))
 
 
-def _model(fn, args, chip):
+def _model(fn, args, chip, fill=None):
   text = jax.jit(fn).trace(*args).lower().compile().as_text()
   module = _hlo.parse(text)
-  return module, _timeline.simulate(module, chip, prefetch="free")
+  return module, _timeline.simulate(module, chip, prefetch="free", fill=fill)
+
+
+def _reads(k, f, w_dtype, plan) -> _kernel_costs.Reads:
+  """The two-way kernel's reads (``_fused_variants._ag_reads``): ``x``
+  whole, ``w`` and the later steps' chunks streamed, one ``[k/2, bn]``
+  block of ``w`` in the fill (``bn`` as the library plans it)."""
+  from asyncops.collective_matmul import _fused as lib  # noqa: PLC0415
+
+  item = jnp.dtype(w_dtype).itemsize
+  bn = lib._block_cols(f, k, item) or f
+  return _kernel_costs.Reads(
+    whole=(1,),
+    streamed=(0, *range(2, len(plan) + 1)),
+    first=((0, k // 2 * bn * item),),
+  )
+
+
+def _contraction_reads(m, k, f, w_dtype, x_dtype) -> _kernel_costs.Reads:
+  """The same reads for the contraction twin (``w``, the stacked chunks):
+  both streamed, their first blocks (one ``w`` block, the local chunk) in
+  the fill."""
+  from asyncops.collective_matmul import _fused as lib  # noqa: PLC0415
+
+  item = jnp.dtype(w_dtype).itemsize
+  bn = lib._block_cols(f, k, item) or f
+  return _kernel_costs.Reads(
+    streamed=(0, 1),
+    first=((0, k // 2 * bn * item), (1, m * k * jnp.dtype(x_dtype).itemsize)),
+  )
 
 
 def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
-  """``{plan: (total s, per-step s)}`` (and ``"contraction"``: the
-  charged twin) and the unsharded dot's seconds (prefetch free, as twins
-  are modelled)."""
+  """``{plan: (total s, per-step s)}`` (the totals with the kernel's
+  fill; and ``"contraction"``: the charged twin) and the unsharded dot's
+  seconds (XLA's program: its prefetch free)."""
   chip = _chips.chip_for(topology)
   device = _measure.mesh_for(topology, "ring", n).devices.flat[0]
   s = jax.sharding.SingleDeviceSharding(device)
@@ -63,14 +95,19 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
       _fused_variants.ring_steps, plan=plan, out_dtype=out_dtype
     )
     args = (w,) + tuple(sds((m, g * k), x_dtype) for g in plan)
-    module, tl = _model(fn, args, chip)
+    fill = _kernel_costs.fill_of(_reads(k, f, w_dtype, plan), args, chip)
+    module, tl = _model(fn, args, chip, fill)
     params = tuple(range(1, len(plan) + 1))
     steps = _kernel_costs.Steps(((),) * len(plan), 1, (), params, plan)
-    split = _kernel_costs.step_costs(module, tl, steps)
+    split = _kernel_costs.step_costs(module, tl, steps, fill.seconds)
     out[plan] = (tl.step_s, split.costs)
 
   one = functools.partial(_fused_variants.ring_contraction, out_dtype=out_dtype)
-  _, tl = _model(one, (w, sds((n, m, k), x_dtype)), chip)
+  args = (w, sds((n, m, k), x_dtype))
+  fill = _kernel_costs.fill_of(
+    _contraction_reads(m, k, f, w_dtype, x_dtype), args, chip
+  )
+  _, tl = _model(one, args, chip, fill)
   out["contraction"] = (tl.step_s, (tl.step_s,))
 
   def dot(x, w):
