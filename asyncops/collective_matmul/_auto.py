@@ -1008,6 +1008,15 @@ def explain_allgather(
     )
   spill = bool(over) and reason is None and fused < _MARGIN * xla
   drop = over if spill else set()
+  # At decode sizes the value rings are no candidates beside the fused
+  # kernel: each step's dot pays its fixed cost beside its rows of ``w``,
+  # and their estimates there are 12% to 25% under the model (v6e tp 4 M
+  # = 16 on a line of 4: the one-way ring 84.1 us estimated, 95.9
+  # modelled, the fused kernel 87.4 and 87.5; v5e: 129.6 and 174.1
+  # against 144.9 and 145.5).
+  decode_rings = compute < hbm / 2 and reason is None
+  if decode_rings:
+    drop = {1, 2}
   choice = _decide(
     reason,
     fused,
@@ -1026,6 +1035,12 @@ def explain_allgather(
     # ``Cal.xla_ag_hidden_n`` devices.
     decode_xla_s=xla - (xla_ring if n <= cal.xla_ag_hidden_n else 0.0),
   )
+  if decode_rings:
+    choice = dataclasses.replace(
+      choice,
+      ring_us=None if 1 not in rings else rings[1] * 1e6,
+      ring_bidi_us=None if 2 not in rings else rings[2] * 1e6,
+    )
   if held:
     why = choice.reason
     if rings[1] < min(rings[2], fused) and choice.method == "ring_bidi":
