@@ -877,8 +877,9 @@ def explain_allgather(
   if accumulation != "float32":
     one_dt = _gather_rings.accumulator_dtype(dtype, accumulation)
   one_acc = acc if one_dt == jnp.float32 else 2 * m * f * one_dt.itemsize
-  # The kernel's charge, XLA's estimate of its n chunk dots, reads and
-  # writes their float32 accumulator at every step (in its panel's rows).
+  # The kernel's charge (the benchmark's twin since branch h-acctwin):
+  # XLA's estimate of one contraction over its chunks, the accumulator
+  # in VMEM, split over the plan's steps by chunks.
   plan_steps = _fused.choose_steps(
     n,
     -(-m // panels),
@@ -903,7 +904,8 @@ def explain_allgather(
     chip.link / cal.fused_ring,
     wr,
     # Past decode sizes (where the weight read does not bound the matmul)
-    # each step's fixed cost (``Cal.fused_step_s``); the final cast.
+    # each step's fixed cost (``Cal.fused_step_s``); the final cast (both
+    # 0 since branch h-agrefit: the contraction has neither).
     cal.fused_step_s if compute >= hbm / 2 else 0.0,
     cal.fused_cast * m * f * 4 / chip.hbm,
     # A small program's accumulator stays in VMEM between the first and
