@@ -481,7 +481,7 @@ class Cal:
       (h-acctwin): v6e 1.21 (XLA's contraction at v6e tp 4 M = 1024 is
       156.6 us for 132.7 of FLOPs, 1.18x, and the row 160.7 with its
       prefetch of ``x``: the estimate 160.0), v5p 1.05 (tp 4 M = 1024 to
-      16384 within 2%), v5e 1 (within 4% from M = 256, tp 4 and 8).
+      16384 within 2%), v5e 1 (within 7% from M = 256, tp 4 and 8).
     fused_w: the same for its weight read, in reads of ``w`` at HBM
       bandwidth, where XLA does not prefetch all of ``w`` into VMEM
       (``_auto._fused_w``: ``w`` over ``halves_w_vmem`` of VMEM; where it
