@@ -8,7 +8,8 @@ runs the fused kernel if it is estimated 3% under XLA's program, though a
 ring is estimated faster (``_auto._ag_memory``). On a ring of 4, per
 device ``x [4096, 1024]``, ``w [4096, 7168]`` on v5e (a 112 MiB
 accumulator, 8 MiB chunks; the one-way ring estimated 1442 us against the
-fused kernel's 1504) and ``x [4096, 2048]``, ``w [8192, 4096]`` on v5p
+fused kernel's 1504 until branch h-agrefit, 1291 since: time picks it
+there now) and ``x [4096, 2048]``, ``w [8192, 4096]`` on v5p
 (64 MiB, 16 MiB chunks; the two-way ring 685 against 981), the rule takes
 the fused kernel: its program holds no value-ring transfer and its HBM
 temporaries are at most its ``n - 1`` received chunks, within the rule's
@@ -87,8 +88,17 @@ def test_auto_takes_the_fused_kernel_for_memory(topology):
   choices, text, alloc = _compile(topology, "auto")
   [(_, c)] = choices
   assert c.method == "fused", str(c)
-  assert "within the memory target" in c.reason, str(c)
-  assert min(c.ring_us, c.ring_bidi_us) < c.fused_us, str(c)
+  if topology == "v5e:2x4":
+    # Since branch h-agrefit (no accumulator pass in the fused estimate)
+    # the fused kernel is estimated the fastest here (1291.4 us against
+    # the one-way ring's 1442.0), as the benchmark model has it (1350.8
+    # against 1550.9 and the two-way ring's 1543.3: `--topology v5e:2x4
+    # --shape 8192,4096,28672 --configs bfloat16 --families allgather`),
+    # so time picks it, not the memory rule.
+    assert c.fused_us < min(c.ring_us, c.ring_bidi_us), str(c)
+  else:
+    assert "within the memory target" in c.reason, str(c)
+    assert min(c.ring_us, c.ring_bidi_us) < c.fused_us, str(c)
   assert c.fused_us < 0.97 * c.xla_us, str(c)
   # The fused kernel's program: its ring kernels, no value-ring transfer.
   assert "allgather_matmul" in text

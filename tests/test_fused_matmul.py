@@ -487,9 +487,14 @@ _RS = dict(in_specs=(P("x", "y"), P("y", None)), out_spec=P("x", "y"))
 @pytest.mark.parametrize(
   "fn,shapes,specs,dtype",
   [
-    # Per device [4096, 1024] @ [4096, 3584] on a ring of 4 (f32 x, a
-    # v5e by default on CPU).
-    (cm.allgather_matmul, ((8192, 4096), (4096, 14336)), _AG, jnp.float32),
+    # Per device [2048, 1024] @ [4096, 7168] on a ring of 4 (f32 x, a
+    # v5e by default on CPU; the fused kernel in 4 row panels estimated
+    # 745.5 us against the two-way ring's 617.5). Since branch h-agrefit
+    # (no accumulator pass in the fused estimate) the former [4096, 1024]
+    # @ [4096, 3584] picks the fused kernel (681.0 against 740.4; on a
+    # v5e's plan, 2 panels, the benchmark model has them tied, 829.1 and
+    # 829.5 us, and auto ran the fused kernel before too).
+    (cm.allgather_matmul, ((4096, 4096), (4096, 28672)), _AG, jnp.float32),
     # Per device [16384, 3584] @ [3584, 4096], bf16 partial sums.
     (
       cm.matmul_reducescatter,

@@ -495,14 +495,17 @@ def test_reducescatter_panels_in_place_under_grad():
   [
     # The Llama-3-70B MLP shard at tp 8 (design/benchmarks.md, the sweep):
     # each the fastest of auto's candidates in the benchmark model.
-    ("allgather", "v5e", 16, "xla"),  # the weight read: XLA's program
+    # The weight read bounds it; since h-acctwin the fused kernel streams
+    # it once with its ring hidden (73.7 us against XLA's 83.3; XLA's
+    # program until h-agrefit).
+    ("allgather", "v5e", 16, "fused"),
     ("allgather", "v5e", 256, "fused"),
     ("allgather", "v5e", 1024, "ring_bidi"),  # fused: the sends wait
     ("allgather", "v5e", 4096, "ring_bidi"),  # fused: 2 row panels
     # The two-way ring of whole chunks in two row pieces (6004.0 us, 0.981x
     # of xla_best; the one-way ring 6394.8, the fused 8 panels 9125.0).
     ("allgather", "v5e", 16384, "ring_bidi"),
-    ("allgather", "v5p", 16, "xla"),
+    ("allgather", "v5p", 16, "fused"),  # 38.1 against 52.1 (h-agrefit)
     ("reducescatter", "v5p", 16, "fused"),
     # Bound by the weight read, but XLA's blocking all-gather (47 us) takes
     # longer than that read (36 us): the fused kernel, 68.2 against 68.6.
@@ -538,6 +541,8 @@ def test_auto_decisions_on_the_llama_sweep(family, chip, m, method):
     )
     assert est[method] < 0.97 * c.xla_us
   fused_why = "partial sums" if m == 16 else "the ring transfers"
+  if (family, m) == ("allgather", 16):
+    fused_why = "streams them once"
   if (family, chip, m) == ("allgather", "v6e", 256):
     fused_why = "blocking all-gather takes longer than"
   reasons = {
@@ -564,7 +569,10 @@ def test_auto_two_way_ring_needs_even_rows_and_all_reduce_keeps_xla():
 
 
 def test_auto_explains_its_choice():
-  c = _auto.explain_allgather(16, 1024, 3584, 8, jnp.bfloat16, **u.V5E_PLAN)
+  # v5e tp 4 M = 16 of the Llama shard: XLA's program (the model: 144.0
+  # us against the fused kernel's 145.5; h-agrefit moved tp 8, where the
+  # fused kernel is faster, off this rule's XLA).
+  c = _auto.explain_allgather(16, 2048, 7168, 4, jnp.bfloat16, **u.V5E_PLAN)
   assert c.method == "xla" and "HBM" in c.reason
   # No fused kernel for k/2 = 500: the rings and XLA remain, and the
   # reason says why the fused kernel is not among them.

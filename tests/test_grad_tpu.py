@@ -271,8 +271,13 @@ def test_auto_mlp_block_exchanges_overlapped_and_copy_free(auto_mlp_report):
   ``ppermute``, four with an all-to-all of slots (then an all-gather: ours
   in flight for the first, XLA's for the second).
   Auto picks the fused kernels on v5e's 2x4 mesh, the fused all-gather
-  and XLA's reduce-scatter on v6e's, and XLA's collectives on the 4x2 mesh
-  (a ring of two, 256 rows): every path exchanges.
+  and XLA's reduce-scatter on v6e's and on the 4x2 mesh (a ring of two,
+  256 rows; since branch h-agrefit the all-gather there is the fused
+  kernel, 34.7 us in the benchmark model against XLA's 37.9, ``python -m
+  benchmarks.run --topology v5e:2x4 --tp 2 --shape 1024,2048,8192
+  --no-llama --configs bfloat16 --families allgather``; XLA's program
+  before, its estimate then charging the kernel an accumulator pass the
+  model no longer does): every path exchanges.
 
   v6e's reduce-scatter (per device x [512, 2048] @ w [2048, 2048], tp 4 on
   tpu_mesh's y rows, 2x2 squares in device order): XLA runs its ring on
@@ -286,9 +291,9 @@ def test_auto_mlp_block_exchanges_overlapped_and_copy_free(auto_mlp_report):
   keeps the fused kernel (54.2 against XLA's 64.3; estimates 54.5 and
   60.0)."""
   topology, shape, methods, report = auto_mlp_report
-  want = {"xla"}
-  if shape[0] == 2:
-    want = {"fused", "xla"} if topology == "v6e" else {"fused"}
+  want = {"fused", "xla"}
+  if shape[0] == 2 and topology == "v5e":
+    want = {"fused"}
   assert methods == want
   report.assert_no_defensive_copies()
   report.assert_no_inflight_copies()

@@ -58,14 +58,13 @@ to the benchmark model's figures (:data:`CAL`):
   move the result's dtype (float32 partial sums in float32; the fused
   kernels move them in bfloat16 at ``DEFAULT``).
 - ``fused``, the all-gather: per row panel, ``1.5 us`` plus its steps'
-  dots (each the longer of its FLOPs and its rows of ``W`` with
-  ``CAL.fused_acc`` of a pass over the float32 accumulator, half of it
-  between the first and last steps where ``W`` and the accumulator fit
-  ``CAL.fused_acc_vmem`` of VMEM, plus ``CAL.fused_step_s`` past decode
-  sizes; the last step also
-  ``CAL.fused_cast`` of a read of the accumulator), or the direct sends
-  to every peer (the busiest link's load from the wiring) and the last
-  step, whichever is longer; extra panels cost
+  share of one contraction over all its chunks (each step the longer of
+  its FLOPs times ``CAL.fused_dot`` and its rows of ``W`` times
+  ``CAL.fused_w`` where XLA does not prefetch ``w`` into VMEM; the
+  accumulator stays in VMEM, no pass charged: ``CAL.fused_acc`` 0 since
+  branch h-agrefit), or the direct sends to every peer (the busiest
+  link's load from the wiring, at ``1 / CAL.fused_ring`` of the link
+  bandwidth) and the last step, whichever is longer; extra panels cost
   ``CAL.fused_panel W + CAL.fused_panel_s`` each (the first term times
   ``P / CAL.fused_panel_knee`` for ``P`` panels beyond the knee), and
   ``CAL.fused_panels_s`` once.
@@ -134,7 +133,12 @@ For the all-gather, a matmul bound by reading ``w`` (``C < M / 2``, decode
 sizes) keeps XLA's program (no extra kernels, no barrier) when
 XLA's all-gather takes less than the weight read ``W`` and than the fused
 kernel's fixed costs, ``n`` steps of ``CAL.ag_step_s`` (which its
-estimate leaves out): the step is about the weight read either way. When
+estimate leaves out), unless the fused kernel is estimated 3% under XLA's
+program (less its all-gather on rings of at most ``CAL.xla_ag_hidden_n``,
+where it hides under the weight read): since branch h-acctwin the model
+charges the kernel one stream of ``w`` with its ring hidden (v5e tp 8 M =
+16 73.7 us against XLA's 83.3; v6e tp 8 40.5 against 46.5), while at v5e
+tp 4 the two are within 1% and XLA's program stays. When
 the all-gather is longer (small float32 shapes on v6e: 20 us of transfer
 beside a 10 us weight read at the chapter's shape; v6e and v5p at tp 4,
 M = 64 and 256 of the Llama shard, 11.5 and 37 us beside 10 us of fixed
@@ -281,6 +285,7 @@ def _decide(
   xla_comm_s=0.0,
   w_s=float("inf"),
   fused_uni_s=None,
+  decode_xla_s=None,
 ) -> Choice:
   """The fastest candidate by estimate; a ring or fused kernel must beat
   XLA's program by 3% (it adds kernels and barriers). With ``hbm_rule``,
@@ -307,6 +312,22 @@ def _decide(
   if fused_reason is not None and not rings:
     return Choice("xla", f"fused kernels unavailable: {fused_reason}", **est)
   if hbm_rule and compute_s < hbm_s / 2 and xla_comm_s < w_s:
+    # The all-gather's decode rule weighs the fused kernel against XLA's
+    # program (``decode_xla_s``: its estimate, less the all-gather where
+    # that hides under the weight read) and keeps XLA's unless the fused
+    # kernel is 3% under it.
+    if (
+      decode_xla_s is not None
+      and fused_reason is None
+      and fused_s < _MARGIN * decode_xla_s
+    ):
+      return Choice(
+        "fused",
+        "bound by reading the weights from HBM, but the fused kernel, which "
+        "streams them once with its ring hidden, is estimated under XLA's "
+        "program",
+        **est,
+      )
     return Choice(
       "xla",
       "bound by reading the weights from HBM (decode-size rows): no "
@@ -437,8 +458,11 @@ def _fused_ag_s(
 ):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
-  one dot (XLA's estimate: its FLOPs, or its rows of ``w`` and a pass over
-  the float32 accumulator, ``acc_s``, whichever is longer). The start sends
+  its chunks' share of one contraction (the benchmark's twin since branch
+  h-acctwin: ``compute``, or the read of ``w``, ``w_s``, whichever is
+  longer; the callers scale both, ``Cal.fused_dot``, ``_fused_w``) and
+  ``acc_s`` of a pass over the float32 accumulator (0 since branch
+  h-agrefit: it stays in VMEM). The start sends
   every chunk to every peer (``wiring.direct_load`` chunks on the busiest
   directed link: ``sum(min(d, n - d)) / 2`` on a ring, 8 at ``n = 8``
   where forwarding takes 3.5; 4 on a line of 4) before the dots begin;
@@ -466,6 +490,14 @@ def _fused_ag_s(
   steps[-1] += cast_s / p
   c = sum(steps)
   return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
+
+
+def _fused_w(cal, chip, w_bytes) -> float:
+  """The fused all-gather's charge for its weight read, in reads of ``w``:
+  1 where XLA prefetches all of ``w`` into VMEM before the contraction
+  (``w`` within ``Cal.halves_w_vmem`` of VMEM), else ``Cal.fused_w``."""
+  cap = _fused.vmem_capacity(f"TPU {chip.name}")
+  return 1.0 if w_bytes <= cal.halves_w_vmem * cap else cal.fused_w
 
 
 def _fused_mid_acc(cal, chip, panels, w_bytes, acc):
@@ -845,8 +877,9 @@ def explain_allgather(
   if accumulation != "float32":
     one_dt = _gather_rings.accumulator_dtype(dtype, accumulation)
   one_acc = acc if one_dt == jnp.float32 else 2 * m * f * one_dt.itemsize
-  # The kernel's charge, XLA's estimate of its n chunk dots, reads and
-  # writes their float32 accumulator at every step (in its panel's rows).
+  # The kernel's charge (the benchmark's twin since branch h-acctwin):
+  # XLA's estimate of one contraction over its chunks, the accumulator
+  # in VMEM, split over the plan's steps by chunks.
   plan_steps = _fused.choose_steps(
     n,
     -(-m // panels),
@@ -863,15 +896,16 @@ def explain_allgather(
   fused = _fused_ag_s(
     panels,
     plan_steps,
-    compute,
-    w_s,
+    cal.fused_dot * compute,
+    _fused_w(cal, chip, w_bytes) * w_s,
     cal.fused_acc * acc / chip.hbm,
     n,
     chunk,
-    chip.link,
+    chip.link / cal.fused_ring,
     wr,
     # Past decode sizes (where the weight read does not bound the matmul)
-    # each step's fixed cost (``Cal.fused_step_s``); the final cast.
+    # each step's fixed cost (``Cal.fused_step_s``); the final cast (both
+    # 0 since branch h-agrefit: the contraction has neither).
     cal.fused_step_s if compute >= hbm / 2 else 0.0,
     cal.fused_cast * m * f * 4 / chip.hbm,
     # A small program's accumulator stays in VMEM between the first and
@@ -976,6 +1010,15 @@ def explain_allgather(
     )
   spill = bool(over) and reason is None and fused < _MARGIN * xla
   drop = over if spill else set()
+  # At decode sizes the value rings are no candidates beside the fused
+  # kernel: each step's dot pays its fixed cost beside its rows of ``w``,
+  # and their estimates there are 12% to 25% under the model (v6e tp 4 M
+  # = 16 on a line of 4: the one-way ring 84.1 us estimated, 95.9
+  # modelled, the fused kernel 87.4 and 87.5; v5e: 129.6 and 174.1
+  # against 144.9 and 145.5).
+  decode_rings = compute < hbm / 2 and reason is None
+  if decode_rings:
+    drop = {1, 2}
   choice = _decide(
     reason,
     fused,
@@ -989,7 +1032,17 @@ def explain_allgather(
     # The decode rule yields once XLA's all-gather outlasts the fused
     # kernel's fixed cost per step (``CAL.ag_step_s``) over the ring.
     w_s=min(w_s, n * cal.ag_step_s),
+    # At decode sizes XLA's program against the fused kernel: its
+    # all-gather hides under the weight read on rings of at most
+    # ``Cal.xla_ag_hidden_n`` devices.
+    decode_xla_s=xla - (xla_ring if n <= cal.xla_ag_hidden_n else 0.0),
   )
+  if decode_rings:
+    choice = dataclasses.replace(
+      choice,
+      ring_us=None if 1 not in rings else rings[1] * 1e6,
+      ring_bidi_us=None if 2 not in rings else rings[2] * 1e6,
+    )
   if held:
     why = choice.reason
     if rings[1] < min(rings[2], fused) and choice.method == "ring_bidi":

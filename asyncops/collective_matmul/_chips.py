@@ -131,7 +131,11 @@ class Cal:
       they charged is mostly each step's fixed cost and the final cast,
       which one panel has too (``fused_step_s``, ``fused_cast``); 5 us a
       panel is left (its ring's restart).
-    fused_step_s: a fused all-gather step's fixed cost in seconds,
+    fused_step_s: (0 on every chip since branch h-agrefit, which drops
+      v5p's 7.5 us and ``fused_cast`` 1: the benchmark's twin of the
+      kernel is one contraction since h-acctwin, with no per-step fixed
+      cost or final cast; the history follows.) A fused all-gather
+      step's fixed cost in seconds,
       beside its dot or its bytes (``_auto._fused_ag_s``), past decode
       sizes (the matmul not bound by the weight read). v5p 7.5 us
       (branch h-wtail): the model's steps are XLA's estimate of the
@@ -285,7 +289,11 @@ class Cal:
       ``_auto._fused_s``); the estimates at the four panel points are
       516.8, 2067.2, 857.4 and 3747.7 us against the model's 526.5,
       2101.8, 801.1 and 3786.1 (were 554.4, 2255.2, 932.6, 3805.4). v5p 0.
-    fused_acc: the share of the fused all-gather's float32 accumulator
+    fused_acc: (0 on every chip since branch h-agrefit, and
+      ``fused_acc_vmem`` with it: since h-acctwin the benchmark charges
+      the fused kernel one contraction over its chunks, its accumulator
+      in VMEM, no pass in HBM; the history follows.) The share of the
+      fused all-gather's float32 accumulator
       pass (read and write per step) its steps are charged beside their
       rows of ``w`` (the model: all of it on v5e, where the tp 8 sweep at
       M = 1024 needs it; three quarters on v6e, within 10% at the tp 4
@@ -467,6 +475,35 @@ class Cal:
       model at M <= 256; now within 14% at tp 4 and 10% to 25% under at
       tp 8 (the fused kernel is 2.5 to 4 times faster there either way).
       0 elsewhere.
+    fused_dot: the fused all-gather's charge for its FLOPs, in FLOPs at
+      peak (``_auto._fused_ag_s``; branch h-agrefit). The model charges the
+      kernel XLA's estimate of one contraction over all its chunks
+      (h-acctwin): v6e 1.21 (XLA's contraction at v6e tp 4 M = 1024 is
+      156.6 us for 132.7 of FLOPs, 1.18x, and the row 160.7 with its
+      prefetch of ``x``: the estimate 160.0), v5p 1.05 (tp 4 M = 1024 to
+      16384 within 2%), v5e 1 (within 7% from M = 256, tp 4 and 8).
+    fused_w: the same for its weight read, in reads of ``w`` at HBM
+      bandwidth, where XLA does not prefetch all of ``w`` into VMEM
+      (``_auto._fused_w``: ``w`` over ``halves_w_vmem`` of VMEM; where it
+      does, one read). v5p 1.7: the model's decode rows are 1.7 to 1.8
+      reads (tp 4 M = 16: 71.9 us for a 42.5 us read; tp 8 38.1 for
+      21.2). v6e 1.2: tp 4 (112 MiB of ``w``, not prefetched) M = 16 is
+      87.5 us for a 71.6 us read, tp 8 (56 MiB, prefetched) 40.5 for
+      35.8. v5e 1 (tp 4 M = 16 145.5 for 143.4).
+    fused_ring: the fused all-gather's direct sends' time over the link
+      bandwidth's (``_auto._fused_ag_s``'s ring; branch h-agrefit). v5p
+      1.3: on the 2x2x2 cube at tp 8 the model's steps wait for chunks
+      (17.9 to 286.9 us exposed from M = 1024) the estimate's last-step
+      wait missed (0.82x to 0.90x of the model); with it 0.97x to 1.04x
+      from M = 256, and tp 4 (not ring-bound) unchanged. 1 elsewhere.
+    xla_ag_hidden_n: the largest ring on which XLA's all-gather hides
+      under its weight-bound dot at decode sizes (the all-gather's decode
+      rule weighs the fused kernel against XLA's estimate less its
+      all-gather there; branch h-agrefit). v5e 4: the model's XLA
+      program at tp 4 M = 16 and 64 is 144.0 and 145.8 us, its dot alone
+      (the estimate 152.3 and 166.9 with 7.3 and 20.1 us of all-gather),
+      while at tp 8 its all-gather shows (83.3 us for a 72.2 dot). 0
+      elsewhere (v6e tp 4 M = 16: 90.7 against 92.4 estimated).
     fused_acc_vmem: the share of VMEM within which all of ``w`` and the
       fused all-gather's float32 accumulator (one panel) make XLA keep
       the accumulator in VMEM between the first and the last step
@@ -488,7 +525,7 @@ class Cal:
   fused_panel: float
   xla_hbm: float
   rs_panel_s: float
-  fused_acc: float = 1.0
+  fused_acc: float = 0.0
   rs_ring_w: float = 0.0
   rs_overlap: float = 0.0
   rs_stream: bool = False
@@ -521,6 +558,10 @@ class Cal:
   halves_w_vmem: float = 0.0
   rs_halves_w: float = 0.0
   fused_acc_vmem: float = 0.0
+  fused_dot: float = 1.0
+  fused_w: float = 1.0
+  fused_ring: float = 1.0
+  xla_ag_hidden_n: int = 0
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -548,8 +589,8 @@ _V5E = Cal(
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
   whole_tail=0.25,
-  fused_acc_vmem=0.25,
   halves_w=1.6,
+  xla_ag_hidden_n=4,
   halves_w_vmem=0.9,
 )
 
@@ -569,8 +610,9 @@ CAL = {
     rs_overlap=0.45,
     rs_ring_f=0.15,
     fused_panel_s=5e-6,
-    fused_step_s=7.5e-6,
-    fused_cast=1.0,
+    fused_dot=1.05,
+    fused_w=1.7,
+    fused_ring=1.3,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
@@ -588,8 +630,9 @@ CAL = {
     0.15,
     0.76,
     0.0,
-    0.75,
     xla_ag_w=0.2,
+    fused_dot=1.21,
+    fused_w=1.2,
     rs_ring_w=0.5,
     ag_step_s=2.5e-6,
     rs_x_vmem=0.8,
