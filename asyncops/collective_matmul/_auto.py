@@ -75,9 +75,10 @@ to the benchmark model's figures (:data:`CAL`):
   panel's dots hides) plus the larger of its dots and its ring ``T(2)``,
   then its finish kernel (its rows' float32 products and received sums
   read, its result written); extra panels cost ``CAL.rs_panel_w`` weight
-  reads (v5e and v6e 0.35) and ``CAL.rs_panel_s`` each. On v5e (and v4)
-  the read streams under the dots (``CAL.rs_stream``, in row panels too:
-  ``CAL.rs_stream_panels``) and the panel is the model's chain
+  reads (v5e and v6e 0.35) and ``CAL.rs_panel_s`` each. On v5e (and v4,
+  one panel) the read streams under the dots (``CAL.rs_stream``; on v5e
+  in row panels too: ``CAL.rs_stream_panels``) and the panel is the
+  model's chain
   (``CAL.rs_stream_chain``): its steps' dots, each at least its bytes,
   the ring after the first of them.
 - the reduce-scatter's ``ring(d)`` (:func:`_rs_ring_s`), the model's
