@@ -513,8 +513,11 @@ def test_reducescatter_panels_in_place_under_grad():
     ("allgather", "v6e", 1024, "ring_bidi"),
     ("reducescatter", "v5e", 16, "fused"),  # the partial sums leave early
     ("reducescatter", "v5e", 256, "fused"),
-    ("reducescatter", "v5e", 4096, "ring_bidi"),  # fused: 4 row panels
-    ("reducescatter", "v5e", 16384, "ring_bidi"),
+    # The fused kernel's row panels stream their weight read (h-rsstream2):
+    # the model 1364.0 and 5456.2 us against the two-way ring's 1570.0 and
+    # 6150.1.
+    ("reducescatter", "v5e", 4096, "fused"),
+    ("reducescatter", "v5e", 16384, "fused"),
     ("reducescatter", "v6e", 4096, "ring_bidi"),  # fused: 4 row panels
     ("reducescatter", "v6e", 16384, "ring_bidi"),
   ],

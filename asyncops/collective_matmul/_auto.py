@@ -74,7 +74,12 @@ to the benchmark model's figures (:data:`CAL`):
   panel's dots hides) plus the larger of its dots and its ring ``T(2)``,
   then its finish kernel (its rows' float32 products and received sums
   read, its result written); extra panels cost ``CAL.rs_panel_w`` weight
-  reads (v5e and v6e 0.35) and ``CAL.rs_panel_s`` each.
+  reads (v5e and v6e 0.35) and ``CAL.rs_panel_s`` each. On v5e (and v4,
+  one panel) the read streams under the dots (``CAL.rs_stream``; on v5e
+  in row panels too: ``CAL.rs_stream_panels``) and the panel is the
+  model's chain
+  (``CAL.rs_stream_chain``): its steps' dots, each at least its bytes,
+  the ring after the first of them.
 - the reduce-scatter's ``ring(d)`` (:func:`_rs_ring_s`), the model's
   steps: the first block's ``d`` dots, then ``n - 1`` steps of the
   start, ``max(d dots, T(d))``, the done and the add of what arrived
@@ -395,6 +400,8 @@ def _fused_s(
   finish_s=0.0,
   floor_s=0.0,
   stream=False,
+  chain=False,
+  step_floor_s=0.0,
 ):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
@@ -422,7 +429,17 @@ def _fused_s(
   roofline; a panel's kernel is handed all of ``x``).
   ``stream`` (with ``overlap`` 1, ``Cal.rs_stream``): the read streams
   under the dots (the longer of the two, the model's twin since
-  h-twinfree), while the ring still starts after the whole read."""
+  h-twinfree), while the ring still starts after the whole read. With
+  ``chain`` too (``Cal.rs_stream_chain``) the panel is charged the model's
+  chain: each of its ``n`` steps' dots is no shorter than
+  ``step_floor_s`` (its bytes: the panel's rows of ``x``, its block of
+  ``w``, its partial sums; the twin's step dot reads all three), and the
+  ring starts after the first step's dots (a ``1 / n`` share of the
+  kernel), each later step waiting for the longer of its dots and the
+  transfer before it, not after the whole read (the model, v5e, the
+  chapter's K and N at m = 256 on the 2x2 squares in device order: step
+  dots of 4.2 us, transfers of 7.7, 1 + 4.2 + 3 x 7.7 + 1.3 + 0.5 = 30.1
+  us; charged the whole read first, 36.1)."""
   p = panels
   w = wiring
   c = max(compute / p, rest_s / p)
@@ -437,8 +454,13 @@ def _fused_s(
   # dots, or after the ring when it is the longer (the last step's own
   # product is made while the last sums travel).
   # The ring's partial sums wait for their step's weight block whether or
-  # not the read streams under the dots (``stream``).
-  ring_after = (w_s if stream else read) + ring
+  # not the read streams under the dots (``stream``): for the whole read,
+  # or with ``chain`` for the first step's dots only.
+  first = w_s if stream else read
+  if stream and chain:
+    kernel = max(kernel, n * step_floor_s)
+    first = kernel / n
+  ring_after = first + ring
   return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, ring_after) + fin)
 
 
@@ -1151,9 +1173,12 @@ def explain_reducescatter(
     # (v6e tp 4 M = 16384, 16 panels: 222.5 us a panel, the 143.2 us read
     # of all of x, w's 71.6 and the sums' 7.7, against 186.6 at M = 4096).
     floor = (w_bytes + m * k * t + (n - 1) * part / p) / chip.hbm
-    # The streamed read (``Cal.rs_stream``) as measured: one row panel on
-    # rings of 4 or more (a ring of two's picks not re-measured).
-    stream = cal.rs_stream and p == 1 and n > 2
+    # The streamed read as measured: one row panel (``Cal.rs_stream``) or
+    # several (``Cal.rs_stream_panels``) on rings of 4 or more (a ring of
+    # two's picks not re-measured).
+    stream = n > 2 and (cal.rs_stream if p == 1 else cal.rs_stream_panels)
+    # One step's dot: the panel's rows of x, a block of w, its partial sums.
+    step_floor = (m * k * t / p + w_bytes / n + part / p) / chip.hbm
     est = _fused_s(
       p,
       compute,
@@ -1166,6 +1191,8 @@ def explain_reducescatter(
       1.0 if stream else cal.rs_overlap,
       finish_s=finish,
       stream=stream,
+      chain=cal.rs_stream_chain,
+      step_floor_s=step_floor,
       floor_s=floor,
       **kw,
     )

@@ -370,8 +370,30 @@ class Cal:
       187.2, was 302.6, XLA's 235.5 ran; M = 1024: 663.2, estimated 632.4,
       was 775.8, the one-way value ring's 726.4 ran; branch h-rsstream).
       False elsewhere: v6e's picks did not move and v5p keeps
-      ``rs_overlap``; row panels (M >= 2048) and rings of two keep the
-      serial read, their picks not re-measured.
+      ``rs_overlap``; rings of two keep the serial read, their picks not
+      re-measured; row panels (M >= 2048): ``rs_stream_panels``.
+    rs_stream_panels: ``rs_stream`` for a fused reduce-scatter in row
+      panels too (each panel's read under its dots). v5e: True
+      (branch h-rsstream2), the Llama-3-70B shard in the model within 3.4%
+      at tp 4 M = 2048 to 16384 and tp 8 M = 2048 to 16384 (serial 20% to
+      23% over): tp 4 M = 2048 and 16384 1331.6 and 10688.5 us, estimated
+      1315.1 and 10871.8, where the one-way value ring ran (1412.9,
+      11783.3); tp 8 M = 4096 1364.0, estimated 1343.2, where the two-way
+      ring ran (1570.0). False on v6e (the model's step dots there are
+      about 1.36 times their FLOPs with part of the read beside them: tp
+      4 M = 2048, 381.3 us, serial 428.7, streamed 309.5) and v5p (the
+      streamed form 11% under the model at tp 4 and 8, M = 4096 and
+      16384; ``rs_overlap`` within 4.2%).
+    rs_stream_chain: a streamed fused reduce-scatter is charged the
+      model's chain (``_auto._fused_s``'s ``chain``): every step's dot at
+      least its bytes (the panel's rows of ``x``, a block of ``w``, its
+      partial sums), the ring after the first step's dot rather than the
+      whole read. v5e: True (branch h-rsstream2): the chapter's
+      K and N at m = 256 on the 2x2 squares in device order, the model
+      30.1 us, estimated 30.0 (was 36.1, over XLA's 35.0, which ran at
+      35.7); on a line 33.1, estimated 33.0 (39.1); the Llama shard at tp
+      4 M = 128 and 256 (one panel) 154.8 and 171.1, estimated 159.0 and
+      173.1 (167.6 and 187.2).
     ag_step_s: the fused all-gather's fixed cost per ring step at decode
       sizes, beyond its weight read (barrier, sends, each step's dot and
       accumulator pass), which its estimate leaves out: XLA's program is
@@ -529,6 +551,8 @@ class Cal:
   rs_ring_w: float = 0.0
   rs_overlap: float = 0.0
   rs_stream: bool = False
+  rs_stream_panels: bool = False
+  rs_stream_chain: bool = False
   ag_step_s: float = float("inf")
   ag_ring_pass: float = 0.0
   bidi_rs_acc: float = 1.0
@@ -586,6 +610,8 @@ _V5E = Cal(
   rs_ring_w=0.45,
   rs_panel_w=0.35,
   rs_stream=True,
+  rs_stream_panels=True,
+  rs_stream_chain=True,
   ag_step_s=8e-6,
   ag_ring_pass=0.1,
   whole_tail=0.25,
@@ -595,7 +621,13 @@ _V5E = Cal(
 )
 
 CAL = {
-  "v4": _V5E,
+  # v4 without h-rsstream2's two fields: its one pick they move (the
+  # chapter's reduce-scatter at m = 512, the two-way value ring to the
+  # fused kernel) cannot be modelled (the benchmark does not compile for
+  # v4:2x2x1: "Invalid memory space: 1").
+  "v4": dataclasses.replace(
+    _V5E, rs_stream_panels=False, rs_stream_chain=False
+  ),
   "v5e": _V5E,
   "v5p": Cal(
     0.9,
