@@ -160,6 +160,25 @@ def step_tail(attrs: str) -> int | None:
   return int(found.group(3)) if found and found.group(3) else None
 
 
+def _ag_layout(operands, attrs):
+  """``(x, w, rest, d, n, m)`` of an all-gather compute kernel's operands
+  (me, x, [x scales [d, m, 128]], w, recv, [recv scales], sems): its ring
+  directions ``d``, ring size ``n`` and rows ``m`` per panel, from the
+  receive buffer ``[d, n - 1, m, k / d]`` (a row panel's kernel may read
+  all of x: its rows are the buffer's) or, when the slots are rows of the
+  result (``AgSpec.recv_in_out``), from its ``ring_slots_`` scope."""
+  _, x, *rest = operands
+  w = next(o for o in rest if len(o.dims) == 2)
+  recv = next((o for o in rest if len(o.dims) == 4), None)
+  if recv is not None:
+    return x, w, rest, recv.dims[0], recv.dims[1] + 1, recv.dims[2]
+  found = _timeline._SLOTS.search(attrs)
+  if found is None:
+    raise ValueError("ring_allgather_matmul: no receive buffer or slots")
+  nd, n1, m, _, _ = (int(v) for v in found.groups())
+  return x, w, rest, nd, n1 + 1, m
+
+
 def _ag_twin(operands, results, attrs=""):
   """One contraction over the kernel's ``n`` chunks with the accumulation
   inside it (:func:`ring_contraction`): the kernel's work, its float32
@@ -167,22 +186,7 @@ def _ag_twin(operands, results, attrs=""):
   (``g`` chunks) waits for its chunks' receive slots and is charged
   ``g / n`` of the contraction (``Steps.units``; no chunk parameter per
   step, so ``_kernel_costs._split`` splits in proportion)."""
-  # Operands: me, x, [x scales [d, m, 128]], w, recv, [recv scales], sems.
-  _, x, *rest = operands
-  w = next(o for o in rest if len(o.dims) == 2)
-  recv = next((o for o in rest if len(o.dims) == 4), None)
-  if recv is not None:
-    # A row panel's kernel may read all of x: its rows are the receive
-    # buffer's (``[d, n - 1, m, k / d]``).
-    nd, n, m = recv.dims[0], recv.dims[1] + 1, recv.dims[2]
-  else:
-    # The slots are rows of the result (``AgSpec.recv_in_out``): their
-    # layout is in the kernel's ``ring_slots_`` scope.
-    found = _timeline._SLOTS.search(attrs)
-    if found is None:
-      raise ValueError("ring_allgather_matmul: no receive buffer or slots")
-    nd, n1, m, _, _ = (int(v) for v in found.groups())
-    n = n1 + 1
+  x, w, _, nd, n, m = _ag_layout(operands, attrs)
   k, f = x.dims[1], w.dims[1]
   plan, blocks = step_plan(attrs, n)
   tail = step_tail(attrs)
@@ -345,17 +349,7 @@ def _ag_reads(operands, results, attrs=""):
   local chunk ``[m, k]`` (an operand XLA placed in VMEM is read there: no
   fill)."""
   del results
-  _, x, *rest = operands
-  w = next(o for o in rest if len(o.dims) == 2)
-  recv = next((o for o in rest if len(o.dims) == 4), None)
-  if recv is not None:
-    nd, n, m = recv.dims[0], recv.dims[1] + 1, recv.dims[2]
-  else:
-    found = _timeline._SLOTS.search(attrs)
-    if found is None:
-      raise ValueError("ring_allgather_matmul: no receive buffer or slots")
-    nd, n1, m, _, _ = (int(v) for v in found.groups())
-    n = n1 + 1
+  x, w, rest, nd, n, m = _ag_layout(operands, attrs)
   _, blocks = step_plan(attrs, n)
   k, f = x.dims[1], w.dims[1]
   scales = [o for o in rest if len(o.dims) == 3]  # [d, rows, 128] float32
