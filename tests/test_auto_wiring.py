@@ -1469,7 +1469,7 @@ _V6E_TP4_RS_MODEL = {
 def test_v6e_reducescatter_rings_read_x_from_hbm(m):
   """v6e, tp 4: where the ring's x [m, 7168] and a column block of w
   (28 MiB) do not fit VMEM together (M >= 8192), XLA leaves x in HBM and
-  charges each ring dot about 1.4 to 2.4 reads of its rows of x beside
+  charges each ring dot about 1.4 to 2.1 reads of its rows of x beside
   its FLOPs (``CAL.rs_ring_x``; the model's half-dots at M = 8192 216.2
   and 199.7 us for 131.0 of FLOPs, at M = 4096, x in VMEM, 80.8 for
   65.5). On main the two-way ring's estimate at M = 8192 was 1370.6, 29%

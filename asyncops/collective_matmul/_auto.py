@@ -657,8 +657,8 @@ def _rs_ring_s(n, d, compute, m, k, c, b, chip, cal, wiring, *, sums_s=0.0):
   # its rows of x from HBM in windows split along k, charged
   # ``cal.rs_ring_x`` of that read beside its FLOPs (v6e, the model at tp
   # 4: the two-way ring's half-dots at M = 8192, 216.2 and 199.7 us for
-  # 131.0 of FLOPs and a 35.8 us read, the one-way ring's dots at M = 8192
-  # and the two-way ring's at 16384, 415.1 and 387.5 for 262.0 and 71.6;
+  # 131.0 of FLOPs and a 35.8 us read; its half-dots at M = 16384 and the
+  # one-way ring's dots at M = 8192, 415.1 and 387.5 for 262.0 and 71.6;
   # branch h-v6ebidi).
   cap = _fused.vmem_capacity(f"TPU {chip.name}")
   if (m * k + k * c) * b > cap:

@@ -448,10 +448,11 @@ class Cal:
       of its rows of ``x`` at HBM bandwidth beside its FLOPs. v6e 1.5
       (branch h-v6ebidi): the model at tp 4, the Llama-3-70B shard, has
       the two-way ring's half-dots at M = 8192 at 216.2 and 199.7 us
-      (131.0 of FLOPs, a 35.8 us read: 1.9 to 2.4 reads), at M = 16384
-      and the one-way ring's dots at M = 8192 415.1 and 387.5 (262.0, 71.6:
-      1.7 to 2.0), the one-way ring's at M = 16384 785.4 and 736.7 (524.0,
-      143.2: 1.4 to 1.8); 1.5 puts the rings within 6.4% of the model
+      (131.0 of FLOPs, a 35.8 us read: 1.7 to 2.1 reads beyond
+      ``rs_ring_w``), its half-dots at M = 16384 and the one-way ring's
+      dots at M = 8192 415.1 and 387.5 (262.0, 71.6: 1.6 to 2.0), the
+      one-way ring's at M = 16384 785.4 and 736.7 (524.0, 143.2: 1.4 to
+      1.8); 1.5 puts the rings within 6.4% of the model
       there (M = 8192: the two-way ring 1800.3 against 1922.4, was 1370.6,
       run over the fused kernel's 1622.6; the one-way ring 1764.5 against
       1766.2). At M = 4096 (x in VMEM) the half-dots are 80.8 us. 0
