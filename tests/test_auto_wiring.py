@@ -731,8 +731,9 @@ def test_whole_ring_estimate_counts_panels(kind, model_panels):
 def test_tp4_long_prefill_reducescatter_one_way_ring(kind, m, method):
   """The Llama shard's down projection at tp 4 (per device x [m, 7168] @
   w [7168, 8192]). At M = 16384 the two-way ring's float32 partial sums
-  (128 MiB) are charged a pass beside its dots (``CAL.bidi_rs_acc``), and
-  auto takes the one-way ring, the model's faster: v6e 3368.4 us against
+  (128 MiB) are charged a pass beside its dots (``CAL.bidi_rs_acc``; on
+  v6e since h-v6ebidi its dots' reads of x from HBM, ``CAL.rs_ring_x``),
+  and auto takes the one-way ring, the model's faster: v6e 3368.4 us against
   3724.9, v5e 11783.3 against 11905.8, v5p 4946.7 against 5027.8. At M =
   4096 (32 MiB) v6e keeps the two-way ring (770.7 us against 879.2);
   v5e, whose rings tie there (3007.5 against 3008.2), ran the one-way
@@ -1437,3 +1438,46 @@ def test_xla_ring_order_keeps_lines_and_shared_chips():
     wiring=_wiring.from_coords(SQUARE4, NO_WRAP),
   )
   assert a.xla_us == pytest.approx(b.xla_us)
+
+
+# The model, v6e:2x4, the Llama shard's reduce-scatter at tp 4 (M: the
+# one-way ring, the two-way ring, the fused kernel, the one-way fused
+# kernel), main 4a9b0ed (branch h-v6ebidi): ASYNCOPS_BENCH_CACHE=... python
+# -m benchmarks.run --sweep llama --sweep-tp 4 --sweep-m
+# 2048,4096,8192,16384 --sweep-topologies v6e:2x4 --sweep-families
+# reducescatter --variants reducescatter:asyncops,reducescatter:
+# asyncops_bidi,reducescatter:asyncops_fused,reducescatter:asyncops_fused_uni
+_V6E_TP4_RS_MODEL = {
+  2048: {"ring": 415.2, "ring_bidi": 399.6, "fused": 403.7, "fused_uni": 439.0},
+  4096: {"ring": 879.2, "ring_bidi": 770.7, "fused": 810.0, "fused_uni": 880.5},
+  8192: {
+    "ring": 1766.2,
+    "ring_bidi": 1922.4,
+    "fused": 1622.6,
+    "fused_uni": 1802.1,
+  },
+  16384: {
+    "ring": 3368.4,
+    "ring_bidi": 3724.9,
+    "fused": 3786.1,
+    "fused_uni": 4148.4,
+  },
+}
+
+
+@pytest.mark.parametrize("m", sorted(_V6E_TP4_RS_MODEL))
+def test_v6e_reducescatter_rings_read_x_from_hbm(m):
+  """v6e, tp 4: where the ring's x [m, 7168] and a column block of w
+  (28 MiB) do not fit VMEM together (M >= 8192), XLA leaves x in HBM and
+  charges each ring dot about 1.4 to 2.1 reads of its rows of x beside
+  its FLOPs (``CAL.rs_ring_x``; the model's half-dots at M = 8192 216.2
+  and 199.7 us for 131.0 of FLOPs, at M = 4096, x in VMEM, 80.8 for
+  65.5). On main the two-way ring's estimate at M = 8192 was 1370.6, 29%
+  under the model's 1922.4, and auto ran it over the fused kernel
+  (1622.6). Both rings' estimates within 7% of the model; auto runs the
+  model's fastest method at each M."""
+  c = _llama("rs", "TPU v6 lite", 4, m)
+  model = _V6E_TP4_RS_MODEL[m]
+  assert abs(c.ring_us / model["ring"] - 1) < 0.07, str(c)
+  assert abs(c.ring_bidi_us / model["ring_bidi"] - 1) < 0.07, str(c)
+  assert c.method == min(model, key=model.get), str(c)

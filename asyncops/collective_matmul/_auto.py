@@ -652,6 +652,17 @@ def _rs_ring_s(n, d, compute, m, k, c, b, chip, cal, wiring, *, sums_s=0.0):
     # (``cal.rs_halves_w`` of that read; the model at v5p tp 4 M = 16:
     # 24.9 and 20.0 us for a 10.6 us read, tp 8 M = 256: 8.8 for 2.65).
     floor = max(one_dot, cal.rs_halves_w * cr)
+  # A dot whose x stays in HBM: XLA keeps the ring's x [m, k] in VMEM
+  # where it fits there beside one column block of w, else each dot reads
+  # its rows of x from HBM in windows split along k, charged
+  # ``cal.rs_ring_x`` of that read beside its FLOPs (v6e, the model at tp
+  # 4: the two-way ring's half-dots at M = 8192, 216.2 and 199.7 us for
+  # 131.0 of FLOPs and a 35.8 us read; its half-dots at M = 16384 and the
+  # one-way ring's dots at M = 8192, 415.1 and 387.5 for 262.0 and 71.6;
+  # branch h-v6ebidi).
+  cap = _fused.vmem_capacity(f"TPU {chip.name}")
+  if (m * k + k * c) * b > cap:
+    flops += cal.rs_ring_x * (m // d) * k * b / chip.hbm
   dots = d * max(flops + w * cr, floor)
   add = cal.rs_add * m * c * b / chip.hbm + sums_s
   load, hops = (

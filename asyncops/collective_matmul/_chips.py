@@ -437,7 +437,26 @@ class Cal:
       under the one-way ring's; 1.0 (at ``ring_rho``, as the rest of
       the step's traffic beside its dots) gives 3664.4, 12121.9 and
       5241.4. Below that size (tp 4, M = 4096; tp 8) the two-way ring's
-      estimates fit without it.
+      estimates fit without it. v6e 0 since branch h-v6ebidi: the
+      model's adds there are their three passes (122.8 us at M = 16384);
+      the two-way ring's excess is in its dots, which read x from HBM
+      (``rs_ring_x``).
+    rs_ring_x: a value reduce-scatter ring dot whose ``x`` stays in HBM
+      (``_auto._rs_ring_s``: the ring's ``x [m, k]`` and one column block
+      of ``w`` over VMEM together, so XLA does not keep ``x`` in VMEM and
+      splits each dot's windows along ``k``) is charged this many reads
+      of its rows of ``x`` at HBM bandwidth beside its FLOPs. v6e 1.5
+      (branch h-v6ebidi): the model at tp 4, the Llama-3-70B shard, has
+      the two-way ring's half-dots at M = 8192 at 216.2 and 199.7 us
+      (131.0 of FLOPs, a 35.8 us read: 1.7 to 2.1 reads beyond
+      ``rs_ring_w``), its half-dots at M = 16384 and the one-way ring's
+      dots at M = 8192 415.1 and 387.5 (262.0, 71.6: 1.6 to 2.0), the
+      one-way ring's at M = 16384 785.4 and 736.7 (524.0, 143.2: 1.4 to
+      1.8); 1.5 puts the rings within 6.4% of the model
+      there (M = 8192: the two-way ring 1800.3 against 1922.4, was 1370.6,
+      run over the fused kernel's 1622.6; the one-way ring 1764.5 against
+      1766.2). At M = 4096 (x in VMEM) the half-dots are 80.8 us. 0
+      elsewhere (not measured).
     int32_flops: the share of the bf16 peak an int32 matmul is charged
       at (it does not run on the MXU). XLA's estimate, which the model
       charges: 229.9 us for the chapter's per-device int32 matmul on v5e
@@ -581,6 +600,7 @@ class Cal:
   halves_w: float = 0.0
   halves_w_vmem: float = 0.0
   rs_halves_w: float = 0.0
+  rs_ring_x: float = 0.0
   fused_acc_vmem: float = 0.0
   fused_dot: float = 1.0
   fused_w: float = 1.0
@@ -673,5 +693,7 @@ CAL = {
     whole_panel=1.5,
     halves_w=1.35,
     halves_w_vmem=0.5,
+    rs_ring_x=1.5,
+    bidi_rs_acc=0.0,
   ),
 }
