@@ -410,6 +410,16 @@ def _ag_kernel(res):
   return module, kernel
 
 
+def _ag_reads(module, kernel):
+  """How the all-gather compute ``kernel`` of ``module`` reads its twin's
+  parameters, as the coster asks (``_fused_variants._ag_reads``)."""
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
+  return _fused_variants._ag_reads(
+    _operands(module, kernel), kernel.arrays, kernel.attrs
+  )
+
+
 def test_fused_kernel_is_charged_one_contraction(fused_chapter):
   """The fused kernel keeps its float32 accumulator in VMEM for the whole
   ring, so it costs XLA's estimate of one contraction over its chunks
@@ -432,9 +442,7 @@ def test_fused_kernel_is_charged_one_contraction(fused_chapter):
   assert sum(plan) == n and blocks == f // 1024
   # Modelled as the kernel reads (branch h-xfill): one w block and the
   # local chunk first (its fill), the stacked chunks streamed.
-  reads = _fused_variants._ag_reads(
-    _operands(module, kernel), kernel.arrays, kernel.attrs
-  )
+  reads = _ag_reads(module, kernel)
   assert reads.whole == () and set(reads.streamed) == {0, 1}
   # The local chunk (bf16) from HBM, or from VMEM where XLA copied x there
   # before the kernel (v6e; that copy is on the program's timeline).
@@ -510,11 +518,9 @@ def test_fused_kernel_at_prefill_makes_no_accumulator_pass(topology):
   tl = res.timeline
   assert not tl.flags, tl.flags
   n, m, k, f = 4, 1024, 2048, 7168
-  _, kernel = _ag_kernel(res)
+  module, kernel = _ag_kernel(res)
   plan, _ = _fused_variants.step_plan(kernel.attrs, n)
-  reads = _fused_variants._ag_reads(
-    _operands(_hlo.parse(res.text), kernel), kernel.arrays, kernel.attrs
-  )
+  reads = _ag_reads(module, kernel)
   one, _, per_step, fill_s = _ag_twins(topology, (n, m, k, f), plan, reads)
   assert tl.twin_s == pytest.approx(one.step_s, rel=1e-6)
   # The contraction is the local matmul; the fill (a w block, and the
@@ -1328,13 +1334,7 @@ def test_fused_allgather_fill_runs_before_its_first_step(topology):
     res = _measure.measure(spec)
   tl = res.timeline
   assert not tl.flags, tl.flags
-  module = _hlo.parse(res.text)
-  (kernel,) = [
-    i
-    for c in module.computations.values()
-    for i in c
-    if i.name.startswith("ring_allgather_matmul")
-  ]
+  module, kernel = _ag_kernel(res)
   dims = n, m, k, f = 4, 512, 512, 2048
   x = _operands(module, kernel)[1]
   assert x.dims == (m, k)
