@@ -676,10 +676,17 @@ def analyze_module(
     else c
     for c in copies
   ]
+  feeds = {
+    c.name: _feeds_start(m, g, c)
+    for c in copies
+    if c.kind == "defensive" and not c.inflight
+  }
   copies = [
-    dataclasses.replace(c, feeds_source=True)
-    if c.kind == "defensive" and not c.inflight and _feeds_source(m, g, c)
-    else c
+    dataclasses.replace(
+      c,
+      feeds_source=feeds.get(c.name) == "source",
+      feeds_destination=feeds.get(c.name) == "destination",
+    )
     for c in copies
   ]
   return Report(
@@ -955,46 +962,66 @@ def _read_only_source(m: Module, g: _Graph, copy: Copy, records) -> bool:
   return True
 
 
-def _feeds_source(m: Module, g: _Graph, copy: Copy) -> bool:
-  """Whether a copy not in flight makes the buffer a library start sends.
+def _feeds_start(m: Module, g: _Graph, copy: Copy) -> str:
+  """The role of the buffer a copy not in flight makes for a library start:
+  ``"source"``, ``"destination"``, or ``""`` (neither: not accepted).
 
   The copy's value (its ``copy-done`` for a ``copy-start``), through
   get-tuple-element/tuple/bitcast/optimization barriers only, is an operand
-  of a start that :func:`_roles` knows, in the operand's role of a source
-  the DMA only reads (not the Ref destination it writes), and the copy is
-  scheduled before that start in the same computation, and is used by
-  nothing else. Then the copy reads no buffer in flight (else
-  ``copy.inflight``) and writes a new buffer before any DMA reads it; from
-  the start on it is the start's source, which the pair's own checks cover
-  (live until the done, no copy or write of it in the window). XLA adds
-  such a copy because a start aliases its operand to an output, so it must
-  not take a value that is read again afterwards.
+  of a start that :func:`_roles` knows, the copy is scheduled before that
+  start in the same computation (no loop or branch crossed), and it is
+  used by nothing else. Then the copy reads no buffer in flight (else
+  ``copy.inflight``) and writes a new buffer, completely, before any DMA
+  touches it (the start takes it: data dependence), and no one else ever
+  reads or writes that buffer except through the start; from the start on
+  it is the start's own buffer, which the pair's checks cover (live until
+  the done, no copy or write of it in the window).
+
+  ``"source"``: the operand is one the DMA only reads (a value-API start's
+  operand, a Ref-API start's unaliased one). XLA adds such a copy because a
+  value-API start aliases its operand to an output, so it must not take a
+  value read again afterwards. ``"destination"``: the operand is the one a
+  Ref-API start aliases to its output ``{0}`` and the DMA writes in place
+  (the destination Ref's buffer); XLA adds such a copy when the Ref's
+  initial value is also another value's buffer (``new_ref(v)`` twice, CSE'd
+  into one ``v``, or ``v`` read again after the start), so the in-place
+  write must not reach ``v``. The copy gives the destination its initial
+  value (which a partial permutation, or a slot the DMA does not write,
+  keeps), exactly as the program says.
   """
   c = copy.instr
   value = c.name
   if c.opcode == "copy-start":
     done = [u for u, _ in g.users[c.name] if u.opcode == "copy-done"]
     if len(done) != 1:
-      return False
+      return ""
     value = done[0].name
   elif copy.output_index != () or c.opcode != "copy":
-    return False
+    return ""
   users = list(g.trace([(value, ())], through_aliasing=False))
   if len(users) != 1:
-    return False
+    return ""
   s = users[0].user
   if (
     s.computation != c.computation
     or s.position <= m.instr(value).position
     or users[0].crossing
   ):
-    return False
+    return ""
   roles = _roles(m, s) if _is_kernel_start(s) else None
   if roles is None:
-    return False
+    return ""
   srcs, dsts = roles
-  pos = _resolve(m, (s.operands[users[0].operand], users[0].index))
-  return pos == (value, ()) and pos in srcs and pos not in dsts
+  k = users[0].operand
+  pos = _resolve(m, (s.operands[k], users[0].index))
+  if pos != (value, ()):
+    return ""
+  if pos in srcs and pos not in dsts:
+    return "source"
+  aliased = {opnd for _, opnd, opnd_idx in s.aliasing if opnd_idx == ()}
+  if _is_ref_kernel(s) and pos in dsts and pos not in srcs and k in aliased:
+    return "destination"
+  return ""
 
 
 _IN_PLACE = {"dynamic-update-slice": 0, "scatter": 0}

@@ -32,7 +32,9 @@ the transfers in flight around it, which each of their dones still holds
 (``Copy.read_only_source``; the argument is in ``design/inspect.md``), a
 copy outside every window whose only reader is the start that then sends
 it (``Copy.feeds_source``: copy insertion giving the start its own
-buffer),
+buffer), or whose only reader is the Ref-API start that then writes it in
+place as its destination (``Copy.feeds_destination``: the destination
+Ref's initial value given a buffer of its own, h-guardfp),
 copies between memory spaces (HBM <-> VMEM) outside windows, scalar copies,
 and ``boundary`` copies at the program's edge (a parameter copied before it
 is sent, a received buffer copied before it is returned: TPU XLA keeps a
@@ -140,8 +142,8 @@ def hazards(report: Report) -> list[Hazard]:
   for c in report.copies:
     if "SEM" in c.spaces:
       kind = "semaphore copy"
-    elif c.read_only_source or c.feeds_source:
-      continue  # reads a live source / makes one: design/inspect.md
+    elif c.read_only_source or c.feeds_source or c.feeds_destination:
+      continue  # reads a live source / makes one or a destination
     elif c.inflight:
       kind = "in-flight copy"
     elif c.kind == "defensive" and c.pair:

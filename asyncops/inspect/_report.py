@@ -101,7 +101,16 @@ class Copy:
       because the start aliases its operand and the value copied is used
       again (a loop-carried residual, a donated parameter, a remat
       constant). Costs a copy; endangers no transfer (the guard accepts
-      it; ``_analysis._feeds_source``, ``design/inspect.md``).
+      it; ``_analysis._feeds_start``, ``design/inspect.md``).
+    feeds_destination: a copy not in flight whose result *is* the
+      destination buffer a Ref-API start then writes in place (scheduled
+      before the start, in its computation, read by nothing else): copy
+      insertion giving the destination Ref its initial value in a buffer
+      of its own, because that value is also another value's buffer (the
+      source's, when ``new_ref(v)`` makes both and XLA's CSE makes them one
+      ``v``, or a value read again after the start). Costs a copy;
+      endangers no transfer (the guard accepts it;
+      ``_analysis._feeds_start``, ``design/inspect.md``, h-guardfp).
   """
 
   name: str
@@ -121,6 +130,7 @@ class Copy:
   read_only_source: bool = False
   nbytes: int = 0
   feeds_source: bool = False
+  feeds_destination: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +435,13 @@ def _summary(r: Report) -> str:
       out.append(
         "      cost only: copy insertion gives the start a buffer of its own "
         "before it sends it; no transfer is in flight on it"
+      )
+    elif c.feeds_destination:
+      out.append(
+        "      cost only: copy insertion makes the destination buffer the "
+        "start then writes in place, holding the Ref's initial value (that "
+        "value is another value's buffer too, e.g. the source's); no "
+        "transfer is in flight on it"
       )
     elif c.grade == "cost":
       out.append(
