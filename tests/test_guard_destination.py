@@ -258,13 +258,18 @@ def _edit(text, name, old, new):
   return text.replace(line, edited)
 
 
-def _refused(text, copy_name):
+def _refused(text, copy_name, hint=True):
   bad = analyze_module(parse_module(text), text)
   (c2,) = [c for c in bad.copies if c.name == copy_name]
   assert not c2.feeds_destination and not c2.feeds_source
   assert "defensive copy" in {h.kind for h in hazards(bad)}
-  with pytest.raises(CopyHazardError, match="defensive copy"):
+  with pytest.raises(CopyHazardError, match="defensive copy") as e:
     check_report(bad)
+  # The message says what the copy is and what to do (a copy before the
+  # start of the value it takes as its destination).
+  said = "the destination Ref's value before the start" in str(e.value)
+  assert said == hint
+  assert ("give it a value of its own" in str(e.value)) == hint
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
@@ -302,4 +307,4 @@ def test_the_same_copy_after_the_start_is_refused(topology):
   copy_line, start_line = _line(text, c.name), _line(text, pair.start)
   text = text.replace(copy_line + "\n", "", 1)
   text = text.replace(start_line, start_line + "\n" + copy_line, 1)
-  _refused(text, c.name)
+  _refused(text, c.name, hint=False)

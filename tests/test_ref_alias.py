@@ -484,8 +484,10 @@ def test_a_ref_passed_twice_into_a_shard_map_is_refused():
 
 # A top-level window reading another local Ref (h-topread ties that read
 # after the start) whose buffer may be the destination's value: tied, XLA
-# copied that value to keep it from the start's in-place write (v5e, v6e:
-# a defensive copy); now left untied. case -> (program, lax, tied).
+# copies that value before the start to make the destination (v5e, v6e).
+# h-alias left such reads untied (the guard refused that copy); the guard
+# accepts it now (Copy.feeds_destination, h-guardfp) and they are tied
+# again. case -> (program, the destination's copy on v5e and v6e).
 def _dst_value_alias(x):
   # b and c made of one computation (XLA's CSE: one value).
   a = jax.new_ref(x * 2.0)
@@ -519,9 +521,9 @@ def _mm3(x):
 
 
 DST_READS = {
-  "same computation as the destination": (_dst_value_alias, False),
-  "made of a read of the destination": (_dst_read_copy, False),
-  "another value": (_dst_other_value, True),
+  "same computation as the destination": (_dst_value_alias, True),
+  "made of a read of the destination": (_dst_read_copy, True),
+  "another value": (_dst_other_value, False),
 }
 
 
@@ -537,10 +539,10 @@ def _ties(jaxpr) -> int:
 
 
 @pytest.mark.parametrize("case", list(DST_READS))
-def test_window_read_of_the_destinations_value_is_not_tied(case):
+def test_window_read_of_the_destinations_value_is_tied(case):
   # lax's numbers at both emulation points; asyncops_tie barriers: the one
-  # after the compute, and one per read of c (two) when they are tied.
-  body, tied = DST_READS[case]
+  # after the compute, and one per read of c (two): tied.
+  body, _ = DST_READS[case]
   mesh = _cpu_mesh()
   x = _x(mesh)
   want = np.asarray(_jit(_mm3, mesh)(x))
@@ -549,19 +551,23 @@ def test_window_read_of_the_destinations_value_is_not_tied(case):
       got = np.asarray(_jit(body, mesh)(x))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   g = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-  assert _ties(jax.make_jaxpr(g)(x).jaxpr) == 1 + 2 * tied
+  assert _ties(jax.make_jaxpr(g)(x).jaxpr) == 3
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
 @pytest.mark.parametrize("case", list(DST_READS))
 def test_window_read_of_the_destinations_value_on_tpu(case, topology):
-  # Guard clean, no copy (tied, the first two copied the destination's
-  # value on v5e and v6e); the compute in the window iff tied.
-  body, tied = DST_READS[case]
+  # Guard clean, the compute in the window; the first two copy the
+  # destination's value for it before the start (accepted: the copy's
+  # only reader is the start, in the operand it writes), the third has no
+  # copy.
+  body, copied = DST_READS[case]
   f, x = u.ring_program(body, topology, (1024, 1024))
   r = analyze(f, x)
   assert hazards(r) == []
-  assert not r.defensive_copies and not r.inflight_copies
+  assert not r.inflight_copies
   (pair,) = r.kernel_pairs
-  assert pair.source_live
-  assert pair.overlapped == tied
+  assert pair.source_live and pair.overlapped
+  assert [c.feeds_destination for c in r.defensive_copies] == [True] * copied
+  for c in r.defensive_copies:
+    assert r.module.instr(pair.start).operands[1] == c.name

@@ -63,7 +63,7 @@ from typing import Any
 
 import jax
 
-from ._analysis import analyze_module
+from ._analysis import _is_ref_kernel, _resolve, analyze_module
 from ._hlo import parse_module
 from ._mesh import compile_tpu, tpu_mesh
 from ._report import Report
@@ -136,6 +136,23 @@ def _start_info(report: Report, name: str) -> tuple[str, str]:
   return i.source, i.where
 
 
+def _destination_value(report: Report, c, start: str) -> bool:
+  """Whether copy ``c`` reads, or makes, the value a Ref-API ``start``
+  takes as its destination (the operand it aliases and writes)."""
+  if not start:
+    return False
+  m = report.module
+  s = m.instr(start)
+  if not _is_ref_kernel(s):
+    return False
+  i = c.instr
+  if i.computation != s.computation or i.position > s.position:
+    return False
+  dsts = {_resolve(m, (s.operands[k], ())) for _, k, _ in s.aliasing}
+  result = c.name if c.opcode != "copy-start" else ""
+  return _resolve(m, (c.operand, ())) in dsts or (result, ()) in dsts
+
+
 def hazards(report: Report) -> list[Hazard]:
   """The hazards in a harness report (empty for a safe program)."""
   out: list[Hazard] = []
@@ -158,6 +175,15 @@ def hazards(report: Report) -> list[Hazard]:
     )
     if c.inflight:
       what += f": the {c.inflight}"
+    elif kind == "defensive copy" and _destination_value(report, c, start):
+      what += (
+        ": the destination Ref's value before the start, kept apart from "
+        "the buffer the DMA writes because another value uses it too. If "
+        "the destination Ref was made of a value used elsewhere (another "
+        "Ref made of the same computation, which XLA makes one value, or a "
+        "read of the destination after the start), give it a value of its "
+        "own (jax.empty_ref, or zeros) or read that value before the start"
+      )
     elif kind == "semaphore copy":
       what += (
         ": a DMA semaphore; the done would wait on a copy the DMA never signals"

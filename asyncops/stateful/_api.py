@@ -176,20 +176,20 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
     # stayed in the window untied, and tying a traced slot's read split
     # its dynamic slice out of the matmul (a longer window, v5e 16640 ->
     # 38352 cycles).
+    #
+    # A read of a Ref whose buffer is the destination's value to XLA
+    # (new_ref of one computation, CSE'd; a read of it) is tied too: XLA
+    # then copies that value before the start to make the destination
+    # (v5e, v6e: 272 cycles in VMEM; v5p a move into HBM), which the guard
+    # accepts (Copy.feeds_destination). Untied (h-alias), the compute ran
+    # before the start: 12-17% longer steps (design/inspect.md, h-guardfp).
     src = fut._track[1]
     tie_read = None
     if not jc.window_reads_ref(fut._track[0], sems, src.base, _other_slot(src)):
-      dst_base = fut._track[2].base
 
       def tie_read(eqn):
-        # Not a read of a Ref whose buffer may be the destination's value
-        # (new_ref of the same computation, of a read of it): tied after
-        # the start, XLA copies that value to keep it from the start's
-        # in-place write (v5e, v6e; design/inspect.md, h-alias).
-        return (
-          not jc.reads_ref(eqn, src.base)
-          and jc.reads_idle_local_ref(eqn, sems, ref_start_p.name)
-          and not jc.read_may_hold_buffer_of(eqn, dst_base)
+        return not jc.reads_ref(eqn, src.base) and jc.reads_idle_local_ref(
+          eqn, sems, ref_start_p.name
         )
 
     sems = jc.tie_between(fut._track[0], sems, tie_read)
