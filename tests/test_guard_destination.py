@@ -33,6 +33,7 @@ from asyncops.inspect import CopyHazardError, analyze, hazards
 from asyncops.inspect._analysis import _resolve, analyze_module
 from asyncops.inspect._guard import check_report
 from asyncops.inspect._hlo import parse_module
+from asyncops.inspect._json import report_dict
 from tests import util as u
 
 N = 8
@@ -223,8 +224,10 @@ def test_a_copy_that_makes_the_destination_is_accepted(case, topology):
   assert copy.spaces[0] == copy.spaces[1] and not copy.inflight
   assert _makes_destination(r, copy)
   assert copy.feeds_destination and not copy.feeds_source
-  # Reported as such, not silently.
+  # Reported as such, not silently (the text report and the JSON).
   assert "copy insertion makes the destination buffer" in r.summary()
+  (row,) = [c for c in report_dict(r)["copies"] if c["name"] == copy.name]
+  assert row["accepted"] == "feeds_destination"
   (pair,) = r.kernel_pairs
   assert pair.source_live and pair.dest_live and not pair.inplace_writes
   assert pair.overlapped == CASES[case][2]

@@ -50,6 +50,15 @@ def copy_dict(c: Copy) -> dict[str, Any]:
     "bytes": c.nbytes,
     "estimated_cycles": c.estimated_cycles,
     "inflight": c.inflight or None,
+    # Why the guard accepts a copy it would otherwise refuse.
+    "accepted": next(
+      (
+        k
+        for k in ("read_only_source", "feeds_source", "feeds_destination")
+        if getattr(c, k)
+      ),
+      None,
+    ),
     "source": c.source,
     "stack": _frames(c.instr.stack),
   }
