@@ -311,3 +311,14 @@ def test_the_same_copy_after_the_start_is_refused(topology):
   text = text.replace(copy_line + "\n", "", 1)
   text = text.replace(start_line, start_line + "\n" + copy_line, 1)
   _refused(text, c.name, hint=False)
+
+
+def test_v5p_large_destination_copy_in_hbm_is_accepted():
+  # 4096^2 f32 per device: v5p copies the shared value HBM -> HBM for the
+  # destination (a defensive copy main refused), accepted the same way.
+  f, x = u.ring_program(_one_value, "v5p:2x2x2", (4096, 4096))
+  r = analyze(f, x)
+  (copy,) = r.defensive_copies
+  assert copy.spaces == ("HBM", "HBM") and copy.feeds_destination
+  assert _makes_destination(r, copy)
+  assert hazards(r) == [], [str(h) for h in hazards(r)]
