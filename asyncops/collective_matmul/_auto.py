@@ -72,14 +72,16 @@ to the benchmark model's figures (:data:`CAL`):
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
   panel's dots hides) plus the larger of its dots and its ring ``T(2)``,
-  then its finish kernel (its rows' float32 products and received sums
-  read, its result written); extra panels cost ``CAL.rs_panel_w`` weight
-  reads (v5e and v6e 0.35) and ``CAL.rs_panel_s`` each. On v5e (and v4,
-  one panel) the read streams under the dots (``CAL.rs_stream``; on v5e
-  in row panels too: ``CAL.rs_stream_panels``) and the panel is the
-  model's chain
+  then its finish kernel (its panel's receive buffer read, the result
+  written); extra panels cost ``CAL.rs_panel_w`` weight reads (v5e
+  0.35) and ``CAL.rs_panel_s`` each. On v5e (and v4, one panel) the read
+  streams under the dots (``CAL.rs_stream``; on v5e in row panels too:
+  ``CAL.rs_stream_panels``) and the panel is the model's chain
   (``CAL.rs_stream_chain``): its steps' dots, each at least its bytes,
-  the ring after the first of them.
+  the ring after the first step's fill (its rows of ``x`` and a block of
+  ``w``) and dots, each middle step's share after its wait added to its
+  transfer; on v6e the same chain with the read serial in the kernel
+  (``CAL.rs_chain``).
 - the reduce-scatter's ``ring(d)`` (:func:`_rs_ring_s`), the model's
   steps: the first block's ``d`` dots, then ``n - 1`` steps of the
   start, ``max(d dots, T(d))``, the done and the add of what arrived
@@ -402,6 +404,8 @@ def _fused_s(
   stream=False,
   chain=False,
   step_floor_s=0.0,
+  fill_s=0.0,
+  tail=0.0,
 ):
   """The fused reduce-scatter's estimate over ``panels`` row panels, one
   after the other: each reads ``w`` before its matmul (the kernel's charge:
@@ -420,10 +424,9 @@ def _fused_s(
   chapter's shape: one-way 51.2 us on v5e, 27.3 on v6e, against the
   two-way kernel's 43.7 and 20.3). ``x_copy_s`` is XLA's prefetch of a
   panel's ``x`` into VMEM before the kernel (``Cal.rs_x_vmem``), exposed.
-  ``finish_s`` is the finish kernel over all the rows (the own float32
-  products and the last received partial sums read, the result written),
-  after each panel's steps (the model, v5e tp 4 M = 1024: 20.5 us after a
-  784.6 us steps kernel).
+  ``finish_s`` is the finish kernel over all the panels (each panel's
+  receive buffer read, the result written), after each panel's steps
+  (the model, v5e tp 4 M = 1024: 20.5 us after a 784.6 us steps kernel).
   ``floor_s`` is each panel's steps kernel's floor: its operands' bytes
   at HBM bandwidth (the model charges a Pallas kernel no less than its
   roofline; a panel's kernel is handed all of ``x``).
@@ -439,7 +442,23 @@ def _fused_s(
   transfer before it, not after the whole read (the model, v5e, the
   chapter's K and N at m = 256 on the 2x2 squares in device order: step
   dots of 4.2 us, transfers of 7.7, 1 + 4.2 + 3 x 7.7 + 1.3 + 0.5 = 30.1
-  us; charged the whole read first, 36.1)."""
+  us; charged the whole read first, 36.1). ``chain`` without ``stream``
+  (``Cal.rs_chain``, v6e) keeps the serial read in the kernel but starts
+  the ring after the first step's share of it, as the model does: at v6e
+  tp 8 the kernel's partial sums leave after one step's dot (10.5 us),
+  not after the whole weight read (35.8), and the panel is ring-bound
+  (7 transfers of 12.4 us against dots of 10.5). ``fill_s`` (with
+  ``chain``): the steps kernel's fill before its first dot, the panel's
+  rows of ``x`` and one block of ``w`` read whole (the model's
+  ``_timeline.Fill`` since h-xfill: 6.7 us a panel at v6e tp 8, 2.6 at
+  v5e's chapter shape), which the ring waits for too. ``tail`` (with
+  ``chain``): the share of a step's dot after its wait for the
+  neighbour's partial sums (each half waits before its last of ``nb``
+  ``w`` blocks: ``1 / (directions nb)`` where ``nb > 1``, else 0, the
+  model's ``Steps.tails``), which the ring-bound chain's ``n - 2`` middle
+  steps add to their transfers (the one-way kernel at v6e tp 8, two
+  blocks a step: 29.0 us a step, a 23.8 us transfer and half a 10.5 us
+  dot)."""
   p = panels
   w = wiring
   c = max(compute / p, rest_s / p)
@@ -457,9 +476,10 @@ def _fused_s(
   # not the read streams under the dots (``stream``): for the whole read,
   # or with ``chain`` for the first step's dots only.
   first = w_s if stream else read
-  if stream and chain:
+  if chain:
     kernel = max(kernel, n * step_floor_s)
-    first = kernel / n
+    first = fill_s + kernel / n
+    ring += max(n - 2, 0) * tail * kernel / n
   ring_after = first + ring
   return p * (_FUSED_OVERHEAD_S + x_copy_s + max(kernel, ring_after) + fin)
 
@@ -541,13 +561,46 @@ def _x_copy_s(plan, k, t, chip, cal) -> float:
   """XLA's prefetch of a fused reduce-scatter panel's ``x`` (``rows x k``
   in ``t`` bytes) into VMEM before the kernel, which waits for it: charged
   where ``x`` fits beside the kernel's scoped VMEM limit within
-  ``Cal.rs_x_vmem`` of VMEM (0: never)."""
+  ``Cal.rs_x_vmem`` of VMEM (0: never). In row panels each panel's kernel
+  is handed all of ``x``, so all of it must fit (branch h-rsv6e8: the
+  model at v6e tp 4 M = 8192 on a line, 8 panels, 112 MiB of ``x``: no
+  prefetch, each panel's fill reads its rows from HBM, 11.2 us, and the
+  two kernels' panels cost alike, 224.2 and 227.7 us; charged a panel's
+  rows, 9.0 us, the one-way kernel ran, the model 1836.1 us against the
+  one-way value ring's 1766.2)."""
   spec = plan.spec
   x_bytes = spec.m * k * t
+  x_all = x_bytes * max(plan.panels, 1)
   cap = _fused.vmem_capacity(f"TPU {chip.name}")
-  if spec.vmem_limit + x_bytes > cal.rs_x_vmem * cap:
+  if spec.vmem_limit + x_all > cal.rs_x_vmem * cap:
     return 0.0
   return x_bytes / chip.hbm
+
+
+def _rs_fill_s(plan, k, t, b, chip) -> float:
+  """The fused reduce-scatter steps kernel's fill (``plan``'s panel, ``x``
+  in ``t`` bytes an element, ``w`` in ``b``): what it reads before its
+  first dot, the panel's rows of ``x`` whole and the first ``[k, bn]``
+  block of ``w``, at HBM bandwidth (the model's ``_timeline.Fill`` since
+  h-xfill, the kernel's ``BlockSpec``s: v6e tp 8, the Llama shard, 4.5
+  and 2.2 us, 6.7 a panel). 0 without a plan."""
+  spec = plan.spec
+  if spec is None:
+    return 0.0
+  return (spec.m * k * t + k * spec.bn * b) / chip.hbm
+
+
+def _rs_tail(plan) -> float:
+  """The share of a fused reduce-scatter step's dot after its wait for
+  the neighbour's partial sums: each half waits before its last of
+  ``nb`` blocks of ``w`` (``c / directions / bn``), ``1 / (directions
+  nb)`` where ``nb > 1``; none where a half is one block (it waits after
+  its dot). 0 without a plan."""
+  spec = plan.spec
+  if spec is None:
+    return 0.0
+  nb = spec.c // spec.directions // spec.bn
+  return 1 / (spec.directions * nb) if nb > 1 else 0.0
 
 
 def _on(choice: Choice, wiring: _wiring.Wiring) -> Choice:
@@ -1172,13 +1225,19 @@ def explain_reducescatter(
   reason = None if plan.spec is not None else plan.reason
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
-  # The finish kernel: the own float32 products and the last received
-  # partial sums read, the result written (its twin's bytes).
-  acc_b = 4 if b <= 4 else b
-  finish = m * c * (acc_b + t + b) / chip.hbm
+  # The finish kernel, charged its operands in HBM as the model's floor
+  # does (branch h-rsv6e8): each panel's whole receive buffer ([d, n - 1,
+  # m / p, c / d], though it adds only the last slot) and the result,
+  # which the first panel writes whole and the later ones alias; its own
+  # float32 products stay in VMEM. At v6e tp 8 M = 4096: 14.1 us for the
+  # first panel, 8.9 for each later one (was charged 5.1 a panel, its
+  # rows' products, last sums and result); on rings of 4 in bf16 the
+  # same bytes as before.
+  finish = ((n - 1) * part + m * c * b) / chip.hbm
 
-  def fused_s(p, **kw):
-    """The fused kernel in ``p`` row panels (``_fused_s``'s options)."""
+  def fused_s(p, pl=plan, **kw):
+    """The fused kernel in ``p`` row panels of plan ``pl`` (``_fused_s``'s
+    options)."""
     # Each panel's steps kernel reads all of w and x and its received
     # partial sums ([d, n - 1, m / p, c / d]): the model's floor for it
     # (v6e tp 4 M = 16384, 16 panels: 222.5 us a panel, the 143.2 us read
@@ -1190,6 +1249,9 @@ def explain_reducescatter(
     stream = n > 2 and (cal.rs_stream if p == 1 else cal.rs_stream_panels)
     # One step's dot: the panel's rows of x, a block of w, its partial sums.
     step_floor = (m * k * t / p + w_bytes / n + part / p) / chip.hbm
+    # The chain: streamed (``Cal.rs_stream_chain``, v5e) or with the read
+    # serial (``Cal.rs_chain``, v6e), on rings of 4 or more.
+    chain = n > 2 and (cal.rs_stream_chain if stream else cal.rs_chain)
     est = _fused_s(
       p,
       compute,
@@ -1202,9 +1264,11 @@ def explain_reducescatter(
       1.0 if stream else cal.rs_overlap,
       finish_s=finish,
       stream=stream,
-      chain=cal.rs_stream_chain,
+      chain=chain,
       step_floor_s=step_floor,
       floor_s=floor,
+      fill_s=_rs_fill_s(pl, k, t, b, chip),
+      tail=_rs_tail(pl),
       **kw,
     )
     return est + (p - 1) * (cal.rs_panel_s + cal.rs_panel_w * w_s)
@@ -1238,7 +1302,9 @@ def explain_reducescatter(
     # the two-way kernel's 198.3), each with its panels and x copy; the
     # one-way kernel's estimate is the two-way one's scaled by their ratio.
     def chained(p, d, pl):
-      return fused_s(p, directions=d, x_copy_s=_x_copy_s(pl, k, t, chip, cal))
+      return fused_s(
+        p, pl, directions=d, x_copy_s=_x_copy_s(pl, k, t, chip, cal)
+      )
 
     p1 = max(plan_uni.panels, 1)
     ratio = chained(p1, 1, plan_uni) / chained(panels, 2, plan)

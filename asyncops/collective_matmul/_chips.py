@@ -393,7 +393,21 @@ class Cal:
       30.1 us, estimated 30.0 (was 36.1, over XLA's 35.0, which ran at
       35.7); on a line 33.1, estimated 33.0 (39.1); the Llama shard at tp
       4 M = 128 and 256 (one panel) 154.8 and 171.1, estimated 159.0 and
-      173.1 (167.6 and 187.2).
+      173.1 (167.6 and 187.2). Since branch h-rsv6e8 the ring also waits
+      for the steps kernel's fill (the panel's rows of ``x`` and a block
+      of ``w``, the model's since h-xfill: 2.6 us at m = 256; the squares
+      32.6 us in the model, estimated 32.6, was 30.0).
+    rs_chain: the model's chain (as ``rs_stream_chain``: the ring after
+      the first step's fill and dot, a step's dot at least its bytes) for
+      a fused reduce-scatter whose read stays serial in its kernel. v6e:
+      True (branch h-rsv6e8): at tp 8 the Llama shard's panels are
+      ring-bound in the model (7 transfers of 12.4 us against step dots
+      of 10.5, the partial sums leaving after the fill and the first
+      dot, 6.7 + 10.5 us): M = 4096 and 8192 450.4 and 925.6 us,
+      estimated 471.6 and 943.1, was 516.8 and 1033.6 (the whole 35.8 us
+      read before the ring), over the two-way value ring's 497.6 and
+      972.3, which auto ran (516.2 and 984.2 in the model). tp 4 keeps
+      its kernel-bound estimate (6% over).
     ag_step_s: the fused all-gather's fixed cost per ring step at decode
       sizes, beyond its weight read (barrier, sends, each step's dot and
       accumulator pass), which its estimate leaves out: XLA's program is
@@ -572,6 +586,7 @@ class Cal:
   rs_stream: bool = False
   rs_stream_panels: bool = False
   rs_stream_chain: bool = False
+  rs_chain: bool = False
   ag_step_s: float = float("inf")
   ag_ring_pass: float = 0.0
   bidi_rs_acc: float = 1.0
@@ -695,5 +710,6 @@ CAL = {
     halves_w_vmem=0.5,
     rs_ring_x=1.5,
     bidi_rs_acc=0.0,
+    rs_chain=True,
   ),
 }
