@@ -136,7 +136,9 @@ def ring_steps(w, *xs, plan=None, out_dtype):
   return acc.astype(out_dtype)
 
 
-_STEPS = re.compile(r"ring_steps_([\d-]+)_nf(\d+)(?:_t(\d+))?(_halves)?")
+_STEPS = re.compile(
+  r"ring_steps_([\d-]+)_nf(\d+)(?:_t(\d+)(?:p(\d+))?)?(_halves)?"
+)
 
 
 def step_plan(attrs: str, n: int) -> tuple[tuple[int, ...], int]:
@@ -157,7 +159,15 @@ def step_halves(attrs: str) -> bool:
   (``_halves`` in its scope: ``_allgather_matmul.half_steps``), waiting
   for each direction's halves on their own."""
   found = _STEPS.search(attrs)
-  return bool(found and found.group(4))
+  return bool(found and found.group(5))
+
+
+def step_parts(attrs: str) -> int:
+  """Column parts of each grid iteration (``AgSpec.parts``, the unit of
+  its tail), from the kernel's scope (``_t<tail>p<parts>``); 1 when
+  absent."""
+  found = _STEPS.search(attrs)
+  return int(found.group(4)) if found and found.group(4) else 1
 
 
 def step_tail(attrs: str) -> int | None:
@@ -193,7 +203,10 @@ def _ag_twin(operands, results, attrs=""):
   accumulator in VMEM for the whole ring. Each step of the kernel's plan
   (``g`` chunks) waits for its chunks' receive slots and is charged
   ``g / n`` of the contraction (``Steps.units``; no chunk parameter per
-  step, so ``_kernel_costs._split`` splits in proportion)."""
+  step, so ``_kernel_costs._split`` splits in proportion); a kernel that
+  runs half-steps (``_halves`` in its scope) is charged per half-step,
+  ``g / (d n)``, each waiting for its own direction's halves
+  (``Steps.halves``)."""
   x, w, _, nd, n, m = _ag_layout(operands, attrs)
   k, f = x.dims[1], w.dims[1]
   plan, blocks = step_plan(attrs, n)
@@ -202,8 +215,9 @@ def _ag_twin(operands, results, attrs=""):
   args = (_sds((n * k, f), _dt(w)), _sds((n, m, k), _dt(x)))
   if step_halves(attrs):
     # Half-steps: step s's units, half d each (``half_steps``), waiting
-    # for slot t's half d (``t nd + d``); a tail of ``t`` iterations is
-    # ``t / (blocks g)`` of a half-step of ``g`` units.
+    # for slot t's half d (``t nd + d``); a tail of ``t`` parts of
+    # iterations (``AgSpec.parts`` each) is ``t / (parts blocks g)`` of a
+    # half-step of ``g`` units.
     needs, sizes, unit = [], [], 0
     for g in plan:
       for d in range(nd):
@@ -211,7 +225,12 @@ def _ag_twin(operands, results, attrs=""):
         needs.append(tuple((u - 1) * nd + d for u in units if u > 0))
         sizes.append(g)
       unit += g
-    tails = tuple(min(1.0, tail / (blocks * g)) for g in sizes) if tail else ()
+    parts = step_parts(attrs)
+    tails = (
+      tuple(min(1.0, tail / (parts * blocks * g)) for g in sizes)
+      if tail
+      else ()
+    )
     steps = _kernel_costs.Steps(
       tuple(needs), blocks, tails, (), tuple(sizes), halves=True
     )

@@ -482,14 +482,17 @@ def test_fused_kernel_is_charged_one_contraction(fused_chapter):
   assert not {"copy", "transpose", "concatenate"} & set(ops), ops
   assert "f32[1024" not in text.split("ENTRY")[1].replace("f32[1024]", "")
   assert text.count("convolution(") + text.count(" dot(") == 1
-  # Each step its share of the contraction, in proportion to its chunks.
+  # Each step its share of the contraction, in proportion to its chunks,
   device = _measure.mesh_for(topology, "ring", None).devices.flat[0]
   split = _kernel_costs.KernelCoster(chip, device)(kernel, module)
   assert isinstance(split, _timeline.KernelSteps)
   assert split.total == pytest.approx(one.step_s, rel=1e-6)
   assert split.fill == pytest.approx(fill_s, rel=1e-6)
+  # ... half of it per half-step (one per direction, ``_halves``).
+  assert split.halves and len(split.costs) == 2 * len(plan)
   assert list(split.costs) == pytest.approx(
-    [(one.step_s - fill_s) * g / n for g in plan], rel=1e-6
+    [(one.step_s - fill_s) * g / (2 * n) for g in plan for _ in (0, 1)],
+    rel=1e-6,
   )
   # The kernel's boxes: its compute plus any wait for a step's chunks,
   # which counts as exposed communication.
@@ -685,8 +688,9 @@ def test_fused_allgather_runs_half_steps(fused_chapter):
   antipode's two halves cross the same links one after the other, and
   the half-step of the first no longer waits for the second. The last
   wait ends when the last half is in (the start's issue, four halves on
-  the busiest link, two hops), and after it the kernel runs one block of
-  the half-step before and the last half-step."""
+  the busiest link, two hops), and after it the kernel runs the tail of
+  the half-step before (v5e: half an iteration, ``AgSpec.parts``) and the
+  last half-step."""
   from benchmarks import _fused_variants  # noqa: PLC0415
 
   topology, res = fused_chapter
@@ -710,7 +714,13 @@ def test_fused_allgather_runs_half_steps(fused_chapter):
   costs = [e.dur for e in boxes if e.kind == "compute"][1:]  # no fill
   per_half = sum(costs) / 8
   _, blocks = _fused_variants.step_plan(kernel.attrs, 4)
-  assert end - last == pytest.approx(per_half / blocks + per_half)
+  # v5e: half an iteration (a tail of one part of two, ``AgSpec.parts``);
+  # v6e: its last block (an iteration's w block fills HBM: no tail).
+  tail = _fused_variants.step_tail(kernel.attrs)
+  parts = _fused_variants.step_parts(kernel.attrs)
+  assert (tail, parts) == ((1, 2) if topology == "v5e:2x4" else (None, 1))
+  share = tail / (parts * blocks) if tail else 1 / blocks
+  assert end - last == pytest.approx(per_half * share + per_half)
   # The antipode's first half-step waited at most for its own half.
   first = start.start + 3 * half + 2 * chip.ici_hop_s
   assert all(w.start + w.dur <= first + 1e-12 for w in waits[:-1])

@@ -49,14 +49,16 @@ Kernels, in program order (all three appear in the compiled HLO):
    (``x`` at step 0) by their ``w`` blocks (streamed by the Pallas
    pipeline) into the float32 VMEM accumulator. After the last unit of
    block ``max(nf - 2, 0)`` of a half-step (or before its last
-   ``AgSpec.tail`` grid iterations) it waits for the halves of the next
-   half-step and starts copying them into a VMEM double buffer ``[2,
-   max(steps), m, k]`` (step ``s`` in slot ``s % 2``, half ``h`` in its
-   columns), so the copies overlap that block (or those iterations). The
-   last half-step adds its product and writes ``[m, bn]`` output blocks.
-   It starts **no remote DMA**, and returns an SMEM token besides the
-   result. It runs in a ``ring_steps_<plan>_nf<blocks>[_t<tail>]_halves``
-   named scope (the start in ``ring_hops_<hops>``), which
+   ``AgSpec.tail`` parts of iterations: with a tail each iteration's
+   block runs as ``AgSpec.parts`` dots, so the wait may fall
+   mid-iteration) it waits for the halves of the next half-step and
+   starts copying them into a VMEM double buffer ``[2, max(steps), m,
+   k]`` (step ``s`` in slot ``s % 2``, half ``h`` in its columns), so
+   the copies overlap that block (or those parts). The last half-step
+   adds its product and writes ``[m, bn]`` output blocks. It starts **no
+   remote DMA**, and returns an SMEM token besides the result. It runs
+   in a ``ring_steps_<plan>_nf<blocks>[_t<tail>p<parts>]_halves`` named
+   scope (the start in ``ring_hops_<hops>``), which
    ``benchmarks/_timeline.py`` reads.
 3. ``asyncops_ring_allgather_done``: waits for every send; it takes the
    token (not the result), so it runs after the compute kernel and the
@@ -128,13 +130,13 @@ class AgSpec:
     collective_id: barrier semaphore id of the start kernel.
     vmem_limit: VMEM bytes the compute kernel may use.
     steps: chunks per step (the step plan; None: one chunk per step).
-    tail: grid iterations (each one ``[m, k/d] @ [k/d, bn]``) at the end
-      of a half-step that the copies of the next half-step's halves
+    tail: parts of grid iterations (each iteration's ``[m, k/d] @ [k/d,
+      bn]`` runs as :attr:`parts` dots of ``bn / parts`` columns) at the
+      end of a half-step that the copies of the next half-step's halves
       overlap: it waits for those halves before its last ``tail``
-      iterations.
-      None: before its last column block (after all of it when ``f =
-      bn``). A short tail waits later, so a late chunk stalls less, but
-      the copies must still fit under the tail's matmuls
+      parts. None: before its last column block (after all of it when
+      ``f = bn``). A short tail waits later, so a late half stalls less,
+      but the copies must still fit under the tail's matmuls
       (``collective_matmul._fused.choose_tail``).
     panel: the row panel this kernel runs (``m`` rows of every panel):
       the start sends rows ``panel m ..`` of the ``x`` it is given and
@@ -177,7 +179,7 @@ class AgSpec:
       not isinstance(self.tail, int) or self.tail < 1
     ):
       raise ValueError(
-        f"AgSpec.tail must be a positive int (grid iterations) or None, "
+        f"AgSpec.tail must be a positive int (iteration parts) or None, "
         f"got {self.tail!r}."
       )
     if self.steps is not None:
@@ -211,6 +213,13 @@ class AgSpec:
     return tuple(self.steps) if self.steps is not None else (1,) * self.n
 
   @property
+  def parts(self) -> int:
+    """Column parts of each grid iteration's block (one dot each), the
+    unit of :attr:`tail`: two where a tail is given and ``bn / 2`` is a
+    multiple of 128 (the wait may then fall mid-iteration), else one."""
+    return 2 if self.tail is not None and self.bn % 256 == 0 else 1
+
+  @property
   def g(self) -> int:
     """Most chunks of one step (the grid's chunk axis)."""
     return max(self.plan)
@@ -229,7 +238,7 @@ class AgSpec:
     """The named scope the compute kernel runs in (the benchmark model
     reads the step plan from it)."""
     plan = "-".join(str(g) for g in self.plan)
-    tail = "" if self.tail is None else f"_t{self.tail}"
+    tail = "" if self.tail is None else f"_t{self.tail}p{self.parts}"
     return f"ring_steps_{plan}_nf{self.nf}{tail}_halves"
 
   @property
@@ -485,56 +494,74 @@ def compute_kernel(*refs, spec: AgSpec):
           for src, dst_ref in local_copies(dd_, u1, cc, dst):
             pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd_]).wait()
 
-  cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
   half = pl.ds(pl.multiple_of(d * kh, kh), kh)
   held = jnp.where(s == 0, x_ref[:, half], xbuf[slot, ci, :, half])
-  y = jnp.dot(
-    held.astype(spec.mxu_dtype),
-    w_ref[...].astype(spec.mxu_dtype),
-    preferred_element_type=spec.acc_dtype,
-    precision=jax.lax.Precision[spec.precision],
-  )
-  if q:
-    scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, ci, d])
-    y = y * scale[:, :1]
-
+  held = held.astype(spec.mxu_dtype)
   first = (s == 0) & (ci == 0) & (d == 0)
   final = (s == last) & (ci == plan[last] - 1) & (d == nd - 1)
 
-  @pl.when(valid & first)
-  def _():
-    acc_ref[:, cols] = y
+  def wait_next(ns, nd_):
+    """Waits for the halves of half-step ``(ns, nd_)`` and starts their
+    copies into VMEM."""
+    for cc, dd_, u1, dst in each_copy(ns, nd_, ns % 2):
+      c.wait_dma(slot_ref(spec, recv_ref, dd_, u1), recv_sems.at[dd_, u1])
+      if q:
+        c.wait_dma(rs_ref.at[dd_, u1], recv_sems.at[dd_, u1])
+      for src, dst_ref in local_copies(dd_, u1, cc, dst):
+        pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd_]).start()
 
-  @pl.when(valid & ~first & ~final)
-  def _():
-    acc_ref[:, cols] += y
+  # Each iteration's block in ``parts`` column parts, one dot each: the
+  # wait for the next half-step's halves falls after a part (``spec.tail``
+  # counts parts), so a late half stalls at most a part's matmul before
+  # the half-step ends.
+  parts = spec.parts
+  sub = bn // parts
+  for part in range(parts):
+    cols = pl.ds(pl.multiple_of(j * bn + part * sub, sub), sub)
+    y = jnp.dot(
+      held,
+      w_ref[:, pl.ds(part * sub, sub)].astype(spec.mxu_dtype),
+      preferred_element_type=spec.acc_dtype,
+      precision=jax.lax.Precision[spec.precision],
+    )
+    if q:
+      scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, ci, d])
+      y = y * scale[:, :1]
 
-  @pl.when(valid & final)
-  def _():
-    o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
+    @pl.when(valid & first)
+    def _(cols=cols, y=y):
+      acc_ref[:, cols] = y
 
-  # The halves of the next half-step (half 1 of this step after half 0,
-  # else half 0 of the next step): wait for them and copy them into VMEM
-  # (the copies overlap this half-step's last block, or its last
-  # ``spec.tail`` iterations).
-  for ss, dd, ns, nd_ in half_steps(spec)[:-1]:
-    if ns == 0:
-      continue  # the local chunk's second half: x, already in VMEM
-    if spec.tail is None:
-      tail = (j == max(nf - 2, 0)) & (ci == plan[ss] - 1)
-    else:
-      its = nf * plan[ss]
-      tail = j * plan[ss] + ci == max(its - spec.tail - 1, 0)
-      tail = tail & (ci < plan[ss])
+    @pl.when(valid & ~first & ~final)
+    def _(cols=cols, y=y):
+      acc_ref[:, cols] += y
 
-    @pl.when((s == ss) & (d == dd) & tail)
-    def _(ns=ns, nd_=nd_):
-      for cc, dd_, u1, dst in each_copy(ns, nd_, ns % 2):
-        c.wait_dma(slot_ref(spec, recv_ref, dd_, u1), recv_sems.at[dd_, u1])
-        if q:
-          c.wait_dma(rs_ref.at[dd_, u1], recv_sems.at[dd_, u1])
-        for src, dst_ref in local_copies(dd_, u1, cc, dst):
-          pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd_]).start()
+    @pl.when(valid & final)
+    def _(cols=cols, y=y, part=part):
+      o_ref[:, pl.ds(part * sub, sub)] = (acc_ref[:, cols] + y).astype(
+        o_ref.dtype
+      )
+
+    # The halves of the next half-step (half 1 of this step after half 0,
+    # else half 0 of the next step): wait for them and copy them into
+    # VMEM (the copies overlap this half-step's last block, or its last
+    # ``spec.tail`` parts).
+    for ss, dd, ns, nd_ in half_steps(spec)[:-1]:
+      if ns == 0:
+        continue  # the local chunk's second half: x, already in VMEM
+      if spec.tail is None:
+        if part < parts - 1:
+          continue
+        at = (j == max(nf - 2, 0)) & (ci == plan[ss] - 1)
+      else:
+        after = max(nf * plan[ss] * parts - spec.tail - 1, 0)
+        if after % parts != part:
+          continue
+        at = (j * plan[ss] + ci == after // parts) & (ci < plan[ss])
+
+      @pl.when((s == ss) & (d == dd) & at)
+      def _(ns=ns, nd_=nd_):
+        wait_next(ns, nd_)
 
 
 def done_kernel(
