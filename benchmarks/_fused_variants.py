@@ -136,7 +136,9 @@ def ring_steps(w, *xs, plan=None, out_dtype):
   return acc.astype(out_dtype)
 
 
-_STEPS = re.compile(r"ring_steps_([\d-]+)_nf(\d+)(?:_t(\d+))?")
+_STEPS = re.compile(
+  r"ring_steps_([\d-]+)_nf(\d+)(?:_t(\d+)(?:p(\d+))?)?(_halves)?"
+)
 
 
 def step_plan(attrs: str, n: int) -> tuple[tuple[int, ...], int]:
@@ -150,6 +152,22 @@ def step_plan(attrs: str, n: int) -> tuple[tuple[int, ...], int]:
   if sum(plan) != n:
     raise ValueError(f"ring_steps plan {plan} does not cover a ring of {n}")
   return plan, int(found.group(2))
+
+
+def step_halves(attrs: str) -> bool:
+  """Whether the kernel runs each step as one half-step per direction
+  (``_halves`` in its scope: ``_allgather_matmul.half_steps``), waiting
+  for each direction's halves on their own."""
+  found = _STEPS.search(attrs)
+  return bool(found and found.group(5))
+
+
+def step_parts(attrs: str) -> int:
+  """Column parts of each grid iteration (``AgSpec.parts``, the unit of
+  its tail), from the kernel's scope (``_t<tail>p<parts>``); 1 when
+  absent."""
+  found = _STEPS.search(attrs)
+  return int(found.group(4)) if found and found.group(4) else 1
 
 
 def step_tail(attrs: str) -> int | None:
@@ -185,22 +203,47 @@ def _ag_twin(operands, results, attrs=""):
   accumulator in VMEM for the whole ring. Each step of the kernel's plan
   (``g`` chunks) waits for its chunks' receive slots and is charged
   ``g / n`` of the contraction (``Steps.units``; no chunk parameter per
-  step, so ``_kernel_costs._split`` splits in proportion)."""
+  step, so ``_kernel_costs._split`` splits in proportion); a kernel that
+  runs half-steps (``_halves`` in its scope) is charged per half-step,
+  ``g / (d n)``, each waiting for its own direction's halves
+  (``Steps.halves``)."""
   x, w, _, nd, n, m = _ag_layout(operands, attrs)
   k, f = x.dims[1], w.dims[1]
   plan, blocks = step_plan(attrs, n)
   tail = step_tail(attrs)
+  fn = functools.partial(ring_contraction, out_dtype=_dt(results[0]))
+  args = (_sds((n * k, f), _dt(w)), _sds((n, m, k), _dt(x)))
+  if step_halves(attrs):
+    # Half-steps: step s's units, half d each (``half_steps``), waiting
+    # for slot t's half d (``t nd + d``); a tail of ``t`` parts of
+    # iterations (``AgSpec.parts`` each) is ``t / (parts blocks g)`` of a
+    # half-step of ``g`` units.
+    needs, sizes, unit = [], [], 0
+    for g in plan:
+      for d in range(nd):
+        units = range(unit, unit + g)
+        needs.append(tuple((u - 1) * nd + d for u in units if u > 0))
+        sizes.append(g)
+      unit += g
+    parts = step_parts(attrs)
+    tails = (
+      tuple(min(1.0, tail / (parts * blocks * g)) for g in sizes)
+      if tail
+      else ()
+    )
+    steps = _kernel_costs.Steps(
+      tuple(needs), blocks, tails, (), tuple(sizes), halves=True
+    )
+    return fn, args, steps
   # A tail of ``t`` grid iterations (each ``[m, k/d] @ [k/d, bn]``) is
   # ``t / (blocks g d)`` of a step of ``g`` chunks.
   tails = (
     tuple(min(1.0, tail / (blocks * g * nd)) for g in plan) if tail else ()
   )
-  fn = functools.partial(ring_contraction, out_dtype=_dt(results[0]))
   needs, unit = [], 0
   for g in plan:
     needs.append(tuple(u - 1 for u in range(unit, unit + g) if u > 0))
     unit += g
-  args = (_sds((n * k, f), _dt(w)), _sds((n, m, k), _dt(x)))
   return (
     fn,
     args,

@@ -83,6 +83,9 @@ class Steps:
   # Per step, the receive slot it sends once it ends (-1: none): a chained
   # ring, the fused reduce-scatter's (``_timeline.KernelSteps.sends``).
   sends: tuple[int, ...] = ()
+  # ``needs`` number slots' halves per direction (half-steps,
+  # ``_timeline.KernelSteps.halves``).
+  halves: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,5 +340,11 @@ def _split(
   else:
     costs = [(tl.step_s - fill) * g / sum(sizes) for g in sizes]
   return _timeline.KernelSteps(
-    tuple(costs), steps.needs, steps.blocks, steps.tails, steps.sends, fill
+    tuple(costs),
+    steps.needs,
+    steps.blocks,
+    steps.tails,
+    steps.sends,
+    fill,
+    steps.halves,
   )

@@ -9,7 +9,11 @@ Three floors, each a time no implementation can beat on the chip:
 - HBM: the bytes the device must read and write once (its weight shard, the
   gathered activation, its output) at HBM bandwidth.
 - links: the bytes the device must receive (all-gather) or send
-  (reduce-scatter) over the links of its ring, at the link bandwidth. A
+  (reduce-scatter) over the links of its ring, at the link bandwidth; a
+  float32 all-gather at one MXU pass (``DEFAULT``) counts its gathered
+  operand as bfloat16, which the MXU rounds it to anyway (a kernel can
+  send it so, as the fused all-gather does; partial sums are not
+  rounded: the other families count their own dtype). A
   ring that is a physical cycle gives every device two links (one per
   direction); on an open line (a ring axis laid along a slice edge with
   no wraparound, or a ring of two) an end device has one link to its
@@ -114,7 +118,9 @@ def roofline(
   if family == "allgather":
     flops = 2 * m * d * (f // y)
     hbm = s * (d * (f // y) + m * d + m * (f // y))
-    links = s * (y - 1) * m * (d // y)
+    # One MXU pass rounds the gathered operand to bfloat16: it may travel so.
+    sent = 2 if name == "float32" and _passes(name, precision) == 1 else s
+    links = sent * (y - 1) * m * (d // y)
   elif family == "reducescatter":
     flops = 2 * m * (f // y) * d
     hbm = s * ((f // y) * d + m * (f // y) + m * (d // y))

@@ -376,6 +376,9 @@ class _Transfer:
   # one step's transfer, ``(link load, latency, steps)``, that its steps
   # kernel sends after each step (``KernelSteps.sends``).
   step: tuple | None = None
+  # Fused all-gather starts: arrival of each slot's half per direction,
+  # ``t * directions + d`` (``KernelSteps.halves``).
+  halves: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +400,9 @@ class KernelSteps:
       transfer later (its start sends nothing, ``_Transfer.step``).
     fill: seconds before the first step (the kernel's pipeline fill: what
       it reads before its first dot, see :class:`Fill`); in ``total``.
+    halves: ``needs`` number each slot's half per direction, ``t *
+      directions + d`` (a kernel whose steps are half-steps, one
+      direction's halves each: ``_Transfer.halves``), not whole slots.
   """
 
   costs: tuple[float, ...]
@@ -405,6 +411,7 @@ class KernelSteps:
   tails: tuple[float, ...] = ()
   sends: tuple[int, ...] = ()
   fill: float = 0.0
+  halves: bool = False
 
   @property
   def total(self) -> float:
@@ -775,7 +782,8 @@ class _Sim:
     slots: tuple[float, ...] = ()
     chain = None  # the chained ring this kernel sends (steps.sends)
     for name in self._sources(comp, ins):
-      slots = slots or self.pending[name].slots
+      tr = self.pending[name]
+      slots = slots or (tr.halves if steps.halves else tr.slots)
       if steps.sends and self.pending[name].step is not None:
         chain = chain or self.pending[name]
     arrived: dict[int, float] = {}
@@ -1071,10 +1079,10 @@ class _Sim:
       latency = max(latency, lat)
     return load, latency * max(self.ring_size - 1, 1)
 
-  def _allgather_slots(self, ins: Instr) -> list[tuple[int, dict, float]]:
-    """A fused all-gather start's sends, ``(slot, link load, latency)`` in
-    the order it issues them (slot ``t`` of each direction, nearest peers
-    first); empty for every other transfer."""
+  def _allgather_slots(self, ins: Instr) -> list[tuple[int, int, dict, float]]:
+    """A fused all-gather start's sends, ``(slot, direction, link load,
+    latency)`` in the order it issues them (slot ``t`` of each direction,
+    nearest peers first); empty for every other transfer."""
     if not ins.name.startswith("asyncops_ring_allgather") or not ins.arrays:
       return []
     found = recv_slots(ins.arrays[:1], ins.attrs)
@@ -1090,9 +1098,9 @@ class _Sim:
       hops = list(range(1, n1 + 1))
     out = []
     for t in range(n1):
-      for sh in shifts:
+      for dd, sh in enumerate(shifts):
         load, lat = self._ici(ring_sends(self.rings, sh * hops[t]), size)
-        out.append((t, load, lat))
+        out.append((t, dd, load, lat))
     return out
 
   def _ref_message(self, ins: Instr, dst_bytes: int) -> float:
@@ -1233,6 +1241,7 @@ class _Sim:
       t += self.chip.issue_s
     args = {"op": ins.opcode}
     slots: tuple[float, ...] = ()
+    halves: tuple[float, ...] = ()
     step = self._chain_step(ins, track, cost)
     if step is not None:  # sends nothing: its steps kernel sends each step
       key = f"{ins.name}#{next(self.seq)}"
@@ -1242,13 +1251,16 @@ class _Sim:
       parts = self._allgather_slots(ins) if ins.opcode == "custom-call" else []
       if parts:  # slot by slot, in the order the start sends them
         ends: dict[int, float] = {}
+        half: dict[tuple[int, int], float] = {}
         begin, end = None, t
-        for slot, load, lat in parts:
+        for slot, dd, load, lat in parts:
           b, e = self._ici_slot(t, load, lat)
           ends[slot] = max(ends.get(slot, 0.0), e)
+          half[slot, dd] = e
           begin = b if begin is None else min(begin, b)
           end = max(end, e)
         slots = tuple(ends[i] for i in sorted(ends))
+        halves = tuple(half[i] for i in sorted(half))
       else:
         begin, end = self._ici_slot(t, *cost)
       lane = self._lane(begin, end)
@@ -1268,7 +1280,9 @@ class _Sim:
       **args,
     )
     key = f"{ins.name}#{next(self.seq)}"
-    self.pending[ins.name] = _Transfer(key, family, begin, end, slots)
+    self.pending[ins.name] = _Transfer(
+      key, family, begin, end, slots, halves=halves
+    )
     if track == "dma" and end > begin:
       self.dma_q.append([begin, end, ins.name, len(self.events) - 1])
     self.transfers += 1

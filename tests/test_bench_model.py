@@ -166,6 +166,27 @@ def test_roofline_takes_the_largest_floor():
     "allgather", (1024, 2048, 8192), 2, 4, jnp.float32, CHIP, "highest"
   )
   assert highest.compute_s == pytest.approx(6 * r.compute_s)
+  assert highest.links_s == pytest.approx(2 * links)
+
+
+def test_roofline_of_a_default_float32_gather_sends_bfloat16():
+  """At one MXU pass (``DEFAULT``) a float32 all-gather's gathered
+  operand is rounded to bfloat16 by the MXU, so it may travel as bfloat16
+  (the fused all-gather sends it so): its link floor is the bfloat16
+  one; at ``HIGHEST`` it is the float32 one, and partial sums (the
+  reduce-scatter) always travel in their own dtype."""
+  args = ((1024, 2048, 8192), 2, 4)
+  bf16 = _roofline.roofline("allgather", *args, jnp.bfloat16, CHIP)
+  f32 = _roofline.roofline("allgather", *args, jnp.float32, CHIP)
+  high = _roofline.roofline("allgather", *args, jnp.float32, CHIP, "highest")
+  assert f32.links_s == pytest.approx(bf16.links_s)
+  assert high.links_s == pytest.approx(2 * bf16.links_s)
+  assert f32.hbm_s == pytest.approx(2 * bf16.hbm_s)  # it reads float32
+  rs = [
+    _roofline.roofline("reducescatter", *args, dt, CHIP)
+    for dt in (jnp.bfloat16, jnp.float32)
+  ]
+  assert rs[1].links_s == pytest.approx(2 * rs[0].links_s)
 
 
 def test_roofline_links_follow_the_rings_layout():
@@ -461,14 +482,17 @@ def test_fused_kernel_is_charged_one_contraction(fused_chapter):
   assert not {"copy", "transpose", "concatenate"} & set(ops), ops
   assert "f32[1024" not in text.split("ENTRY")[1].replace("f32[1024]", "")
   assert text.count("convolution(") + text.count(" dot(") == 1
-  # Each step its share of the contraction, in proportion to its chunks.
+  # Each step its share of the contraction, in proportion to its chunks,
   device = _measure.mesh_for(topology, "ring", None).devices.flat[0]
   split = _kernel_costs.KernelCoster(chip, device)(kernel, module)
   assert isinstance(split, _timeline.KernelSteps)
   assert split.total == pytest.approx(one.step_s, rel=1e-6)
   assert split.fill == pytest.approx(fill_s, rel=1e-6)
+  # ... half of it per half-step (one per direction, ``_halves``).
+  assert split.halves and len(split.costs) == 2 * len(plan)
   assert list(split.costs) == pytest.approx(
-    [(one.step_s - fill_s) * g / n for g in plan], rel=1e-6
+    [(one.step_s - fill_s) * g / (2 * n) for g in plan for _ in (0, 1)],
+    rel=1e-6,
   )
   # The kernel's boxes: its compute plus any wait for a step's chunks,
   # which counts as exposed communication.
@@ -625,6 +649,81 @@ def test_fused_kernel_with_a_tail_waits_before_its_last_iterations():
   assert block == pytest.approx((10e-6, 3e-6))
   # Before its last quarter: 3 us, wait to 5, 1 more, step 1.
   assert tail == pytest.approx((9e-6, 2e-6))
+
+
+def test_fused_kernel_half_steps_wait_for_each_directions_half():
+  """A kernel of half-steps (``KernelSteps.halves``: one direction's
+  halves of a step each) waits for each half of a slot on its own: the
+  first half-step of a step runs once its own half is in, not when the
+  slot's later half arrives."""
+
+  def run(steps, slots, halves):
+    sim = _timeline._Sim(None, CHIP, [(0,), (1,)], [[0, 1]], "free")
+    sim.pending["start"] = _timeline._Transfer(
+      "k", "f", 0.0, max(slots), slots, halves=halves
+    )
+    sim._sources = lambda comp, ins: ["start"]
+    sim._twin_cost = lambda ins: steps.total
+    sim._flops = lambda ins: (0.0, 0.0)
+    sim.kernel_cost = lambda ins, m: steps
+    return sim._stepped("entry", _FakeIns(), 0.0), sim.exposed
+
+  # Slot 0: half 0 in at 3 us, half 1 at 6 us (one link after the other).
+  slots, halves = (6e-6,), (3e-6, 6e-6)
+  whole = _timeline.KernelSteps((2e-6, 4e-6), ((), (0,)), blocks=2)
+  half = _timeline.KernelSteps(
+    (1e-6, 1e-6, 2e-6, 2e-6), ((), (), (0,), (1,)), blocks=2, halves=True
+  )
+  assert whole.total == half.total
+  # Whole steps: 1 us, wait to 6, 1 us, 4 us.
+  assert run(whole, slots, halves) == pytest.approx((11e-6, 5e-6))
+  # Half-steps: 1 + 0.5 us, wait to 3, 0.5, then half 0 of slot 0: 1,
+  # wait to 6, 1, then the last half-step, 2.
+  assert run(half, slots, halves) == pytest.approx((9e-6, 3e-6))
+
+
+def test_fused_allgather_runs_half_steps(fused_chapter):
+  """The fused all-gather (chapter's shape, bf16) runs each step as one
+  half-step per direction (``_halves`` in its scope): on the 4-cycle the
+  antipode's two halves cross the same links one after the other, and
+  the half-step of the first no longer waits for the second. The last
+  wait ends when the last half is in (the start's issue, four halves on
+  the busiest link, two hops), and after it the kernel runs the tail of
+  the half-step before (v5e: half an iteration, ``AgSpec.parts``) and the
+  last half-step."""
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
+  topology, res = fused_chapter
+  chip = _chips.chip_for(topology)
+  tl = res.timeline
+  module, kernel = _ag_kernel(res)
+  assert _fused_variants.step_halves(kernel.attrs)
+  steps = _fused_variants._ag_twin(
+    _operands(module, kernel), kernel.arrays, kernel.attrs
+  )[2]
+  assert steps.halves
+  assert steps.needs == ((), (), (0,), (1,), (2,), (3,), (4,), (5,))
+  (start,) = [e for e in tl.events if e.kind == "transfer"]
+  half = 512 * 256 * 2 / chip.ici_link_bytes_per_s
+  last = start.start + 4 * half + 2 * chip.ici_hop_s
+  assert start.start + start.dur == pytest.approx(last)
+  boxes = [e for e in tl.events if e.name == kernel.name]
+  waits = [e for e in boxes if e.kind == "wait"]
+  assert waits and waits[-1].start + waits[-1].dur == pytest.approx(last)
+  end = boxes[-1].start + boxes[-1].dur
+  costs = [e.dur for e in boxes if e.kind == "compute"][1:]  # no fill
+  per_half = sum(costs) / 8
+  _, blocks = _fused_variants.step_plan(kernel.attrs, 4)
+  # v5e: half an iteration (a tail of one part of two, ``AgSpec.parts``);
+  # v6e: its last block (an iteration's w block fills HBM: no tail).
+  tail = _fused_variants.step_tail(kernel.attrs)
+  parts = _fused_variants.step_parts(kernel.attrs)
+  assert (tail, parts) == ((1, 2) if topology == "v5e:2x4" else (None, 1))
+  share = tail / (parts * blocks) if tail else 1 / blocks
+  assert end - last == pytest.approx(per_half * share + per_half)
+  # The antipode's first half-step waited at most for its own half.
+  first = start.start + 3 * half + 2 * chip.ici_hop_s
+  assert all(w.start + w.dur <= first + 1e-12 for w in waits[:-1])
 
 
 def _twin_split(topology, dims, plan):

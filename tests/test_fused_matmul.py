@@ -52,7 +52,7 @@ def _ag_spec(n, x, y, dtype, w_dtype, out_dtype, directions, **kw):
     w_dtype,
     out_dtype,
     directions=directions,
-    bn=128,
+    bn=kw.pop("bn", 128),
     collective_id=0,
     **kw,
   )
@@ -555,11 +555,16 @@ def test_plan_refuses_types_without_an_mxu_path():
 
 
 @pytest.mark.parametrize(
-  "mesh_shape,directions,w_dtype",
-  [((1, 4), 2, "float32"), ((2, 3), 1, "bfloat16")],
+  "mesh_shape,directions,w_dtype,bn,tail",
+  [
+    ((1, 4), 2, "float32", 128, None),
+    ((2, 3), 1, "bfloat16", 128, None),
+    # Half-steps waiting mid-iteration (two column parts, a tail of one).
+    ((1, 4), 2, "bfloat16", 256, 1),
+  ],
 )
 def test_allgather_int8_transfer_kernel_bodies(
-  mesh_shape, directions, w_dtype, capfd
+  mesh_shape, directions, w_dtype, bn, tail, capfd
 ):
   """int8 chunks with per-row, per-half scales: the kernel's product equals
   the dequantize-then-matmul reference."""
@@ -571,7 +576,16 @@ def test_allgather_int8_transfer_kernel_bodies(
 
   def body(x, y):
     spec = _ag_spec(
-      n, x, y, "int8", w_dtype, "float32", directions, quantized=True
+      n,
+      x,
+      y,
+      "int8",
+      w_dtype,
+      "float32",
+      directions,
+      quantized=True,
+      bn=bn,
+      tail=tail,
     )
     q, scales = _fused.quantize(x, directions)
     return _one_kernel(agk, q, y, spec, y.shape[1], jnp.float32, scales=scales)
@@ -646,8 +660,88 @@ def test_step_plan_is_checked(steps):
 def test_sends_go_nearest_first_on_both_sides():
   spec = _bf16_spec(8, (1, 2, 2, 3))
   assert spec.hops == (1, 7, 2, 6, 3, 5, 4)
-  assert spec.scope == "ring_steps_1-2-2-3_nf1"
+  assert spec.scope == "ring_steps_1-2-2-3_nf1_halves"
   assert spec.offsets == (0, 1, 3, 5) and spec.g == 3
+
+
+def test_compute_kernel_runs_one_half_step_per_direction():
+  """Each step runs half 0 of its units over every column block, then
+  half 1 (grid ``(step, direction, block, unit)``), so a step waits for
+  each direction's halves on their own; the scope tells the model."""
+  spec = dataclasses.replace(_bf16_spec(4, (1, 2, 1)), tail=1)
+  assert agk._grid(spec) == (3, 2, spec.nf, 2)
+  assert agk.half_steps(spec) == [
+    (0, 0, 0, 1),
+    (0, 1, 1, 0),
+    (1, 0, 1, 1),
+    (1, 1, 2, 0),
+    (2, 0, 2, 1),
+    (2, 1, -1, -1),
+  ]
+  assert spec.scope == "ring_steps_1-2-1_nf1_t1p1_halves"
+  assert spec.parts == 1  # bn = 128: one dot an iteration
+  wide = dataclasses.replace(spec, bn=256, f=512)
+  assert wide.parts == 2 and wide.scope == "ring_steps_1-2-1_nf2_t1p2_halves"
+  assert dataclasses.replace(wide, tail=None).parts == 1
+  one = dataclasses.replace(spec, directions=1)
+  assert agk._grid(one) == (3, 1, one.nf, 2)
+  assert [h[:2] for h in agk.half_steps(one)] == [(0, 0), (1, 0), (2, 0)]
+
+
+@pytest.mark.parametrize(
+  "directions,steps,tail,bn",
+  [
+    (2, (1, 1, 2), 1, 128),
+    (2, None, 2, 128),
+    (1, (1, 2, 1), 1, 128),
+    # Two column parts an iteration: the waits fall mid-iteration.
+    (2, None, 1, 256),
+    (2, (1, 2, 1), 3, 256),
+    (1, None, 1, 256),
+  ],
+)
+def test_half_steps_with_slots_in_the_result(
+  directions, steps, tail, bn, capfd
+):
+  """Half-steps with a tail, the chunks landing in the result's rows
+  (``recv_in_out``): the last half-step writes every block only after the
+  last halves were copied into VMEM, so no block overwrites a slot still
+  to be read; with ``bn = 256`` each iteration runs as two column parts
+  (``AgSpec.parts``) and a tail of odd parts waits between them. The
+  product is exact and the interpreter finds no race."""
+  n, k, blocks = 4, 256, 6
+  a = _ints((16, n * k), jnp.bfloat16, 10)
+  w = _ints((n * k, n * 128 * blocks), jnp.bfloat16, 11)
+
+  def body(x, y):
+    spec = _ag_spec(
+      n,
+      x,
+      y,
+      "bfloat16",
+      "bfloat16",
+      "bfloat16",
+      directions,
+      steps=steps,
+      tail=tail,
+      recv_in_out=True,
+      bn=bn,
+    )
+    assert spec.parts == bn // 128
+    return _one_kernel(agk, x, y, spec, y.shape[1], jnp.bfloat16)
+
+  got = u.run_sharded(
+    body,
+    u.cpu_mesh((1, n)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+    a,
+    w,
+    check_vma=False,
+  )
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _check_interpreter_output(capfd)
 
 
 def test_transfer_argument_is_checked():

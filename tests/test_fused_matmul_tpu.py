@@ -131,14 +131,16 @@ def test_allgather_kernels_in_order(topology):
   params = [param(o) for o in compute.operands if param(o)]
   assert len(set(params)) == len(params) == 2  # x and w, each once
   # The model reads the step plan and the order of the sends from these
-  # scopes (one chunk per step at this shape; nearest peers first).
-  assert re.search(r"ring_steps_1-1-1-1_nf\d+", compute.attrs)
+  # scopes (one chunk per step at this shape; nearest peers first), and
+  # that each step runs one half-step per direction (``_halves``: the
+  # antipode's first half is multiplied while its second still crosses
+  # the link behind it). v5e's MXU covers a half's copy into VMEM with
+  # half an iteration (``_t1p2``: one part of two, each iteration's block
+  # as two dots); on v6e an iteration's w block alone fills HBM, so each
+  # half-step waits before its last block.
   assert "ring_hops_1-3-2" in start.attrs
-  # v5e's MXU covers a chunk's copy into VMEM with one grid iteration, so
-  # each step waits before its last iteration; on v6e an iteration's w
-  # block alone fills HBM, so it waits before its last block.
-  tail = "_t1" if topology.startswith("v5e") else ""
-  assert re.search(rf"ring_steps_1-1-1-1_nf\d+{tail}\b", compute.attrs)
+  tail = "_t1p2" if topology.startswith("v5e") else ""
+  assert re.search(rf"ring_steps_1-1-1-1_nf\d+{tail}_halves\b", compute.attrs)
   report = analyze(text)
   assert not report.defensive_copies, report.defensive_copies
   _assert_result_written_in_place(text, compute)
@@ -205,6 +207,34 @@ def test_allgather_one_direction_with_a_step_plan(topology):
   (compute,) = _calls(text, "ring_allgather_matmul")
   _assert_slots_in_result(text, start, compute, f"1x3x{B // 2}x{D // 4}x2")
   assert re.search(r"ring_steps_1-2-1_nf\d+", compute.attrs)
+  assert not analyze(text).defensive_copies
+  _assert_result_written_in_place(text, compute)
+
+
+@pytest.mark.parametrize(
+  "topology,scope",
+  [("v5e:2x4", r"1-2-1_nf\d+_t2p2"), ("v6e:2x4", r"1-1-1-1_nf\d+")],
+)
+def test_allgather_prefill_half_steps(topology, scope):
+  """At the prefill shape (2048, 8192, 28672) the kernel runs half-steps
+  too: on v5e the paired step's halves of one direction (two ``[1024,
+  1024]`` bfloat16 halves) copy into VMEM under one grid iteration (two
+  parts, ``_t2p2``; a whole pair needed two iterations, as many as the
+  last block, so it waited before the block); on v6e an iteration's
+  ``w`` block fills HBM and each half-step waits before its last block.
+  Kernels in order, no copy, the result written in place."""
+
+  def f(a, w):
+    return _fused.allgather_matmul(a, w, "y")
+
+  text = _compile(*_allgather(topology, f, shape=(2048, 8192, 28672)))
+  assert _entry_order(text)[-3:] == [
+    "asyncops_ring_allgather_start",
+    "ring_allgather_matmul",
+    "asyncops_ring_allgather_done",
+  ]
+  (compute,) = _calls(text, "ring_allgather_matmul")
+  assert re.search(rf"ring_steps_{scope}_halves\b", compute.attrs)
   assert not analyze(text).defensive_copies
   _assert_result_written_in_place(text, compute)
 

@@ -184,37 +184,44 @@ def choose_steps(
 
 
 def choose_tail(spec: agk.AgSpec, device_kind: str | None) -> int | None:
-  """Grid iterations at the end of a step that the copies of the next
-  step's chunks overlap (``AgSpec.tail``), or None for the last column
-  block.
+  """Parts of grid iterations (``AgSpec.parts``: each iteration's block
+  in two column parts where ``bn / 2`` is a multiple of 128) at the end
+  of a half-step that the copies of the next half-step's halves overlap
+  (``AgSpec.tail``), or None for the last column block.
 
-  A step waits for its successor's chunks, then copies them from their
-  receive slots into VMEM while its last iterations run. The fewest
-  iterations whose matmuls, at the chip's peak, cover that copy and
-  their own ``w`` blocks at HBM bandwidth wait latest (a late chunk
-  stalls less); None when that is not fewer than the last block's
-  (or an iteration's ``w`` block alone fills HBM: float32 weights).
+  A half-step (one direction's halves of a step's units,
+  ``_allgather_matmul.half_steps``) waits for its successor's halves,
+  then copies them from their receive slots into VMEM while its last
+  parts run. The fewest parts whose matmuls, at the chip's peak, cover
+  that copy and their own ``w`` blocks at HBM bandwidth wait latest (a
+  late half stalls less); None when that is not fewer than the last
+  block's of the largest step (or a part's ``w`` block alone fills HBM:
+  float32 weights).
 
   Example:
     >>> from asyncops.kernels._allgather_matmul import AgSpec
     >>> s = AgSpec("y", ("x", "y"), 4, 512, 512, 2048, "bfloat16",
-    ...            "bfloat16", "bfloat16", bn=1024)
+    ...            "bfloat16", "bfloat16", bn=1024, steps=(1, 2, 1))
     >>> choose_tail(s, "TPU v5 lite"), choose_tail(s, "TPU v6 lite")
-    (1, None)
+    (2, None)
+    >>> import dataclasses  # one unit a step: half an iteration
+    >>> choose_tail(dataclasses.replace(s, steps=None), "TPU v5 lite")
+    1
   """
   from asyncops.collective_matmul import _auto  # noqa: PLC0415 (cycle)
 
   chip = _auto.chip_for(device_kind)
-  plan, nd = spec.plan, spec.directions
+  plan = spec.plan
   if spec.nf < 2 or len(plan) < 2:
     return None
-  it_s = 2 * spec.m * spec.kh * spec.bn / chip.bf16_flops
-  w_s = spec.kh * spec.bn * jnp.dtype(spec.w_dtype).itemsize / chip.hbm
+  parts = dataclasses.replace(spec, tail=1).parts
+  it_s = 2 * spec.m * spec.kh * spec.bn / chip.bf16_flops / parts
+  w_s = spec.kh * spec.bn * jnp.dtype(spec.w_dtype).itemsize / chip.hbm / parts
   if it_s <= w_s:
     return None
-  chunk = spec.m * spec.k * jnp.dtype(spec.dtype).itemsize
-  need = max(math.ceil(g * chunk / chip.hbm / (it_s - w_s)) for g in plan[1:])
-  if need >= nd * min(plan[:-1]):
+  half = spec.m * spec.kh * jnp.dtype(spec.dtype).itemsize
+  need = max(math.ceil(g * half / chip.hbm / (it_s - w_s)) for g in plan[1:])
+  if need >= parts * max(plan):
     return None
   return need
 

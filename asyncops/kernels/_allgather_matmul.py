@@ -25,10 +25,13 @@ choose_steps`` from the shape, dtype and chip): step ``s`` multiplies
 ``steps[s]`` consecutive units, e.g. ``(1, 1, 1, 1)`` (one unit per step)
 or ``(1, 2, 1)`` (the local chunk, then both neighbours at once, then the
 antipode). A step of ``g`` units is one ``[m, g k] @ [g k, f]`` dot
-tiled in ``[k/d, bn]`` blocks, its contraction innermost (grid ``(step,
-block, unit of the step, half)``): fewer, larger steps re-read the
-accumulator fewer times, but a step cannot start before all its units
-have arrived.
+tiled in ``[k/d, bn]`` blocks, run as one half-step per direction
+(:func:`half_steps`; grid ``(step, half, block, unit of the step)``):
+half ``0`` of each of its units over every block, then half ``1``. A
+half-step cannot start before its halves have arrived; it does not wait
+for the other direction's (on a 4-cycle the antipode's two halves cross
+the same two links one after the other, so the first is multiplied
+while the second is still on its way).
 
 Kernels, in program order (all three appear in the compiled HLO):
 
@@ -41,18 +44,22 @@ Kernels, in program order (all three appear in the compiled HLO):
    k/d]`` (slot ``t`` of direction ``d`` holds the half of unit ``t +
    1``; its first output, which ``benchmarks/`` routes) and DMA
    semaphore arrays ``[d, n - 1]`` for sends and receives.
-2. ``ring_allgather_matmul``: grid ``(steps, f / bn, max(steps), d)``.
-   Step ``s`` multiplies the halves it holds (``x`` at step 0) by their
-   ``w`` blocks (streamed by the Pallas pipeline) into the float32 VMEM
-   accumulator. After the last unit of block ``max(nf - 2, 0)`` of a step
-   (or before its last ``AgSpec.tail`` grid iterations) it waits for the
-   units of the next step and starts copying them into the other slot of
-   a VMEM double buffer ``[2, max(steps), m, k]``, so the copies overlap
-   the step's last block (or those iterations). The last step adds its
-   product and writes ``[m, bn]`` output blocks. It starts **no remote
-   DMA**, and returns an SMEM token besides the result. It runs in a
-   ``ring_steps_<plan>_nf<blocks>[_t<tail>]`` named scope (the start in
-   ``ring_hops_<hops>``), which ``benchmarks/_timeline.py`` reads.
+2. ``ring_allgather_matmul``: grid ``(steps, d, f / bn, max(steps))``.
+   Half-step ``(s, h)`` multiplies half ``h`` of the units it holds
+   (``x`` at step 0) by their ``w`` blocks (streamed by the Pallas
+   pipeline) into the float32 VMEM accumulator. After the last unit of
+   block ``max(nf - 2, 0)`` of a half-step (or before its last
+   ``AgSpec.tail`` parts of iterations: with a tail each iteration's
+   block runs as ``AgSpec.parts`` dots, so the wait may fall
+   mid-iteration) it waits for the halves of the next half-step and
+   starts copying them into a VMEM double buffer ``[2, max(steps), m,
+   k]`` (step ``s`` in slot ``s % 2``, half ``h`` in its columns), so
+   the copies overlap that block (or those parts). The last half-step
+   adds its product and writes ``[m, bn]`` output blocks. It starts **no
+   remote DMA**, and returns an SMEM token besides the result. It runs
+   in a ``ring_steps_<plan>_nf<blocks>[_t<tail>p<parts>]_halves`` named
+   scope (the start in ``ring_hops_<hops>``), which
+   ``benchmarks/_timeline.py`` reads.
 3. ``asyncops_ring_allgather_done``: waits for every send; it takes the
    token (not the result), so it runs after the compute kernel and the
    sends stay in flight under the matmul.
@@ -123,12 +130,13 @@ class AgSpec:
     collective_id: barrier semaphore id of the start kernel.
     vmem_limit: VMEM bytes the compute kernel may use.
     steps: chunks per step (the step plan; None: one chunk per step).
-    tail: grid iterations (each one ``[m, k/d] @ [k/d, bn]``) at the end
-      of a step that the copies of the next step's chunks overlap: the
-      step waits for those chunks before its last ``tail`` iterations.
-      None: before its last column block (after all of it when ``f =
-      bn``). A short tail waits later, so a late chunk stalls less, but
-      the copies must still fit under the tail's matmuls
+    tail: parts of grid iterations (each iteration's ``[m, k/d] @ [k/d,
+      bn]`` runs as :attr:`parts` dots of ``bn / parts`` columns) at the
+      end of a half-step that the copies of the next half-step's halves
+      overlap: it waits for those halves before its last ``tail``
+      parts. None: before its last column block (after all of it when
+      ``f = bn``). A short tail waits later, so a late half stalls less,
+      but the copies must still fit under the tail's matmuls
       (``collective_matmul._fused.choose_tail``).
     panel: the row panel this kernel runs (``m`` rows of every panel):
       the start sends rows ``panel m ..`` of the ``x`` it is given and
@@ -171,7 +179,7 @@ class AgSpec:
       not isinstance(self.tail, int) or self.tail < 1
     ):
       raise ValueError(
-        f"AgSpec.tail must be a positive int (grid iterations) or None, "
+        f"AgSpec.tail must be a positive int (iteration parts) or None, "
         f"got {self.tail!r}."
       )
     if self.steps is not None:
@@ -205,6 +213,13 @@ class AgSpec:
     return tuple(self.steps) if self.steps is not None else (1,) * self.n
 
   @property
+  def parts(self) -> int:
+    """Column parts of each grid iteration's block (one dot each), the
+    unit of :attr:`tail`: two where a tail is given and ``bn / 2`` is a
+    multiple of 128 (the wait may then fall mid-iteration), else one."""
+    return 2 if self.tail is not None and self.bn % 256 == 0 else 1
+
+  @property
   def g(self) -> int:
     """Most chunks of one step (the grid's chunk axis)."""
     return max(self.plan)
@@ -223,8 +238,8 @@ class AgSpec:
     """The named scope the compute kernel runs in (the benchmark model
     reads the step plan from it)."""
     plan = "-".join(str(g) for g in self.plan)
-    tail = "" if self.tail is None else f"_t{self.tail}"
-    return f"ring_steps_{plan}_nf{self.nf}{tail}"
+    tail = "" if self.tail is None else f"_t{self.tail}p{self.parts}"
+    return f"ring_steps_{plan}_nf{self.nf}{tail}_halves"
 
   @property
   def hops(self) -> tuple[int, ...]:
@@ -323,6 +338,27 @@ def vmem_bytes(spec: AgSpec) -> int:
 SCALE_LANES = 128
 
 
+def half_steps(spec: AgSpec) -> list[tuple[int, int, int, int]]:
+  """The compute kernel's half-steps in order, ``(step, direction, next
+  step, next direction)``: step ``s`` multiplies half ``0`` of each of its
+  units over every column block, then half ``1`` (one direction: the
+  whole chunks), so it waits for each direction's halves on their own
+  (on a 4-cycle the antipode's two halves cross the same two links one
+  after the other: the second arrives a half's transfer after the
+  first). The last one's next is ``(-1, -1)``.
+
+  Example:
+    >>> s = AgSpec("y", ("y",), 4, 8, 256, 512, "bfloat16", "bfloat16",
+    ...            "bfloat16", steps=(1, 2, 1))
+    >>> half_steps(s)[:3]
+    [(0, 0, 0, 1), (0, 1, 1, 0), (1, 0, 1, 1)]
+  """
+  steps, nd = range(len(spec.plan)), range(spec.directions)
+  order = [(s, d) for s in steps for d in nd]
+  nxt = order[1:] + [(-1, -1)]
+  return [(*a, *b) for a, b in zip(order, nxt, strict=True)]
+
+
 def _chunk(me, shift: int, s, n: int):
   """The chunk a direction with ``shift`` holds at ring unit ``s``."""
   return jax.lax.rem(me - shift * s + 2 * n * n, n)
@@ -395,9 +431,10 @@ def start_kernel(
 
 
 def compute_kernel(*refs, spec: AgSpec):
-  """Grid step ``(s, j, c, d)``: half ``d`` of chunk ``c`` of step ``s``,
+  """Grid step ``(s, d, j, c)``: half ``d`` of chunk ``c`` of step ``s``,
   output block ``j`` (each (chunk, half) meets its own ``w`` rows, so they
-  are separate grid steps; ``w`` is one operand, read once). A step of
+  are separate grid steps; ``w`` is one operand, read once; half-step
+  ``(s, d)`` runs every block of its units' halves ``d``). A step of
   ``g`` chunks runs ``c = 0 .. g - 1`` (the grid's chunk axis is the
   largest step's; the other iterations do nothing and fetch nothing).
 
@@ -419,14 +456,14 @@ def compute_kernel(*refs, spec: AgSpec):
   nd = spec.directions
   kh, bn, nf = spec.kh, spec.bn, spec.nf
   plan, offsets, last = spec.plan, spec.offsets, len(spec.plan) - 1
-  s, j = pl.program_id(0), pl.program_id(1)
-  ci, d = pl.program_id(2), pl.program_id(3)
+  s, d = pl.program_id(0), pl.program_id(1)
+  j, ci = pl.program_id(2), pl.program_id(3)
   slot = jax.lax.rem(s, 2)
   del me_ref  # only the w index map reads it
   _, valid = _unit(spec, s, ci)
-  first_it = (j == 0) & (ci == 0) & (d == 0)
+  first_it = (j == 0) & (ci == 0)
 
-  @pl.when((s == 0) & first_it)
+  @pl.when((s == 0) & (d == 0) & first_it)
   def _():
     tok_ref[0] = jnp.int32(0)
 
@@ -442,67 +479,89 @@ def compute_kernel(*refs, spec: AgSpec):
     return out
 
   # Step ss > 0 holds ring units offsets[ss] ..; unit u arrived in slot
-  # u - 1 (one per direction).
-  def each_copy(ss, dst_slot):
+  # u - 1 (one per direction). Half-step (ss, dd) multiplies half dd of
+  # each of them.
+  def each_copy(ss, dd, dst_slot):
     for cc in range(plan[ss]):
-      for dd in range(nd):
-        yield cc, dd, offsets[ss] + cc - 1, dst_slot
+      yield cc, dd, offsets[ss] + cc - 1, dst_slot
 
   for ss in range(1, last + 1):
+    for dd in range(nd):
 
-    @pl.when((s == ss) & first_it)
-    def _(ss=ss):
-      for cc, dd, u1, dst in each_copy(ss, ss % 2):
-        for src, dst_ref in local_copies(dd, u1, cc, dst):
-          pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd]).wait()
+      @pl.when((s == ss) & (d == dd) & first_it)
+      def _(ss=ss, dd=dd):
+        for cc, dd_, u1, dst in each_copy(ss, dd, ss % 2):
+          for src, dst_ref in local_copies(dd_, u1, cc, dst):
+            pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd_]).wait()
 
-  cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
   half = pl.ds(pl.multiple_of(d * kh, kh), kh)
   held = jnp.where(s == 0, x_ref[:, half], xbuf[slot, ci, :, half])
-  y = jnp.dot(
-    held.astype(spec.mxu_dtype),
-    w_ref[...].astype(spec.mxu_dtype),
-    preferred_element_type=spec.acc_dtype,
-    precision=jax.lax.Precision[spec.precision],
-  )
-  if q:
-    scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, ci, d])
-    y = y * scale[:, :1]
-
+  held = held.astype(spec.mxu_dtype)
   first = (s == 0) & (ci == 0) & (d == 0)
   final = (s == last) & (ci == plan[last] - 1) & (d == nd - 1)
 
-  @pl.when(valid & first)
-  def _():
-    acc_ref[:, cols] = y
+  def wait_next(ns, nd_):
+    """Waits for the halves of half-step ``(ns, nd_)`` and starts their
+    copies into VMEM."""
+    for cc, dd_, u1, dst in each_copy(ns, nd_, ns % 2):
+      c.wait_dma(slot_ref(spec, recv_ref, dd_, u1), recv_sems.at[dd_, u1])
+      if q:
+        c.wait_dma(rs_ref.at[dd_, u1], recv_sems.at[dd_, u1])
+      for src, dst_ref in local_copies(dd_, u1, cc, dst):
+        pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd_]).start()
 
-  @pl.when(valid & ~first & ~final)
-  def _():
-    acc_ref[:, cols] += y
+  # Each iteration's block in ``parts`` column parts, one dot each: the
+  # wait for the next half-step's halves falls after a part (``spec.tail``
+  # counts parts), so a late half stalls at most a part's matmul before
+  # the half-step ends.
+  parts = spec.parts
+  sub = bn // parts
+  for part in range(parts):
+    cols = pl.ds(pl.multiple_of(j * bn + part * sub, sub), sub)
+    y = jnp.dot(
+      held,
+      w_ref[:, pl.ds(part * sub, sub)].astype(spec.mxu_dtype),
+      preferred_element_type=spec.acc_dtype,
+      precision=jax.lax.Precision[spec.precision],
+    )
+    if q:
+      scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, ci, d])
+      y = y * scale[:, :1]
 
-  @pl.when(valid & final)
-  def _():
-    o_ref[...] = (acc_ref[:, cols] + y).astype(o_ref.dtype)
+    @pl.when(valid & first)
+    def _(cols=cols, y=y):
+      acc_ref[:, cols] = y
 
-  # The chunks of step ss + 1: wait for them and copy them into VMEM (the
-  # copies overlap this step's last block, or its last ``spec.tail``
-  # iterations).
-  for ss in range(last):
-    if spec.tail is None:
-      tail = (j == max(nf - 2, 0)) & (ci == plan[ss] - 1) & (d == nd - 1)
-    else:
-      its = nf * plan[ss] * nd
-      tail = (j * plan[ss] + ci) * nd + d == max(its - spec.tail - 1, 0)
-      tail = tail & (ci < plan[ss])
+    @pl.when(valid & ~first & ~final)
+    def _(cols=cols, y=y):
+      acc_ref[:, cols] += y
 
-    @pl.when((s == ss) & tail)
-    def _(ss=ss):
-      for cc, dd, u1, dst in each_copy(ss + 1, (ss + 1) % 2):
-        c.wait_dma(slot_ref(spec, recv_ref, dd, u1), recv_sems.at[dd, u1])
-        if q:
-          c.wait_dma(rs_ref.at[dd, u1], recv_sems.at[dd, u1])
-        for src, dst_ref in local_copies(dd, u1, cc, dst):
-          pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd]).start()
+    @pl.when(valid & final)
+    def _(cols=cols, y=y, part=part):
+      o_ref[:, pl.ds(part * sub, sub)] = (acc_ref[:, cols] + y).astype(
+        o_ref.dtype
+      )
+
+    # The halves of the next half-step (half 1 of this step after half 0,
+    # else half 0 of the next step): wait for them and copy them into
+    # VMEM (the copies overlap this half-step's last block, or its last
+    # ``spec.tail`` parts).
+    for ss, dd, ns, nd_ in half_steps(spec)[:-1]:
+      if ns == 0:
+        continue  # the local chunk's second half: x, already in VMEM
+      if spec.tail is None:
+        if part < parts - 1:
+          continue
+        at = (j == max(nf - 2, 0)) & (ci == plan[ss] - 1)
+      else:
+        after = max(nf * plan[ss] * parts - spec.tail - 1, 0)
+        if after % parts != part:
+          continue
+        at = (j * plan[ss] + ci == after // parts) & (ci < plan[ss])
+
+      @pl.when((s == ss) & (d == dd) & at)
+      def _(ns=ns, nd_=nd_):
+        wait_next(ns, nd_)
 
 
 def done_kernel(
@@ -551,7 +610,7 @@ def _once(shape, index=None):
   """A block fetched once (its index never changes): one buffer."""
   index = index or (0,) * len(shape)
   return pl.BlockSpec(
-    shape, lambda s, j, ci, d, me: index, pipeline_mode=pl.Buffered(1)
+    shape, lambda s, d, j, ci, me: index, pipeline_mode=pl.Buffered(1)
   )
 
 
@@ -560,7 +619,7 @@ def _in_specs(spec: AgSpec):
   rows of the chunk direction ``d`` holds at chunk ``ci`` of step ``s``,
   columns of block ``j``."""
 
-  def w_index(s, j, ci, d, me_ref):
+  def w_index(s, d, j, ci, me_ref):
     unit, _ = _unit(spec, s, ci)
     hop = _table((0, *spec.hops), unit)
     chunk = _chunk(me_ref[0], _shift_of(spec, d), hop, spec.n)
@@ -575,13 +634,18 @@ def _in_specs(spec: AgSpec):
 
 
 def _out_block(spec: AgSpec):
-  # Only the last step writes the output; before it every step maps to
-  # block (panel, 0), which is first written (and flushed) in the last
-  # step. Row panel ``p`` writes rows ``p m ..`` of the whole result.
+  # Only the last half-step (the last step's last direction) writes the
+  # output; before it every iteration maps to block (panel, 0), which is
+  # first written (and flushed) then: a block flushed earlier would write
+  # garbage over receive slots still to be read (``recv_in_out``). Row
+  # panel ``p`` writes rows ``p m ..`` of the whole result.
   last = len(spec.plan) - 1
   return pl.BlockSpec(
     (spec.m, spec.bn),
-    lambda s, j, ci, d, me: (spec.panel, jnp.where(s == last, j, 0)),
+    lambda s, d, j, ci, me: (
+      spec.panel,
+      jnp.where((s == last) & (d == spec.directions - 1), j, 0),
+    ),
   )
 
 
@@ -597,8 +661,9 @@ def _scratch(spec: AgSpec):
 
 
 def _grid(spec: AgSpec):
-  """``(steps, column blocks, chunks of the largest step, directions)``."""
-  return (len(spec.plan), spec.nf, spec.g, spec.directions)
+  """``(steps, directions, column blocks, chunks of the largest step)``:
+  each step runs one half-step per direction (:func:`half_steps`)."""
+  return (len(spec.plan), spec.directions, spec.nf, spec.g)
 
 
 def _params(spec: AgSpec, collective_id=None):
@@ -847,8 +912,8 @@ def one_kernel(
     else:
       recvs = refs[2 * nq + 2 : 3 * nq + 2]
       ss, rs, *scratch = refs[3 * nq + 2 :]
-    s, j = pl.program_id(0), pl.program_id(1)
-    ci, d = pl.program_id(2), pl.program_id(3)
+    s, d = pl.program_id(0), pl.program_id(1)
+    j, ci = pl.program_id(2), pl.program_id(3)
     nsteps = len(spec.plan)
 
     @pl.when((s == 0) & (j == 0) & (ci == 0) & (d == 0))
