@@ -150,7 +150,8 @@ slots alone and the matmul is bound by its weight read (``C < M``), the
 value rings are no candidates either and XLA's program runs (branch
 h-memrule's rule ran the rings there, 1.026x and 1.363x of ``xla_best``
 at v5e and v6e tp 8 all-gather M = 256; their estimates there are 13% to
-17% under the model).
+17% under the model). Only a fused pick moves: where the default picks a
+value ring or XLA's program (one chunk's buffers), ``"jit"`` keeps it.
 
 For the all-gather, a matmul bound by reading ``w`` (``C < M / 2``, decode
 sizes) keeps XLA's program (no extra kernels, no barrier) when
