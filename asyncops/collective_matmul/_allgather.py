@@ -36,6 +36,7 @@ def allgather_matmul(
   transfer: _quantized.Transfer = "native",
   method: _auto.Method = "auto",
   accumulation: _validate.Accumulation = "float32",
+  memory: _validate.Memory = "fastest",
 ):
   """All-gathers ``lhs`` along ``gather_dim`` and multiplies by ``rhs``.
 
@@ -132,6 +133,21 @@ def allgather_matmul(
       (their accumulator is already ``lhs.dtype``: integers add exactly,
       wrapping as ``jnp.dot`` does); quantized ``transfer`` and the
       backward pass (gradients) keep float32.
+    memory: what ``method="auto"`` weighs besides time. ``"fastest"``
+      (default): the fastest candidate by estimate. ``"jit"``: also the
+      fused kernels' HBM receive slots (``n - 1`` chunks per ring
+      direction) against the memory target, peak temporaries within
+      ``jax.jit``'s (XLA's own program) plus one chunk's send and receive
+      buffers; where a fused pick is over it (v5e and v6e, ``n = 8`` up
+      to 2048 rows per device and ``n = 4`` reduce-scatter at 64 to 1024,
+      of the Llama-3-70B MLP shard) auto runs XLA's program or a value
+      ring instead (XLA's program where the matmul is bound by its
+      weight read). **It costs speed**: at the 20 such points of the
+      benchmark's Llama sweep auto went from 0.48x-0.95x of the best XLA
+      program's time to 1.00x at 17 (XLA's program but one) and
+      0.74x-0.98x at 3 (a value ring), and the chapter's training step
+      (``mlp_block``, forward and backward) from 0.93x and 0.96x to 1.007x
+      and 1.034x of it (v5e, v6e). Other methods ignore it.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by
@@ -145,9 +161,9 @@ def allgather_matmul(
       message says which form ``gather_dim`` selected), ``gather_dim`` is
       not an axis of ``lhs``, the halves are impossible with
       ``bidirectional=True``, an empty ``rhs`` list, an unknown ``api``,
-      ``method``, ``transfer`` or ``accumulation``; ring options with
-      ``method="fused"``/``"xla"``, ``method="fused"`` for a form it does
-      not run; a quantized ``transfer`` with ``return_gathered`` or
+      ``method``, ``transfer``, ``accumulation`` or ``memory``; ring
+      options with ``method="fused"``/``"xla"``, ``method="fused"`` for a
+      form it does not run; a quantized ``transfer`` with ``return_gathered`` or
       ``method="fused"``/``"xla"``.
     TypeError: mismatched or non-movable dtypes; a quantized
       ``transfer`` of an integer ``lhs``.
@@ -175,6 +191,7 @@ def allgather_matmul(
   fn = "allgather_matmul"
   _validate.api(api, fn)
   accumulation = _validate.accumulation(accumulation, fn)
+  memory = _validate.memory(memory, fn)
   _validate.operand(lhs, fn, "lhs", matrix=False)
   if _gather_rings.accumulator_dtype(
     lhs.dtype, accumulation
@@ -226,6 +243,7 @@ def allgather_matmul(
       device_kind=_auto.device_kind(),
       wiring=_auto.wiring(axis_name),
       accumulation=accumulation,
+      memory=memory,
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * n * lhs.size * sum(w.shape[1] for w in ws),

@@ -40,6 +40,7 @@ def matmul_allreduce(
   api: _validate.Api = "value",
   bidirectional: bool = False,
   method: _auto.Method = "auto",
+  memory: _validate.Memory = "fastest",
 ):
   """Multiplies ``lhs @ rhs`` and sums the products over ``axis_name``.
 
@@ -62,6 +63,11 @@ def matmul_allreduce(
       :func:`allgather_matmul`. **``api="ref"`` and
       ``bidirectional=True`` configure the ring** (``"auto"`` then runs
       it). Every method differentiates.
+    memory: ``"fastest"`` (default) or ``"jit"``: with ``"jit"``,
+      ``method="auto"`` runs XLA's ``psum`` where the fused
+      reduce-scatter's receive slots put the peak temporaries over jit's
+      plus one chunk's buffers. **It costs speed**; see
+      :func:`allgather_matmul`.
 
   Returns:
     ``lhs.shape[:-1] + (f,)`` in ``lhs.dtype``, identical on every device
@@ -91,6 +97,7 @@ def matmul_allreduce(
   """
   fn = "matmul_allreduce"
   _validate.api(api, fn)
+  memory = _validate.memory(memory, fn)
   _validate.operand(lhs, fn, "lhs", matrix=False)
   _validate.operand(rhs, fn, "rhs")
   n = _validate.axis(axis_name, fn)
@@ -108,7 +115,14 @@ def matmul_allreduce(
     else "lhs is not typed as varying over the axis "
     "(shard_map(check_vma=False)), so the fused kernel has no gradient",
     explain=lambda: _auto.explain_allreduce(
-      m, k, f, n, lhs.dtype, wiring=_auto.wiring(axis_name), **kw
+      m,
+      k,
+      f,
+      n,
+      lhs.dtype,
+      wiring=_auto.wiring(axis_name),
+      memory=memory,
+      **kw,
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * lhs.size * f,

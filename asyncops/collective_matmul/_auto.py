@@ -136,6 +136,23 @@ time alone (v5p tp 4 M = 1024: the one-way ring 332.4 us at 36.0 MiB, over
 jit's 12.1 plus 8, against the fused kernel's 361.5 at 12.1 and
 ``xla_best``'s 331.7).
 
+With ``memory="jit"`` (the public ops' option; the default ``"fastest"``
+picks as above) the fused kernels' HBM receive slots (one per peer and
+direction of a row panel's rows) are a constraint of both picks too
+(:func:`_slots_over`): over jit's temporaries (96 KiB on v5e and v6e,
+whose windowed einsum holds no chunks at the Llama shard's M <= 1024;
+``n - 1`` chunks elsewhere) plus a chunk's two buffers, the fused kernel
+is no candidate and the fastest of the rest runs (v5e and v6e tp 8, M =
+16 to 256 of the Llama shard: XLA's program; v5e tp 8 reduce-scatter M =
+1024: the two-way ring, 471.0 us and 4.14 MiB against the fused kernel's
+354.5 and 14.06, limit 4.16). Where the fused kernel is dropped for its
+slots alone and the matmul is bound by its weight read (``C < M``), the
+value rings are no candidates either and XLA's program runs (branch
+h-memrule's rule ran the rings there, 1.026x and 1.363x of ``xla_best``
+at v5e and v6e tp 8 all-gather M = 256; their estimates there are 13% to
+17% under the model). Only a fused pick moves: where the default picks a
+value ring or XLA's program (one chunk's buffers), ``"jit"`` keeps it.
+
 For the all-gather, a matmul bound by reading ``w`` (``C < M / 2``, decode
 sizes) keeps XLA's program (no extra kernels, no barrier) when
 XLA's all-gather takes less than the weight read ``W`` and than the fused
@@ -183,6 +200,11 @@ from asyncops.collective_matmul._chips import chip_for as chip_for
 
 Method = Literal["auto", "fused", "ring", "xla"]
 METHODS: tuple[str, ...] = ("auto", "fused", "ring", "xla")
+# What ``method="auto"`` weighs besides time (the public ops' ``memory``):
+# ``"fastest"`` by time alone (with the value rings' accumulators,
+# :func:`_ag_memory`), ``"jit"`` also the fused kernels' receive slots
+# (:func:`_slots_over`).
+Memory = Literal["fastest", "jit"]
 
 _HOP_S = 1e-6
 _FUSED_OVERHEAD_S = 1.5e-6  # the start's barrier and issue, the done
@@ -894,6 +916,81 @@ def _ag_memory(m, k, f, n, b, one_acc, acc, whole_panels, rings):
   return {d for d, a in held.items() if d in rings and a + 2 * chunk > limit}
 
 
+# Chips whose jit program (XLA's windowed einsum, default flags) holds no
+# gathered chunks or partial sums in HBM at the Llama-3-70B sweep's
+# decode and short-prefill sizes (the benchmark's buffer assignment,
+# tp 4 and 8, M <= 1024: 0.09 to 0.27 MiB), counted as ``_JIT_MIN``;
+# elsewhere (v5p, v4) XLA's collective holds its ``n - 1`` chunks (v5p:
+# 3.0 to 11.0 chunks at every M).
+_JIT_HOLDS_NONE = frozenset({"v5e", "v6e"})
+# jit's smallest HBM temporaries there (v6e tp 4 all-gather: 0.09 MiB).
+_JIT_MIN = 96 * 2**10
+
+
+def _slots_over(chip, n, chunk, slots):
+  """The fused kernel's HBM receive slots against the issue's memory
+  target (``memory="jit"``); ``None`` if within, else a reason.
+
+  The target, in the benchmark's buffer-assignment sense
+  (``peak_alloc_mib``): jit's temporaries plus one chunk's send and
+  receive buffers (``chunk``: one transferred block, ``m k`` of ``x``
+  for the all-gather, ``m c`` partial sums for the reduce-scatter).
+  jit's are counted as ``_JIT_MIN`` on ``_JIT_HOLDS_NONE`` chips, else
+  ``n - 1`` chunks. ``slots``: the start's receive buffer, one slot per
+  peer and direction of one row panel's rows (``[d, n - 1, m / p, k /
+  d]``; 0 where the all-gather's chunks land in the result,
+  ``AgSpec.recv_in_out``): v5e tp 8, M = 1024 of the reduce-scatter,
+  ``bf16[2, 7, 1024, 512]``, 14.0 MiB against 0.16 + 4.0. The value
+  rings hold one chunk's send and receive buffers (their accumulators:
+  :func:`_ag_memory`), within; XLA's program is not counted (it stays
+  the fallback; at v5e tp 4 reduce-scatter M = 64 and 256 it is itself
+  over: 1.00 and 4.00 MiB against 0.63 and 2.14)."""
+  jit = _JIT_MIN if chip.name in _JIT_HOLDS_NONE else (n - 1) * chunk
+  limit = jit + 2 * chunk
+  if slots <= limit:
+    return None
+  return (
+    f"its receive slots ({slots / 2**20:.2f} MiB) are over the memory "
+    f"target ({limit / 2**20:.2f} MiB: jit's plus a chunk's two buffers)"
+  )
+
+
+_NO_FUSED = "the fused kernel is no candidate"
+_FUSED = ("fused", "fused_uni")
+
+
+def _mem_reason(choice, mem, fused_s, rings=None):
+  """``choice`` with the fused kernel's estimate kept (``fused_s``) and
+  the memory reason said where its receive slots are over the target
+  (``mem``). ``rings``: the value rings' estimates (s), shown where they
+  were no candidates (bound by the weight read)."""
+  if mem is None:
+    return choice
+  why = choice.reason
+  if mem not in why:
+    why = f"{why}; {_NO_FUSED}: {mem}"
+  else:
+    why = why.replace("fused kernels unavailable: ", f"{_NO_FUSED}: ")
+  est = {}
+  if rings:
+    why = (
+      f"{why}; bound by the weight read, the value rings are no "
+      "candidates either: XLA's program"
+    )
+    est = dict(
+      ring_us=None if 1 not in rings else rings[1] * 1e6,
+      ring_bidi_us=None if 2 not in rings else rings[2] * 1e6,
+    )
+  return dataclasses.replace(choice, reason=why, fused_us=fused_s * 1e6, **est)
+
+
+def _ag_slots(plan, n, k, t) -> int:
+  """The fused all-gather's receive slots in HBM (bytes; one panel)."""
+  if plan.spec is None or plan.spec.recv_in_out:
+    return 0
+  return (n - 1) * plan.spec.m * k * t
+
+
 def explain_allgather(
   m: int,
   k: int,
@@ -905,6 +1002,7 @@ def explain_allgather(
   device_kind,
   wiring: _wiring.Wiring | None = None,
   accumulation: str = "float32",
+  memory: Memory = "fastest",
 ) -> Choice:
   """The choice for ``all_gather(x [m, k]) @ w [n k, f]`` on ``n`` devices.
 
@@ -916,8 +1014,27 @@ def explain_allgather(
   ring twice: its halves meet different rows) and their float32
   accumulator (``accumulation="output"``: the one-way ring's is of
   ``dtype``, as that ring then holds; the two-way ring keeps its float32
-  estimate, the fused kernel its float32 accumulator in VMEM).
+  estimate, the fused kernel its float32 accumulator in VMEM). With
+  ``memory="jit"`` the fused kernel whose receive slots are over the
+  memory target is no candidate (:func:`_slots_over`), nor, where the
+  matmul is bound by its weight read, the value rings.
   """
+  if memory == "jit":
+    # Only a fused pick over the target moves: a faster pick (a value
+    # ring, XLA's program) holds one chunk's buffers, within it.
+    fast = explain_allgather(
+      m,
+      k,
+      f,
+      n,
+      dtype,
+      precision=precision,
+      device_kind=device_kind,
+      wiring=wiring,
+      accumulation=accumulation,
+    )
+    if fast.method not in _FUSED:
+      return fast
   chip = chip_for(device_kind)
   cal = CAL[chip.name]
   b = jnp.dtype(dtype).itemsize
@@ -1064,6 +1181,19 @@ def explain_allgather(
         sliced=_gather_rings.antipode_sliced(whole_panels, chip.name),
         slice_passes=cal.whole_slice,
       )
+  # ``memory="jit"``: the fused kernel's receive slots against the memory
+  # target (:func:`_slots_over`): over it, the kernel is no candidate and
+  # the fastest of the rest runs (v5e and v6e tp 8, M = 16 to 256 of the
+  # Llama shard: XLA's program).
+  mem = None
+  if reason is None and memory == "jit":
+    mem = _slots_over(chip, n, m * k * b, _ag_slots(plan, n, k, t))
+    reason = mem
+  # Dropped for its slots alone, bound by the weight read: XLA's program,
+  # not a value ring (their estimates there are 13% to 17% under the
+  # model: v5e and v6e tp 8 M = 256, the one-way ring 171.0 us against
+  # xla_best's 166.7, the two-way ring 93.5 against 68.6).
+  mem_rings = mem is not None and compute < hbm
   # The memory target (peak temporary memory within jit's plus one chunk's
   # buffers): where the two-way ring of whole chunks runs in row panels to
   # hold its float32 accumulator to one panel's rows, the one-way ring,
@@ -1103,7 +1233,7 @@ def explain_allgather(
   # modelled, the fused kernel 87.4 and 87.5; v5e: 129.6 and 174.1
   # against 144.9 and 145.5).
   decode_rings = compute < hbm / 2 and reason is None
-  if decode_rings:
+  if decode_rings or mem_rings:
     drop = {1, 2}
   choice = _decide(
     reason,
@@ -1157,6 +1287,7 @@ def explain_allgather(
       ring_us=None if 1 not in rings else rings[1] * 1e6,
       ring_bidi_us=None if 2 not in rings else rings[2] * 1e6,
     )
+  choice = _mem_reason(choice, mem, fused, rings if mem_rings else None)
   if panels > 1 and choice.method == "fused":
     choice = dataclasses.replace(
       choice, reason=f"{choice.reason} ({panels} row panels)"
@@ -1180,11 +1311,26 @@ def explain_reducescatter(
   precision: str,
   device_kind,
   wiring: _wiring.Wiring | None = None,
+  memory: Memory = "fastest",
 ) -> Choice:
   """The choice for ``psum_scatter(x [m, k] @ w [k, n c])`` (the fused
   estimate counts its row panels, as :func:`explain_allgather`; the value
   rings move partial sums of ``m x c`` in the input dtype, the two-way
-  ring half of each block per direction)."""
+  ring half of each block per direction; ``memory`` as there)."""
+  if memory == "jit":
+    # Only a fused pick over the target moves (:func:`explain_allgather`).
+    fast = explain_reducescatter(
+      m,
+      k,
+      c,
+      n,
+      dtype,
+      precision=precision,
+      device_kind=device_kind,
+      wiring=wiring,
+    )
+    if fast.method not in _FUSED:
+      return fast
   chip = chip_for(device_kind)
   cal = CAL[chip.name]
   b = jnp.dtype(dtype).itemsize
@@ -1223,6 +1369,13 @@ def explain_reducescatter(
     device_kind=device_kind,
   )
   reason = None if plan.spec is not None else plan.reason
+  # ``memory="jit"``: the fused kernels' receive slots against the memory
+  # target (:func:`_slots_over`; the one-way kernel's, ``[1, n - 1, m,
+  # c]`` in one panel, are as many): over it, no fused candidate.
+  mem = None
+  if reason is None and memory == "jit":
+    mem = _slots_over(chip, n, part, (n - 1) * plan.spec.m * c * t)
+    reason = mem
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
   # The finish kernel, charged its operands in HBM as the model's floor
@@ -1344,6 +1497,10 @@ def explain_reducescatter(
   # and stays exposed, while the fused kernel sends each partial sum as it
   # is made (modelled on v5e, tp 8, Llama-3-70B MLP shard: 86.3 against
   # XLA's best 96.7 us at M = 16, 97.7 against 122.5 at M = 64).
+  # The fused kernel dropped for its slots alone (``memory="jit"``), bound
+  # by the weight read: XLA's program, not a value ring (as the
+  # all-gather).
+  mem_rings = mem is not None and compute < hbm
   choice = _decide(
     reason,
     fused,
@@ -1352,10 +1509,11 @@ def explain_reducescatter(
     hbm,
     chip,
     hbm_rule=False,
-    ring_s=rings.get(1),
-    ring_bidi_s=rings.get(2),
+    ring_s=None if mem_rings else rings.get(1),
+    ring_bidi_s=None if mem_rings else rings.get(2),
     fused_uni_s=fused_uni,
   )
+  choice = _mem_reason(choice, mem, fused, rings if mem_rings else None)
   if panels > 1 and choice.method.startswith("ring"):
     choice = dataclasses.replace(
       choice,
@@ -1375,9 +1533,12 @@ def explain_allreduce(
   precision: str,
   device_kind,
   wiring: _wiring.Wiring | None = None,
+  memory: Memory = "fastest",
 ) -> Choice:
   """The choice for ``psum(x [m, k] @ w [k, f])``: the fused reduce-scatter
-  plus XLA's all-gather, against XLA's all-reduce.
+  plus XLA's all-gather, against XLA's all-reduce (``memory`` as
+  :func:`explain_reducescatter`'s: with ``"jit"`` a fused kernel over the
+  target leaves XLA's all-reduce).
 
   Both move the blocks twice around the ring, and only the first half can
   hide under the matmul. XLA's all-reduce is one collective over both ring
@@ -1395,6 +1556,7 @@ def explain_allreduce(
     precision=precision,
     device_kind=device_kind,
     wiring=wiring,
+    memory=memory,
   )
   wr = _links(wiring, n)
   wx = wr.xla  # XLA's all-reduce and all-gather: XLA's ring order
@@ -1406,11 +1568,15 @@ def explain_allreduce(
   one_way = (n - 1) * (half * wx.shift_load + wx.shift_hops * _HOP_S)
   xla = rs.xla_us * 1e-6 - one_way
   xla += 2 * (n - 1) * (half * wx.bidi_load + wx.bidi_hops * _HOP_S)
-  if rs.fused_us is None:
+  if rs.fused_us is None or _NO_FUSED in rs.reason:
     # The rings' all-reduce is not estimated here: XLA's all-reduce.
+    # (With ``memory="jit"``, its fused kernel over the memory target.)
+    why = "fused kernels unavailable for the reduce-scatter half"
+    if rs.fused_us is not None:
+      why = f"the reduce-scatter half: {rs.reason}"
     return Choice(
       "xla",
-      "fused kernels unavailable for the reduce-scatter half",
+      why,
       None,
       xla * 1e6,
       rs.chip,

@@ -32,6 +32,7 @@ def matmul_reducescatter(
   bidirectional: bool = False,
   transfer: _quantized.Transfer = "native",
   method: _auto.Method = "auto",
+  memory: _validate.Memory = "fastest",
 ):
   """Multiplies ``lhs @ rhs`` and reduce-scatters along ``scatter_dim``.
 
@@ -81,6 +82,11 @@ def matmul_reducescatter(
       two-way ring. **``api="ref"`` and
       ``bidirectional=True`` configure the ring** (``"auto"`` then runs
       it). Every method differentiates.
+    memory: ``"fastest"`` (default) or ``"jit"``: with ``"jit"``,
+      ``method="auto"`` drops the fused kernel where its receive slots
+      put the peak temporaries over jit's plus one chunk's buffers. **It
+      costs speed** (at the Llama sweep's points up to 1.8x the fused
+      kernel's time); see :func:`allgather_matmul`.
 
   Returns:
     ``lhs.shape[:-1] + (f,)`` with ``scatter_dim`` divided by ``n``, in
@@ -91,7 +97,8 @@ def matmul_reducescatter(
     ValueError: ``rhs`` is not rank 2, the contracting sizes differ, the
       scattered size is not divisible by ``n``, ``scatter_dim`` is not a
       dimension of the result, the halves are impossible with
-      ``bidirectional=True``, an unknown ``api`` or ``method``, ring
+      ``bidirectional=True``, an unknown ``api``, ``method`` or
+      ``memory``, ring
       options with ``method="fused"``/``"xla"``, or ``method="fused"``
       with a row ``scatter_dim``; an unknown ``transfer``, or a quantized
       one with ``method="fused"``/``"xla"``.
@@ -116,6 +123,7 @@ def matmul_reducescatter(
   """
   fn = "matmul_reducescatter"
   n = _validate.matmul_operands(lhs, rhs, axis_name, api, fn)
+  memory = _validate.memory(memory, fn)
   _validate.contracting(lhs, rhs, fn, lhs.shape[-1])
   rank = len(lhs.shape)
   dim = _validate.dim(
@@ -175,6 +183,7 @@ def matmul_reducescatter(
       precision=_fused.precision_name(),
       device_kind=_auto.device_kind(),
       wiring=_auto.wiring(axis_name),
+      memory=memory,
     ),
     explain_unfused=lambda why: _auto.explain_ring(
       2 * lhs.size * rhs.shape[1],

@@ -14,6 +14,8 @@ from asyncops.kernels import _common
 Api = Literal["value", "ref"]
 Accumulation = Literal["float32", "output"]
 ACCUMULATIONS: tuple[str, ...] = ("float32", "output")
+Memory = Literal["fastest", "jit"]
+MEMORIES: tuple[str, ...] = ("fastest", "jit")
 
 
 # Operand dtypes of the collective matmuls: the 8 to 32-bit ones a DMA
@@ -84,6 +86,17 @@ def accumulation(value, fn: str) -> Accumulation:
       "'float32' (the default) adds the chunk products in float32 and "
       "rounds once; 'output' adds them in the output dtype (XLA's "
       "windowed einsum's numerics), rounding at every step."
+    )
+  return value
+
+
+def memory(value, fn: str) -> Memory:
+  """Checks ``memory=`` is a known target."""
+  if not isinstance(value, str) or value not in MEMORIES:
+    raise ValueError(
+      f"{fn}: memory must be one of {MEMORIES}, got {value!r}. 'fastest' "
+      "(the default) lets method='auto' pick by time alone; 'jit' keeps "
+      "its pick's temporaries within jit's plus one chunk's buffers."
     )
   return value
 
