@@ -161,17 +161,6 @@ CASES = {
 }
 
 
-def _ties(jaxpr) -> int:
-  n = 0
-  for e in jaxpr.eqns:
-    n += e.primitive.name == "asyncops_tie"
-    for p in jax.tree_util.tree_leaves(e.params):
-      sub = getattr(p, "jaxpr", p)
-      if hasattr(sub, "eqns"):
-        n += _ties(sub)
-  return n
-
-
 def _jit(body, mesh):
   return jax.jit(
     jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
@@ -192,7 +181,7 @@ def test_numbers_match_lax(case):
       got = np.asarray(_jit(body, mesh)(x))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   g = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-  assert _ties(jax.make_jaxpr(g)(x).jaxpr) == (2 if tied else 0)
+  assert u.count_ties(jax.make_jaxpr(g)(x).jaxpr) == (2 if tied else 0)
 
 
 @functools.cache

@@ -527,17 +527,6 @@ DST_READS = {
 }
 
 
-def _ties(jaxpr) -> int:
-  n = 0
-  for e in jaxpr.eqns:
-    n += e.primitive.name == "asyncops_tie"
-    for p in jax.tree_util.tree_leaves(e.params):
-      sub = getattr(p, "jaxpr", p)
-      if hasattr(sub, "eqns"):
-        n += _ties(sub)
-  return n
-
-
 @pytest.mark.parametrize("case", list(DST_READS))
 def test_window_read_of_the_destinations_value_is_tied(case):
   # lax's numbers at both emulation points; asyncops_tie barriers: the one
@@ -551,7 +540,7 @@ def test_window_read_of_the_destinations_value_is_tied(case):
       got = np.asarray(_jit(body, mesh)(x))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   g = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-  assert _ties(jax.make_jaxpr(g)(x).jaxpr) == 3
+  assert u.count_ties(jax.make_jaxpr(g)(x).jaxpr) == 3
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])

@@ -629,3 +629,16 @@ def captured_reads(case: str, axis: str):
     return b[...] + z
 
   return body
+
+
+def count_ties(jaxpr) -> int:
+  """How many ``asyncops_tie`` equations ``jaxpr`` holds, nested jaxprs
+  (``pjit``, ``shard_map``, checkpoint, custom rules) included."""
+  n = 0
+  for e in jaxpr.eqns:
+    n += e.primitive.name == "asyncops_tie"
+    for p in jax.tree_util.tree_leaves(e.params):
+      sub = getattr(p, "jaxpr", p)
+      if hasattr(sub, "eqns"):
+        n += count_ties(sub)
+  return n
