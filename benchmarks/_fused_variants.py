@@ -137,7 +137,7 @@ def ring_steps(w, *xs, plan=None, out_dtype):
 
 
 _STEPS = re.compile(
-  r"ring_steps_([\d-]+)_nf(\d+)(?:_t(\d+)(?:p(\d+))?)?(_halves)?"
+  r"ring_steps_([\d-]+)_nf(\d+)(?:_t(\d+)(?:p(\d+))?)?(_halves)?(_split)?"
 )
 
 
@@ -160,6 +160,13 @@ def step_halves(attrs: str) -> bool:
   for each direction's halves on their own."""
   found = _STEPS.search(attrs)
   return bool(found and found.group(5))
+
+
+def step_split(attrs: str) -> bool:
+  """Whether the kernel's last half arrives in two row pieces and it
+  reads ``x`` by halves (``_split`` in its scope: ``AgSpec.split``)."""
+  found = _STEPS.search(attrs)
+  return bool(found and found.group(6))
 
 
 def step_parts(attrs: str) -> int:
@@ -227,12 +234,24 @@ def _ag_twin(operands, results, attrs=""):
       unit += g
     parts = step_parts(attrs)
     tails = (
-      tuple(min(1.0, tail / (parts * blocks * g)) for g in sizes)
-      if tail
-      else ()
+      [min(1.0, tail / (parts * blocks * g)) for g in sizes] if tail else []
     )
+    if step_split(attrs):
+      # The last half-step as two steps: its first iteration's first
+      # (row) part, waiting for the split half's first piece (where the
+      # whole half was waited for), then the rest, waiting for the second
+      # piece (slot ``(n - 1) d`` of the halves, ``_Transfer.halves``)
+      # before all of the first (its tail 1.0: the piece's copy runs
+      # under that part).
+      g = sizes.pop()
+      first = 1 / (parts * blocks)  # one part: units of the half-step
+      sizes += [first, g - first]
+      needs.append(((n - 1) * nd,))
+      if not tails:  # no tail: a step waits before its last block
+        tails = [1 / blocks if blocks > 1 else 0.0] * (len(sizes) - 1)
+      tails[-1:] = [1.0, 1.0]
     steps = _kernel_costs.Steps(
-      tuple(needs), blocks, tails, (), tuple(sizes), halves=True
+      tuple(needs), blocks, tuple(tails), (), tuple(sizes), halves=True
     )
     return fn, args, steps
   # A tail of ``t`` grid iterations (each ``[m, k/d] @ [k/d, bn]``) is
@@ -389,8 +408,9 @@ def _ag_reads(operands, results, attrs=""):
   contraction twin (:func:`ring_contraction`) every chunk is one stacked
   parameter (1) whose first block is the local chunk: both parameters are
   streamed, and the fill is their first blocks, one ``w`` block and the
-  local chunk ``[m, k]`` (an operand XLA placed in VMEM is read there: no
-  fill)."""
+  local chunk ``[m, k]``, or its first half ``[m, k/d]`` where the kernel
+  reads ``x`` by halves (``_split``; an operand XLA placed in VMEM is
+  read there: no fill)."""
   del results
   x, w, rest, nd, n, m = _ag_layout(operands, attrs)
   _, blocks = step_plan(attrs, n)
@@ -403,7 +423,10 @@ def _ag_reads(operands, results, attrs=""):
   if not _in_vmem(w):
     first += ((0, _bytes((k // nd, f // blocks), w)),)
   if not _in_vmem(x):
-    first += ((1, _bytes((m, k), x)),)
+    # ``x`` whole, or by halves (``_split`` in its scope: the pipeline
+    # fetches half 1 under the first half-step, ``AgSpec.split``).
+    cols = k // nd if step_split(attrs) else k
+    first += ((1, _bytes((m, cols), x)),)
   return _kernel_costs.Reads(
     whole=(), streamed=(0, 1), first=first, extra_bytes=extra
   )

@@ -102,6 +102,8 @@ _FREE_TARGETS = {"ConcatBitcast", "AllocateBuffer", "Sharding"}
 # timeline, and its ``op`` there and in the kernel's own boxes.
 FILL_NAME = "pipeline_fill"
 FILL_OP = "pipeline-fill"
+# The box of a split send's share of its start's issue (``_launch``).
+SPLIT_ISSUE_OP = "split-send-issue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +343,7 @@ _SHIFT = re.compile(r"ring_shift([+-]\d+)")
 _REF_DST_SLOT = "/ref_message_dst_slot/"
 _REF_DST_WHOLE = "/ref_message_dst_whole/"
 _RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
-_HOPS = re.compile(r"ring_hops_([\d-]+)")
+_HOPS = re.compile(r"ring_hops_([\d-]+)(_split)?")
 # A fused all-gather whose receive slots are rows of its result
 # (``AgSpec.recv_in_out``): ``ring_slots_<d>x<n - 1>x<m>x<k/d>x<bytes>``.
 _SLOTS = re.compile(r"ring_slots_(\d+)x(\d+)x(\d+)x(\d+)x(\d+)")
@@ -1079,10 +1081,14 @@ class _Sim:
       latency = max(latency, lat)
     return load, latency * max(self.ring_size - 1, 1)
 
-  def _allgather_slots(self, ins: Instr) -> list[tuple[int, int, dict, float]]:
+  def _allgather_slots(self, ins: Instr) -> list[tuple]:
     """A fused all-gather start's sends, ``(slot, direction, link load,
-    latency)`` in the order it issues them (slot ``t`` of each direction,
-    nearest peers first); empty for every other transfer."""
+    latency, piece)`` in the order it issues them (slot ``t`` of each
+    direction, nearest peers first; piece 0); empty for every other
+    transfer. A start that splits its last send (``ring_hops_.._split``:
+    ``AgSpec.split``) sends it as two pieces of half its bytes, one after
+    the other on the same links, each with its own hop latency (pieces
+    0 and 1)."""
     if not ins.name.startswith("asyncops_ring_allgather") or not ins.arrays:
       return []
     found = recv_slots(ins.arrays[:1], ins.attrs)
@@ -1094,13 +1100,20 @@ class _Sim:
     # name; slot t is t + 1 away when absent).
     found = _HOPS.search(ins.attrs)
     hops = [int(a) for a in found.group(1).split("-")] if found else []
+    split = bool(found and found.group(2))
     if sorted(hops) != list(range(1, n1 + 1)):
       hops = list(range(1, n1 + 1))
     out = []
     for t in range(n1):
       for dd, sh in enumerate(shifts):
-        load, lat = self._ici(ring_sends(self.rings, sh * hops[t]), size)
-        out.append((t, dd, load, lat))
+        sends = ring_sends(self.rings, sh * hops[t])
+        if split and (t, dd) == (n1 - 1, d - 1):
+          for piece in (0, 1):
+            load, lat = self._ici(sends, size / 2)
+            out.append((t, dd, load, lat, piece))
+          continue
+        load, lat = self._ici(sends, size)
+        out.append((t, dd, load, lat, 0))
     return out
 
   def _ref_message(self, ins: Instr, dst_bytes: int) -> float:
@@ -1235,10 +1248,24 @@ class _Sim:
     return len(self.lanes) - 1
 
   def _launch(self, ins, track, cost, t, family, charge=True) -> float:
-    """Issues a transfer; ``cost`` is seconds (DMA) or ``(load, latency)``."""
+    """Issues a transfer; ``cost`` is seconds (DMA) or ``(load, latency)``.
+
+    One ``Chip.issue_s`` per async op, which a fused all-gather start's
+    sends share; a start that splits a send (``AgSpec.split``) is charged
+    each extra piece's share on top, ``issue_s / sends`` (``sends``: its
+    sends before the split, ``d (n - 1)``; 1/6 of ``issue_s`` on a ring of
+    4 with two directions), in its own box after the issue."""
+    parts = []
+    if track == "ici" and ins.opcode == "custom-call":
+      parts = self._allgather_slots(ins)
     if charge:
       self._emit("compute", ins.name, "overhead", t, self.chip.issue_s)
       t += self.chip.issue_s
+      extra = sum(1 for p in parts if p[4] > 0)
+      if extra:
+        share = self.chip.issue_s * extra / (len(parts) - extra)
+        self._emit("compute", ins.name, "overhead", t, share, op=SPLIT_ISSUE_OP)
+        t += share
     args = {"op": ins.opcode}
     slots: tuple[float, ...] = ()
     halves: tuple[float, ...] = ()
@@ -1248,15 +1275,17 @@ class _Sim:
       self.pending[ins.name] = _Transfer(key, family, t, t, (), step)
       return t
     if track == "ici":
-      parts = self._allgather_slots(ins) if ins.opcode == "custom-call" else []
       if parts:  # slot by slot, in the order the start sends them
         ends: dict[int, float] = {}
         half: dict[tuple[int, int], float] = {}
         begin, end = None, t
-        for slot, dd, load, lat in parts:
+        n1 = 1 + max(p[0] for p in parts)
+        for slot, dd, load, lat, piece in parts:
           b, e = self._ici_slot(t, load, lat)
           ends[slot] = max(ends.get(slot, 0.0), e)
-          half[slot, dd] = e
+          # A split half's second piece after every half (``t d + d``
+          # order): index ``(n - 1) d`` of ``halves``.
+          half[(n1, 0) if piece else (slot, dd)] = e
           begin = b if begin is None else min(begin, b)
           end = max(end, e)
         slots = tuple(ends[i] for i in sorted(ends))

@@ -466,9 +466,13 @@ def test_fused_kernel_is_charged_one_contraction(fused_chapter):
   reads = _ag_reads(module, kernel)
   assert reads.whole == () and set(reads.streamed) == {0, 1}
   # The local chunk (bf16) from HBM, or from VMEM where XLA copied x there
-  # before the kernel (v6e; that copy is on the program's timeline).
+  # before the kernel (v6e; that copy is on the program's timeline); by
+  # halves where the kernel splits its last half (v5e, ``_split``: its
+  # first half only).
   x = _operands(module, kernel)[1]
   local = m * k * 2 if x.memory_space == 0 else 0
+  if _fused_variants.step_split(kernel.attrs):
+    local //= 2
   assert dict(reads.first).get(1, 0) == local
   one, text, per_step, fill_s = _ag_twins(topology, (n, m, k, f), plan, reads)
   assert fill_s > 0
@@ -489,11 +493,14 @@ def test_fused_kernel_is_charged_one_contraction(fused_chapter):
   assert split.total == pytest.approx(one.step_s, rel=1e-6)
   assert split.fill == pytest.approx(fill_s, rel=1e-6)
   # ... half of it per half-step (one per direction, ``_halves``).
-  assert split.halves and len(split.costs) == 2 * len(plan)
-  assert list(split.costs) == pytest.approx(
-    [(one.step_s - fill_s) * g / (2 * n) for g in plan for _ in (0, 1)],
-    rel=1e-6,
-  )
+  # v5e splits its last half (``_split``): the last half-step as two
+  # steps, one row part of an iteration and the rest.
+  want = [(one.step_s - fill_s) * g / (2 * n) for g in plan for _ in (0, 1)]
+  if _fused_variants.step_split(kernel.attrs):
+    last = want.pop()
+    want += [last / (2 * blocks), last * (1 - 1 / (2 * blocks))]
+  assert split.halves and len(split.costs) == len(want)
+  assert list(split.costs) == pytest.approx(want, rel=1e-6)
   # The kernel's boxes: its compute plus any wait for a step's chunks,
   # which counts as exposed communication.
   boxes = [e for e in tl.events if e.name == kernel.name]
@@ -702,6 +709,9 @@ def test_fused_allgather_runs_half_steps(fused_chapter):
     _operands(module, kernel), kernel.arrays, kernel.attrs
   )[2]
   assert steps.halves
+  if _fused_variants.step_split(kernel.attrs):
+    assert topology == "v5e:2x4"  # tested by the test after this one
+    return
   assert steps.needs == ((), (), (0,), (1,), (2,), (3,), (4,), (5,))
   (start,) = [e for e in tl.events if e.kind == "transfer"]
   half = 512 * 256 * 2 / chip.ici_link_bytes_per_s
@@ -724,6 +734,65 @@ def test_fused_allgather_runs_half_steps(fused_chapter):
   # The antipode's first half-step waited at most for its own half.
   first = start.start + 3 * half + 2 * chip.ici_hop_s
   assert all(w.start + w.dur <= first + 1e-12 for w in waits[:-1])
+
+
+def test_fused_allgather_splits_the_last_half(fused_chapter):
+  """v5e's chapter row (bf16): the antipode's second half, the last to
+  arrive, travels as two row pieces (``_split`` on both kernels' scopes,
+  ``AgSpec.split``): on the same links one after the other, the second
+  in when the whole half was (the start's issue, its share for the extra
+  send, four halves on the busiest link, two hops). The start is charged
+  the extra send's share of its one issue, ``issue_s / 6`` (six sends
+  before the split), in a box of its own; the last half-step runs as two
+  steps, its first part (waiting for the first piece before the tail of
+  the half-step before) and the rest (waiting for the second piece
+  before that part); the fill reads ``x``'s first half and a ``w``
+  block. The second piece is in before the last half-step starts: no
+  wait at all, the kernel ends after its fill and the twin. v6e's sends
+  are not split."""
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
+  topology, res = fused_chapter
+  chip = _chips.chip_for(topology)
+  tl = res.timeline
+  module, kernel = _ag_kernel(res)
+  split = _fused_variants.step_split(kernel.attrs)
+  starts = [e for e in tl.events if e.name.startswith("asyncops_ring_allg")]
+  issue = [e for e in starts if e.kind == "overhead"][:2]
+  if topology != "v5e:2x4":
+    assert not split
+    assert issue[1].args.get("op") != _timeline.SPLIT_ISSUE_OP
+    return
+  assert split
+  assert [e.dur for e in issue] == pytest.approx(
+    [chip.issue_s, chip.issue_s / 6]
+  )
+  assert issue[1].args["op"] == _timeline.SPLIT_ISSUE_OP
+  steps = _fused_variants._ag_twin(
+    _operands(module, kernel), kernel.arrays, kernel.attrs
+  )[2]
+  assert steps.needs == ((), (), (0,), (1,), (2,), (3,), (4,), (5,), (6,))
+  _, blocks = _fused_variants.step_plan(kernel.attrs, 4)
+  first = 1 / (2 * blocks)  # one row part of the last half-step
+  assert steps.units[-2:] == pytest.approx((first, 1 - first))
+  assert steps.tails[-3:] == pytest.approx((1 / (2 * blocks), 1.0, 1.0))
+  (start,) = [e for e in tl.events if e.kind == "transfer"]
+  half = 512 * 256 * 2 / chip.ici_link_bytes_per_s
+  last = start.start + 4 * half + 2 * chip.ici_hop_s
+  assert start.start == pytest.approx(chip.issue_s * (1 + 1 / 6))
+  assert start.start + start.dur == pytest.approx(last)
+  boxes = [e for e in tl.events if e.name == kernel.name]
+  assert not [e for e in boxes if e.kind == "wait"]
+  computes = [e for e in boxes if e.kind == "compute"]
+  fill = computes[0]
+  assert fill.args["op"] == _timeline.FILL_OP
+  assert fill.dur == pytest.approx(
+    (512 * 256 * 2 + 256 * (8192 // 4 // blocks) * 2) / chip.hbm_bytes_per_s
+  )
+  # The second piece is in before the last half-step's first part.
+  assert last <= computes[-2].start
+  per_half = sum(e.dur for e in computes[1:]) / 8
+  assert computes[-2].dur == pytest.approx(per_half * first)
 
 
 def _twin_split(topology, dims, plan):
@@ -1402,6 +1471,10 @@ def test_twin_prefetching_x_is_charged_the_read_of_x(
   assert operands[1].dims == (m, k) and operands[1].memory_space == 0  # HBM
   bw = chip.hbm_bytes_per_s
   x_read = m * k * 2 / bw
+  # A kernel that reads x by halves (``_split``, v5e's fused all-gather)
+  # reads its first half in the fill; the twin's prefetch rule is the same.
+  if ag and _fused_variants.step_split(kernel.attrs):
+    x_read /= 2
   fill = x_read + _first_block(prefix, topology, kernel, dims) / bw
   boxes = [
     e for e in tl.events if e.name == kernel.name and e.track == "compute"
@@ -1425,6 +1498,8 @@ def test_fused_allgather_fill_runs_before_its_first_step(topology):
   the program's timeline, so not in the fill). The model charges the fill
   as the kernel's first box (op ``pipeline-fill``), at HBM bandwidth,
   before the first step's dots, which start when it ends."""
+  from benchmarks import _fused_variants  # noqa: PLC0415
+
   chip = _chips.chip_for(topology)
   spec = _measure.Spec(
     "allgather_matmul_fused", topology, None, (1024, 2048, 8192), jnp.bfloat16
@@ -1439,7 +1514,10 @@ def test_fused_allgather_fill_runs_before_its_first_step(topology):
   assert x.dims == (m, k)
   assert x.memory_space == (0 if topology.startswith("v5e") else 1)
   w_block = _first_block("ring_allgather_matmul", topology, kernel, dims)
-  fill = (w_block + (m * k * 2 if x.memory_space == 0 else 0)) / (
+  # v5e's kernel reads x by halves (``_split``): its first half.
+  x_cols = k // 2 if _fused_variants.step_split(kernel.attrs) else k
+  assert (x_cols < k) == topology.startswith("v5e")
+  fill = (w_block + (m * x_cols * 2 if x.memory_space == 0 else 0)) / (
     chip.hbm_bytes_per_s
   )
   boxes = [e for e in tl.events if e.name == kernel.name]

@@ -744,6 +744,113 @@ def test_half_steps_with_slots_in_the_result(
   _check_interpreter_output(capfd)
 
 
+@pytest.mark.parametrize(
+  "directions,steps,tail,bn,rio",
+  [
+    (2, None, 1, 256, True),
+    (2, None, 1, 128, False),
+    (2, (1, 2, 1), 3, 256, True),
+    (2, (1, 1, 2), 1, 256, False),
+    (1, None, 1, 256, True),
+    (2, None, None, 128, False),
+  ],
+)
+def test_split_last_half_and_x_by_halves(
+  directions, steps, tail, bn, rio, capfd
+):
+  """``AgSpec.split``: the start's last send (the last direction's slot
+  ``n - 2``) as two row pieces on their own semaphores, the last
+  half-step waiting for the second only before its first iteration's
+  second (row) part, and ``x`` read by halves: exact against
+  ``jnp.dot``, every DMA waited, no race (one and two directions, plans
+  with one and two units in the last step, slots in the result or in
+  a buffer of their own)."""
+  n, k, blocks = 4, 256, 6
+  a = _ints((32, n * k), jnp.bfloat16, 12)
+  w = _ints((n * k, n * 128 * blocks), jnp.bfloat16, 13)
+
+  def body(x, y):
+    spec = _ag_spec(
+      n,
+      x,
+      y,
+      "bfloat16",
+      "bfloat16",
+      "bfloat16",
+      directions,
+      steps=steps,
+      tail=tail,
+      recv_in_out=rio,
+      bn=bn,
+      split=True,
+    )
+    assert spec.parts == 2 and spec.scope.endswith("_halves_split")
+    assert spec.hops_scope.endswith("_split")
+    assert agk.pieces(spec, directions - 1, n - 2) == [
+      (0, 16, (directions - 1, n - 2)),
+      (16, 16, (directions - 1, n - 1)),
+    ]
+    assert agk.pieces(spec, 0, 0) == [(0, 32, (0, 0))]
+    return _one_kernel(agk, x, y, spec, y.shape[1], jnp.bfloat16)
+
+  got = u.run_sharded(
+    body,
+    u.cpu_mesh((1, n)),
+    (P("x", "y"), P(None, "y")),
+    P("x", "y"),
+    a,
+    w,
+    check_vma=False,
+  )
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _check_interpreter_output(capfd)
+
+
+def test_plan_splits_the_last_half_only_where_it_waits():
+  """``_fused.plan_allgather`` splits the last half (``AgSpec.split``)
+  where its wait is exposed: v5e at the chapter's shape (the local chunk
+  ``[512, 512]``, ``w`` ``[2048, 2048]``, a ring of 4), not v6e there (no
+  tail: an iteration's ``w`` block fills HBM), not v5e at prefill (the
+  sends hide under the matmul), not float32 weights."""
+
+  def plan(m, k, f, kind, w_dtype=jnp.bfloat16):
+    return _fused.plan_allgather(
+      m,
+      k,
+      f,
+      4,
+      jnp.bfloat16,
+      w_dtype,
+      jnp.bfloat16,
+      directions=2,
+      precision="DEFAULT",
+      device_kind=kind,
+    ).spec
+
+  chapter = plan(512, 512, 2048, "TPU v5 lite")
+  assert chapter.split and chapter.plan == (1, 1, 1, 1) and chapter.tail
+  assert not plan(512, 512, 2048, "TPU v6 lite").split
+  assert not plan(1024, 2048, 7168, "TPU v5 lite").split
+  assert not plan(512, 512, 2048, "TPU v5 lite", jnp.float32).split
+
+
+def test_split_needs_unquantized_even_rows():
+  with pytest.raises(ValueError, match="split"):
+    agk.AgSpec(
+      "y",
+      ("y",),
+      4,
+      15,
+      256,
+      512,
+      "bfloat16",
+      "bfloat16",
+      "bfloat16",
+      split=True,
+    )
+
+
 def test_transfer_argument_is_checked():
   with pytest.raises(ValueError, match="transfer must be 'native' or 'int8'"):
     _fused.allgather_matmul(

@@ -226,6 +226,69 @@ def choose_tail(spec: agk.AgSpec, device_kind: str | None) -> int | None:
   return need
 
 
+def choose_split(spec: agk.AgSpec, device_kind: str | None) -> bool:
+  """Whether to send the last half to arrive in two row pieces and read
+  ``x`` by halves (``AgSpec.split``): where the last half's wait is
+  exposed, by a rough estimate.
+
+  The start's sends cross the busiest directed link one after the other
+  (``_wiring.ideal(n).direct_load`` chunks, ``directions`` halves each,
+  after the start's issue), the last half then ``n / 2`` hops; the
+  kernel needs it before the tail of the half-step before the last, after
+  its fill (``x`` and a ``w`` block at HBM bandwidth) and the half-steps
+  before (the contraction at the chip's peak, in chunks' shares). Where
+  it arrives later the wait is exposed and splitting it pays: the last
+  half-step then waits for the second piece only before its first
+  iteration's second part, and the fill shrinks by half of ``x``. Where
+  it is hidden the extra send is pure cost. Only with a tail
+  (``choose_tail``: iterations that cover their copies), two directions,
+  one unit in the last step (with two, the last half-step also waits for
+  the other unit's half, which the split does not bring in earlier: the
+  Llama-3-70B shard on v5p at tp 8, plan ``(1, 1, 2, 2, 2)``, only paid
+  the extra send's charge, 0.07 to 1.14 us a row) and pieces of whole
+  sublane tiles.
+
+  Example:
+    >>> from asyncops.kernels._allgather_matmul import AgSpec
+    >>> s = AgSpec("y", ("x", "y"), 4, 512, 512, 2048, "bfloat16",
+    ...            "bfloat16", "bfloat16", bn=1024, tail=1)
+    >>> choose_split(s, "TPU v5 lite")  # the chapter's shape: link bound
+    True
+    >>> big = AgSpec("y", ("x", "y"), 4, 1024, 2048, 7168, "bfloat16",
+    ...              "bfloat16", "bfloat16", bn=1024, steps=(1, 2, 1),
+    ...              tail=2)
+    >>> choose_split(big, "TPU v5 lite")  # prefill: the sends are hidden
+    False
+  """
+  from asyncops.collective_matmul import _auto  # noqa: PLC0415 (cycle)
+
+  if (
+    spec.tail is None
+    or spec.quantized
+    or spec.directions != 2
+    or spec.plan[-1] != 1
+    or spec.m % (2 * _sublanes(spec.dtype))
+  ):
+    return False
+  chip = _auto.chip_for(device_kind)
+  n, nd = spec.n, spec.directions
+  t = jnp.dtype(spec.dtype).itemsize
+  issue = 1e-6  # the start's barrier and issue (``_timeline``'s issue)
+  chunk = spec.m * spec.k * t
+  arrive = (
+    issue
+    + _wiring.ideal(n).direct_load * chunk / chip.link
+    + (n // 2) * _auto._HOP_S
+  )
+  compute = 2 * spec.m * n * spec.k * spec.f / chip.bf16_flops
+  w_block = spec.kh * spec.bn * jnp.dtype(spec.w_dtype).itemsize
+  fill = (spec.m * spec.k * t + w_block) / chip.hbm
+  # The half-step before the last (half 0 of the last step, one unit).
+  tail = compute / (n * nd) * spec.tail / (spec.parts * spec.nf)
+  need = issue + fill + compute * (1 - 1 / (n * nd)) - tail
+  return arrive > need
+
+
 @dataclasses.dataclass(frozen=True)
 class AgPlan:
   """How one all-gather matmul runs: kernel spec and row panels."""
@@ -302,6 +365,7 @@ def plan_allgather(
       else choose_steps(n, rows, k, f, w_dtype, device_kind, t),
     )
     s = dataclasses.replace(s, tail=choose_tail(s, device_kind))
+    s = dataclasses.replace(s, split=choose_split(s, device_kind))
     need = agk.vmem_bytes(s)
     limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
     return dataclasses.replace(s, vmem_limit=limit), need

@@ -79,6 +79,16 @@ the open lines of small slices and at ``n = 8``). Where the matmul is
 longer than the transfers (the shapes this kernel is for), that is hidden;
 ``benchmarks/_timeline.py`` routes each copy on its own.
 
+The last half in pieces (``AgSpec.split``, where its wait is exposed:
+v5e's chapter shape). The start's last send, the last direction's half of
+the farthest chunk, goes as two row pieces on their own semaphores (one
+more pair in each semaphore array); the last half-step waits for the
+first piece where it waited for the whole half, and for the second only
+before its first iteration's second part (each iteration's two parts
+split rows then), whose copy into VMEM overlaps the first part. ``x`` is
+then read by halves (one ``[m, k/d]`` block per direction), so the
+pipeline fill reads half of it.
+
 Quantized transfers (``AgSpec.quantized``): ``x`` arrives as int8 codes
 with one float32 scale per row and half (``[d, m, 128]``, the scale
 broadcast over a lane tile so it moves as one DMA block). Each half's
@@ -151,6 +161,17 @@ class AgSpec:
       ``(n - 1) m k`` receive buffer is allocated. Needs the chunks in
       the result's dtype, ``(n - 1) k <= f`` and no quantized scales
       (:func:`recv_fits_out`).
+    split: the last half to arrive (slot ``n - 2`` of the last direction,
+      the start's last send) travels as two row pieces, rows ``0 .. m/2``
+      and ``m/2 .. m``, each its own DMA on its own semaphore pair (slot
+      ``n - 1`` of the last direction in the semaphore arrays holds the
+      second piece's): the last half-step waits for the first piece where
+      it waited for the whole half and for the second only before its
+      first iteration, whose two parts then split rows (:attr:`parts`).
+      ``x`` is then read by halves (a double-buffered ``[m, k/d]`` block,
+      half 1 fetched under half-step ``(0, 0)``), not whole before the
+      first dot. Chosen by ``collective_matmul._fused.choose_split`` where
+      the last half's wait is exposed.
   """
 
   axis_name: str
@@ -172,6 +193,7 @@ class AgSpec:
   tail: int | None = None
   panel: int = 0
   recv_in_out: bool = False
+  split: bool = False
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
@@ -199,6 +221,10 @@ class AgSpec:
       raise ValueError(f"quantized chunks travel as int8, got {self.dtype}")
     if self.k % self.directions or self.f % self.bn:
       raise ValueError(f"k/directions and f/bn must divide: {self}")
+    if self.split and (self.quantized or self.m % 2):
+      raise ValueError(
+        f"AgSpec.split needs unquantized chunks and even m, got {self}"
+      )
     if self.recv_in_out and not recv_fits_out(self):
       raise ValueError(
         "AgSpec.recv_in_out needs unquantized chunks in the result's dtype "
@@ -214,10 +240,19 @@ class AgSpec:
 
   @property
   def parts(self) -> int:
-    """Column parts of each grid iteration's block (one dot each), the
-    unit of :attr:`tail`: two where a tail is given and ``bn / 2`` is a
-    multiple of 128 (the wait may then fall mid-iteration), else one."""
+    """Parts of each grid iteration's block (one dot each), the unit of
+    :attr:`tail`: two where a tail is given and ``bn / 2`` is a multiple
+    of 128 (the wait may then fall mid-iteration), else one; with
+    :attr:`split` always two, of ``m / 2`` rows each (not ``bn / 2``
+    columns)."""
+    if self.split:
+      return 2
     return 2 if self.tail is not None and self.bn % 256 == 0 else 1
+
+  @property
+  def mh(self) -> int:
+    """Rows of each piece of the split half (:attr:`split`)."""
+    return self.m // 2
 
   @property
   def g(self) -> int:
@@ -239,7 +274,8 @@ class AgSpec:
     reads the step plan from it)."""
     plan = "-".join(str(g) for g in self.plan)
     tail = "" if self.tail is None else f"_t{self.tail}p{self.parts}"
-    return f"ring_steps_{plan}_nf{self.nf}{tail}_halves"
+    split = "_split" if self.split else ""
+    return f"ring_steps_{plan}_nf{self.nf}{tail}_halves{split}"
 
   @property
   def hops(self) -> tuple[int, ...]:
@@ -267,7 +303,8 @@ class AgSpec:
   def hops_scope(self) -> str:
     """The named scope the start kernel runs in (the benchmark model reads
     the order of the sends from it)."""
-    return "ring_hops_" + "-".join(str(a) for a in self.hops)
+    split = "_split" if self.split else ""
+    return "ring_hops_" + "-".join(str(a) for a in self.hops) + split
 
   @property
   def shifts(self) -> tuple[int, ...]:
@@ -312,6 +349,25 @@ def slot_ref(spec: AgSpec, buf, d: int, t: int):
     return buf.at[d, t]
   col = (d * (spec.n - 1) + t) * spec.kh
   return buf.at[pl.ds(spec.panel * spec.m, spec.m), pl.ds(col, spec.kh)]
+
+
+def slot_rows(spec: AgSpec, buf, d: int, t: int, r0: int, nr: int):
+  """Rows ``r0 .. r0 + nr`` of receive slot ``t`` of direction ``d``
+  (:func:`slot_ref`)."""
+  if not spec.recv_in_out:
+    return buf.at[d, t, pl.ds(r0, nr)]
+  col = (d * (spec.n - 1) + t) * spec.kh
+  return buf.at[pl.ds(spec.panel * spec.m + r0, nr), pl.ds(col, spec.kh)]
+
+
+def pieces(spec: AgSpec, d: int, t: int):
+  """The DMAs slot ``t`` of direction ``d`` arrives in, ``(first row,
+  rows, semaphore index)``: one (the whole half, ``(d, t)``), or for the
+  split half (:attr:`AgSpec.split`) two row pieces, the second on
+  ``(d, n - 1)``."""
+  if spec.split and d == spec.directions - 1 and t == spec.n - 2:
+    return [(0, spec.mh, (d, t)), (spec.mh, spec.mh, (d, spec.n - 1))]
+  return [(0, spec.m, (d, t))]
 
 
 def vmem_bytes(spec: AgSpec) -> int:
@@ -415,16 +471,21 @@ def start_kernel(
   for t in range(n - 1):
     for d, sh in enumerate(spec.shifts):
       pairs = [
-        (x_ref.at[rows, pl.ds(d * kh, kh)], slot_ref(spec, recv_ref, d, t))
+        (
+          x_ref.at[pl.ds(spec.panel * spec.m + r0, nr), pl.ds(d * kh, kh)],
+          slot_rows(spec, recv_ref, d, t, r0, nr),
+          at,
+        )
+        for r0, nr, at in pieces(spec, d, t)
       ]
       if scales is not None:
-        pairs.append((scales[0].at[d, rows], scales[1].at[d, t]))
-      for src, dst in pairs:
+        pairs.append((scales[0].at[d, rows], scales[1].at[d, t], (d, t)))
+      for src, dst, at in pairs:
         pltpu.make_async_remote_copy(
           src,
           dst,
-          send_sems.at[d, t],
-          recv_sems.at[d, t],
+          send_sems.at[at],
+          recv_sems.at[at],
           device_id=c.ring_peer(spec, me, sh * spec.hops[t]),
           device_id_type=pl.DeviceIdType.MESH,
         ).start()
@@ -467,15 +528,21 @@ def compute_kernel(*refs, spec: AgSpec):
   def _():
     tok_ref[0] = jnp.int32(0)
 
-  def local_copies(dd, src_slot, cc, dst_slot):
+  def local_copies(dd, src_slot, cc, dst_slot, piece=0):
+    """``(source, destination, copy semaphore)`` of piece ``piece`` of
+    the slot's DMAs (:func:`pieces`; the second piece of the split half
+    on copy semaphore ``(g, 0)``)."""
+    r0, nr, _ = pieces(spec, dd, src_slot)[piece]
+    sem = copy_sems.at[spec.g, 0] if piece else copy_sems.at[cc, dd]
     out = [
       (
-        slot_ref(spec, recv_ref, dd, src_slot),
-        xbuf.at[dst_slot, cc, :, pl.ds(dd * kh, kh)],
+        slot_rows(spec, recv_ref, dd, src_slot, r0, nr),
+        xbuf.at[dst_slot, cc, pl.ds(r0, nr), pl.ds(dd * kh, kh)],
+        sem,
       )
     ]
     if q:
-      out.append((rs_ref.at[dd, src_slot], sbuf.at[dst_slot, cc, dd]))
+      out.append((rs_ref.at[dd, src_slot], sbuf.at[dst_slot, cc, dd], sem))
     return out
 
   # Step ss > 0 holds ring units offsets[ss] ..; unit u arrived in slot
@@ -491,12 +558,29 @@ def compute_kernel(*refs, spec: AgSpec):
       @pl.when((s == ss) & (d == dd) & first_it)
       def _(ss=ss, dd=dd):
         for cc, dd_, u1, dst in each_copy(ss, dd, ss % 2):
-          for src, dst_ref in local_copies(dd_, u1, cc, dst):
-            pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd_]).wait()
+          for src, dst_ref, sem in local_copies(dd_, u1, cc, dst):
+            pltpu.make_async_copy(src, dst_ref, sem).wait()
+          if len(pieces(spec, dd_, u1)) > 1:
+            # The split half's second piece: waited for here, before the
+            # last half-step's first part; its copy overlaps that part.
+            r0, nr, at = pieces(spec, dd_, u1)[1]
+            c.wait_dma(
+              slot_rows(spec, recv_ref, dd_, u1, r0, nr), recv_sems.at[at]
+            )
+            for src, dst_ref, sem in local_copies(dd_, u1, cc, dst, 1):
+              pltpu.make_async_copy(src, dst_ref, sem).start()
 
   half = pl.ds(pl.multiple_of(d * kh, kh), kh)
-  held = jnp.where(s == 0, x_ref[:, half], xbuf[slot, ci, :, half])
-  held = held.astype(spec.mxu_dtype)
+
+  def held_rows(rows):
+    """Rows ``rows`` of the half this iteration multiplies (``x`` at
+    step 0: by halves, its block, with :attr:`AgSpec.split`)."""
+    mine = x_ref[rows, :] if spec.split else x_ref[rows, half]
+    held = jnp.where(s == 0, mine, xbuf[slot, ci, rows, half])
+    return held.astype(spec.mxu_dtype)
+
+  if not spec.split:
+    held_all = held_rows(slice(None))
   first = (s == 0) & (ci == 0) & (d == 0)
   final = (s == last) & (ci == plan[last] - 1) & (d == nd - 1)
 
@@ -504,23 +588,44 @@ def compute_kernel(*refs, spec: AgSpec):
     """Waits for the halves of half-step ``(ns, nd_)`` and starts their
     copies into VMEM."""
     for cc, dd_, u1, dst in each_copy(ns, nd_, ns % 2):
-      c.wait_dma(slot_ref(spec, recv_ref, dd_, u1), recv_sems.at[dd_, u1])
+      r0, nr, at = pieces(spec, dd_, u1)[0]  # the split half's first piece
+      c.wait_dma(slot_rows(spec, recv_ref, dd_, u1, r0, nr), recv_sems.at[at])
       if q:
         c.wait_dma(rs_ref.at[dd_, u1], recv_sems.at[dd_, u1])
-      for src, dst_ref in local_copies(dd_, u1, cc, dst):
-        pltpu.make_async_copy(src, dst_ref, copy_sems.at[cc, dd_]).start()
+      for src, dst_ref, sem in local_copies(dd_, u1, cc, dst):
+        pltpu.make_async_copy(src, dst_ref, sem).start()
 
   # Each iteration's block in ``parts`` column parts, one dot each: the
   # wait for the next half-step's halves falls after a part (``spec.tail``
   # counts parts), so a late half stalls at most a part's matmul before
   # the half-step ends.
+  # With ``spec.split`` the parts are row parts (``m / 2`` rows, the
+  # whole block's columns): the split half's second piece is copied into
+  # VMEM under the last half-step's first part.
   parts = spec.parts
-  sub = bn // parts
+  sub = bn if spec.split else bn // parts
+  sr = spec.mh if spec.split else spec.m
+  last_first = (s == last) & (d == nd - 1) & first_it
   for part in range(parts):
-    cols = pl.ds(pl.multiple_of(j * bn + part * sub, sub), sub)
+    r = pl.ds(part * sr, sr) if spec.split else slice(None)
+    oc = 0 if spec.split else part * sub
+    cols = pl.ds(pl.multiple_of(j * bn + oc, sub), sub)
+    if spec.split:
+      if part == 1:
+
+        @pl.when(last_first)
+        def _():
+          for cc, dd_, u1, dst in each_copy(last, nd - 1, last % 2):
+            if len(pieces(spec, dd_, u1)) > 1:
+              for src, dst_ref, sem in local_copies(dd_, u1, cc, dst, 1):
+                pltpu.make_async_copy(src, dst_ref, sem).wait()
+
+      held = held_rows(r)
+    else:
+      held = held_all
     y = jnp.dot(
       held,
-      w_ref[:, pl.ds(part * sub, sub)].astype(spec.mxu_dtype),
+      w_ref[:, pl.ds(oc, sub)].astype(spec.mxu_dtype),
       preferred_element_type=spec.acc_dtype,
       precision=jax.lax.Precision[spec.precision],
     )
@@ -529,18 +634,16 @@ def compute_kernel(*refs, spec: AgSpec):
       y = y * scale[:, :1]
 
     @pl.when(valid & first)
-    def _(cols=cols, y=y):
-      acc_ref[:, cols] = y
+    def _(r=r, cols=cols, y=y):
+      acc_ref[r, cols] = y
 
     @pl.when(valid & ~first & ~final)
-    def _(cols=cols, y=y):
-      acc_ref[:, cols] += y
+    def _(r=r, cols=cols, y=y):
+      acc_ref[r, cols] += y
 
     @pl.when(valid & final)
-    def _(cols=cols, y=y, part=part):
-      o_ref[:, pl.ds(part * sub, sub)] = (acc_ref[:, cols] + y).astype(
-        o_ref.dtype
-      )
+    def _(r=r, cols=cols, y=y, oc=oc):
+      o_ref[r, pl.ds(oc, sub)] = (acc_ref[r, cols] + y).astype(o_ref.dtype)
 
     # The halves of the next half-step (half 1 of this step after half 0,
     # else half 0 of the next step): wait for them and copy them into
@@ -573,12 +676,13 @@ def done_kernel(
   half ``d`` of ``x`` are a slot's size)."""
   for d in range(spec.directions):
     for t in range(spec.n - 1):
-      if from_x:
-        rows = pl.ds(spec.panel * spec.m, spec.m)
-        ref = recv_ref.at[rows, pl.ds(d * spec.kh, spec.kh)]
-      else:
-        ref = slot_ref(spec, recv_ref, d, t)
-      c.wait_dma(ref, send_sems.at[d, t])
+      for r0, nr, at in pieces(spec, d, t):
+        if from_x:
+          rows = pl.ds(spec.panel * spec.m + r0, nr)
+          ref = recv_ref.at[rows, pl.ds(d * spec.kh, spec.kh)]
+        else:
+          ref = slot_rows(spec, recv_ref, d, t, r0, nr)
+        c.wait_dma(ref, send_sems.at[at])
       if recv_scales is not None:
         c.wait_dma(recv_scales.at[d, t], send_sems.at[d, t])
 
@@ -587,7 +691,10 @@ def done_kernel(
 
 
 def _sem_array(spec: AgSpec):
-  return pltpu.SemaphoreType.DMA((spec.directions, spec.n - 1))
+  """``[d, n - 1]`` DMA semaphores, one a slot (``[d, n]`` with
+  :attr:`AgSpec.split`: the split half's second piece on ``(d - 1, n -
+  1)``)."""
+  return pltpu.SemaphoreType.DMA((spec.directions, spec.n - 1 + spec.split))
 
 
 def _recv_shapes(x, spec: AgSpec):
@@ -625,8 +732,19 @@ def _in_specs(spec: AgSpec):
     chunk = _chunk(me_ref[0], _shift_of(spec, d), hop, spec.n)
     return (chunk * spec.directions + d, j)
 
-  # Row panel ``p`` of ``x`` (and of its scales) is block ``p``.
-  xs = [_once((spec.m, spec.k), (spec.panel, 0))]
+  # Row panel ``p`` of ``x`` (and of its scales) is block ``p``; split:
+  # ``x`` by halves, half ``d`` at half-step ``(0, d)`` (the pipeline
+  # fetches half 1 under half-step (0, 0)), then kept.
+  if spec.split:
+    nd = spec.directions
+    xs = [
+      pl.BlockSpec(
+        (spec.m, spec.kh),
+        lambda s, d, j, ci, me: (spec.panel, jnp.where(s == 0, d, nd - 1)),
+      )
+    ]
+  else:
+    xs = [_once((spec.m, spec.k), (spec.panel, 0))]
   if spec.quantized:
     scales = (spec.directions, spec.m, SCALE_LANES)
     xs.append(_once(scales, (0, spec.panel, 0)))
@@ -657,7 +775,9 @@ def _scratch(spec: AgSpec):
   if spec.quantized:
     shape = (2, spec.g, spec.directions, spec.m, SCALE_LANES)
     out.append(pltpu.VMEM(shape, jnp.float32))
-  return out + [pltpu.SemaphoreType.DMA((spec.g, spec.directions))]
+  # (g, 0) of g + 1 rows: the split half's second piece's copy.
+  sems = (spec.g + spec.split, spec.directions)
+  return out + [pltpu.SemaphoreType.DMA(sems)]
 
 
 def _grid(spec: AgSpec):
