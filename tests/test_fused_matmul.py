@@ -730,18 +730,7 @@ def test_half_steps_with_slots_in_the_result(
     assert spec.parts == bn // 128
     return _one_kernel(agk, x, y, spec, y.shape[1], jnp.bfloat16)
 
-  got = u.run_sharded(
-    body,
-    u.cpu_mesh((1, n)),
-    (P("x", "y"), P(None, "y")),
-    P("x", "y"),
-    a,
-    w,
-    check_vma=False,
-  )
-  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  _check_interpreter_output(capfd)
+  _assert_panels_equal_dot(body, a, w, n, capfd)
 
 
 @pytest.mark.parametrize(
@@ -793,18 +782,7 @@ def test_split_last_half_and_x_by_halves(
     assert agk.pieces(spec, 0, 0) == [(0, 32, (0, 0))]
     return _one_kernel(agk, x, y, spec, y.shape[1], jnp.bfloat16)
 
-  got = u.run_sharded(
-    body,
-    u.cpu_mesh((1, n)),
-    (P("x", "y"), P(None, "y")),
-    P("x", "y"),
-    a,
-    w,
-    check_vma=False,
-  )
-  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  _check_interpreter_output(capfd)
+  _assert_panels_equal_dot(body, a, w, n, capfd)
 
 
 def test_plan_splits_the_last_half_only_where_it_waits():
