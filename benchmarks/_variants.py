@@ -17,6 +17,8 @@ jitted function. ``precision`` is passed to every matmul.
   the library's default, ``method="auto"``;
   ``allgather_matmul_int8[_bidi]`` / ``allgather_matmul_fp8[_bidi]``:
   ``transfer="int8"`` / ``"float8_e4m3fn"`` (opt-in with ``--variants``);
+  ``allgather_matmul_auto_jit``, ``<family>:asyncops_auto_jit``: auto
+  with ``memory="jit"`` (opt-in);
   ``allgather_matmul[_bidi|_auto]_outacc``: ``accumulation="output"``
   (opt-in with ``--variants``).
 
@@ -176,11 +178,7 @@ def available() -> list[str]:
 
 def _flagship_takes(param: str) -> bool:
   """Whether the library's ``allgather_matmul`` has keyword ``param``."""
-  fn = _library("allgather_matmul")
-  try:
-    return fn is not None and param in inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    return False
+  return _takes("allgather_matmul", param)
 
 
 def auto_xla() -> list[str]:
@@ -194,6 +192,39 @@ def auto_xla() -> list[str]:
     if _has_method(fam.library):
       out.append(f"{family}:asyncops_xla")
   return out
+
+
+def _takes(name: str, param: str) -> bool:
+  """Whether the library's ``name`` has keyword ``param``."""
+  fn = _library(name)
+  try:
+    return fn is not None and param in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def auto_jit() -> list[str]:
+  """Auto with ``memory="jit"`` (``method="auto"`` leaves out a fused
+  pick whose receive slots exceed jit's temporaries plus one chunk's
+  buffers), per library function that takes ``memory=``; opt-in
+  (``--variants``): the default tables run ``memory="fastest"``."""
+  out = []
+  if _takes("allgather_matmul", "memory"):
+    out.append("allgather_matmul_auto_jit")
+  for family, fam in FAMILIES.items():
+    if _has_method(fam.library) and _takes(fam.library, "memory"):
+      out.append(f"{family}:asyncops_auto_jit")
+  return out
+
+
+def auto_memory(name: str) -> str | None:
+  """The memory target of auto variant ``name`` (``"fastest"`` or
+  ``"jit"``), ``None`` for a variant that is not auto."""
+  if name.endswith("_auto_jit"):
+    return "jit"
+  if name.endswith(("_auto", "_auto_outacc")):
+    return "fastest"
+  return None
 
 
 def library_quantized() -> list[str]:
@@ -523,6 +554,15 @@ def _build_family(name: str, mesh, precision):
     fns["asyncops_xla"] = _lib_fn(
       fam.library, precision, fam.lib_kw, fam.kw_args, method="xla"
     )
+  if name in auto_jit():
+    fns[kind] = _lib_fn(
+      fam.library,
+      precision,
+      fam.lib_kw,
+      fam.kw_args,
+      method="auto",
+      memory="jit",
+    )
   if name in family_quantized(family):
     fns[kind] = _lib_fn(
       fam.library, precision, fam.lib_kw, fam.kw_args, **QUANTIZED_KINDS[kind]
@@ -616,6 +656,10 @@ def _build(name: str, mesh, *, precision=None):
     if _has_method("allgather_matmul"):
       # Auto's XLA candidate, opt-in (``--variants``).
       fns["allgather_matmul_xla"] = functools.partial(_lib, method="xla")
+    if "allgather_matmul_auto_jit" in auto_jit():
+      fns["allgather_matmul_auto_jit"] = functools.partial(
+        _lib, method="auto", memory="jit"
+      )
     outacc = functools.partial(_lib, accumulation="output")
     for v in library_outacc():
       fns[v] = {

@@ -10,6 +10,8 @@ Usage::
   python -m benchmarks.run --xla-configs         # one row per XLA config
   python -m benchmarks.run --sensitivity         # latency constants x0.5, x2
   python -m benchmarks.run --sweep llama         # Llama-3-70B MLP sweep
+  python -m benchmarks.run --variants allgather_matmul_auto,\
+    allgather_matmul_auto_jit                    # auto, memory="jit" too
   python -m benchmarks.run --calibration         # against measured times
 
 Compiles every variant ahead of time for the topology (no TPU needed),
@@ -291,10 +293,11 @@ class Bench:
     names = [v for v in names if v not in left_out]
     for v in _measure.progress(names, f"{topology} {family} {config}"):
       res = _measure.measure(self.spec(v, topology, tp, shape, config))
-      if v.endswith(("_auto", "_auto_outacc")):
+      if memory := _variants.auto_memory(v):
         methods, reasons = auto_choice(v, mesh, shape, config)
         res.row["auto_choice"] = methods
         res.row["auto_reason"] = reasons
+        res.row["memory"] = memory
       rows.append((self.guard(res, floor), None))
     bound_us = bound.row["step_us"]
     best_us = best.row["step_us"]
@@ -495,7 +498,7 @@ def _print_sweep(family, topology, tp, summary) -> None:
     if ours and min(ours) < best:
       pays.append(m)
     cells = " | ".join(f"{by[k]['step_us']:.1f}" for k in kinds)
-    auto = next((r for r in rows if "auto_choice" in r), None)
+    auto = next((r for r in rows if r.get("memory") == "fastest"), None)
     auto_cells = (
       f"{auto['step_us'] / best:.3f} | {auto['auto_choice']}"
       if auto
@@ -596,7 +599,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--variants",
     default="",
-    help="only these (besides bound, jit, xla_best); sweeps too",
+    help="only these (besides bound, jit, xla_best); sweeps too. "
+    "Opt-in names include allgather_matmul_auto_jit and "
+    "<family>:asyncops_auto_jit: method='auto' with memory='jit'",
   )
   p.add_argument("--ref", action="store_true", help="add api='ref' rows")
   p.add_argument(
@@ -695,6 +700,7 @@ def main(argv=None) -> int:
   known |= set(_variants.library_quantized()) | set(_variants.TORUS)
   known |= set(_variants.library_outacc())
   known |= set(_variants.auto_xla())
+  known |= set(_variants.auto_jit())
   for fam in _variants.FAMILIES:
     known |= set(_variants.family_variants(fam, ref=True))
     known |= set(_variants.family_quantized(fam))
