@@ -519,6 +519,8 @@ def _fused_ag_s(
   step_s=0.0,
   cast_s=0.0,
   mid_acc_s=None,
+  directions=2,
+  cover=0.0,
 ):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
@@ -530,14 +532,21 @@ def _fused_ag_s(
   every chunk to every peer (``wiring.direct_load`` chunks on the busiest
   directed link: ``sum(min(d, n - d)) / 2`` on a ring, 8 at ``n = 8``
   where forwarding takes 3.5; 4 on a line of 4) before the dots begin;
-  the last step waits for the farthest chunk. (The
+  each step runs as ``directions`` half-steps (``AgSpec``: one per ring
+  direction, each waiting for its own halves only), so after the last
+  half of the farthest chunk arrives only the last half-step is left,
+  ``1 / directions`` of the last step, after ``cover`` of the half-step
+  before it (the share it runs after its wait for the next halves:
+  :func:`_fused_cover`; branch h-agest; before it the whole last step
+  was charged after the arrival). (The
   benchmark model: within 1% at the chapter's and prefill shapes on v5e
   and at M = 256 and 1024 of the Llama-3-70B sweep, tp 8.) Each step
   also costs ``step_s`` (``Cal.fused_step_s``), and the last one
   ``cast_s`` of the accumulator's final read and cast, over the panels
   (``Cal.fused_cast``). ``mid_acc_s`` (None: ``acc_s``) is the
   accumulator's charge in the steps between the first and the last
-  (``Cal.fused_acc_vmem``: XLA keeps it in VMEM there)."""
+  (``Cal.fused_acc_vmem``: XLA keeps it in VMEM there). ``directions``:
+  the kernel's (``AgSpec.directions``)."""
   p = panels
   mid = acc_s if mid_acc_s is None else mid_acc_s
   extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
@@ -551,9 +560,27 @@ def _fused_ag_s(
     + step_s
     for s, g in enumerate(plan)
   ]
+  # The last half-step (the last direction's share of the last step)
+  # waits for the last half to arrive; the final cast follows it.
+  after = (steps[-1] - step_s) / directions * (1 + cover) + step_s
+  after += cast_s / p
   steps[-1] += cast_s / p
   c = sum(steps)
-  return p * (_FUSED_OVERHEAD_S + max(c, ring + steps[-1]))
+  return p * (_FUSED_OVERHEAD_S + max(c, ring + after))
+
+
+def _fused_cover(spec) -> float:
+  """The share of a half-step of the fused all-gather's last step that
+  runs after its wait for the next half-step's halves (``AgSpec``): its
+  last ``tail`` parts of ``parts`` per iteration over ``f / bn`` blocks
+  of ``g`` units, or without a tail its last block (all of it where it
+  has one block). 0 without a spec."""
+  if spec is None:
+    return 0.0
+  nf = spec.f // spec.bn
+  if spec.tail is None:
+    return 1.0 / nf
+  return min(1.0, spec.tail / (spec.parts * nf * spec.plan[-1]))
 
 
 def _fused_w(cal, chip, w_bytes) -> float:
@@ -1114,6 +1141,8 @@ def explain_allgather(
     # A small program's accumulator stays in VMEM between the first and
     # the last step (``Cal.fused_acc_vmem``): half a pass there.
     _fused_mid_acc(cal, chip, panels, w_bytes, acc),
+    plan.spec.directions if plan.spec is not None else 2,
+    _fused_cover(plan.spec),
   )
   if panels > 1:
     knee = max(1.0, panels / cal.fused_panel_knee)
