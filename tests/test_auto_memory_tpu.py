@@ -96,9 +96,15 @@ def test_auto_takes_the_fused_kernel_for_memory(topology):
     # --shape 8192,4096,28672 --configs bfloat16 --families allgather`),
     # so time picks it, not the memory rule.
     assert c.fused_us < min(c.ring_us, c.ring_bidi_us), str(c)
-  else:
+  elif min(c.ring_us, c.ring_bidi_us) < c.fused_us:
+    # A ring estimated faster: the memory rule takes the fused kernel.
     assert "within the memory target" in c.reason, str(c)
-    assert min(c.ring_us, c.ring_bidi_us) < c.fused_us, str(c)
+  else:
+    # Since branch h-agest (the fused estimate charges the last half-step
+    # only after the last arrival) v5p's fused kernel is estimated the
+    # fastest here (712.2 us against the two-way ring's 757.6), so time
+    # picks it and the rule has nothing to overrule.
+    assert "memory" not in c.reason, str(c)
   assert c.fused_us < 0.97 * c.xla_us, str(c)
   # The fused kernel's program: its ring kernels, no value-ring transfer.
   assert "allgather_matmul" in text
