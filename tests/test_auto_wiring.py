@@ -462,14 +462,17 @@ def test_whole_chunk_ring_estimate_follows_the_model(kind, n, m):
   10% (the model: 3082.8 us against 3504.8). At v5p tp 8 the two-way
   ring was the pick (2525.7 us against the fused kernel's 2862.7); since
   the half-steps (h-agfwd) the fused kernel models 2486.0 against the
-  ring's 2510.9 and auto runs it (h-agest)."""
+  ring's 2510.9 and auto runs it (h-agest); since branch h-v5pcal its
+  estimate (2486.4) is 0.7% over the ring's (2469.7, 1.7% under the
+  model), within ``_auto._KEEP_FUSED``: the fused kernel is kept."""
   model, err = WHOLE_RING_MODEL[kind, n, m]
   c = _llama("ag", kind, n, m)
   assert abs(c.ring_bidi_us / model - 1) < err, str(c)
   if (kind, n, m) == ("TPU v6 lite", 4, 16384):
     assert c.method == "fused" and c.ring_bidi_us > 1.1 * c.fused_us, str(c)
   if (kind, n, m) == ("TPU v5p", 8, 16384):
-    assert c.method == "fused" and c.fused_us < c.ring_bidi_us, str(c)
+    assert c.method == "fused", str(c)
+    assert c.fused_us * _auto._KEEP_FUSED < c.ring_bidi_us, str(c)
 
 
 # The model's fused all-gather on v5p (allgather_matmul_fused, bf16, the
@@ -482,16 +485,18 @@ def test_whole_chunk_ring_estimate_follows_the_model(kind, n, m):
 # 1317.5, 5284.9 and 75.5, 175.3, 716.2, 2880.0: 1.10x to 1.58x over).
 # tp 8 since the half-steps (branch h-agfwd, the model) and the estimate
 # after them (branch h-agest: 42.3, 144.5, 592.8, 2386.3, under the model
-# by 9%, 7%, 5% and 4%; before 1.03x to 1.06x over).
+# by 9%, 7%, 5% and 4%; before 1.03x to 1.06x over). Branch h-v5pcal
+# (``fused_ring`` 1.42, ``fused_panel_s`` on the contraction's path): 45.0,
+# 155.4, 621.6, 2486.4.
 V5P_FUSED_MODEL = {
   (4, 256): (82.4, 0.12),
   (4, 1024): (276.4, 0.02),
   (4, 4096): (1129.5, 0.03),
   (4, 16384): (4532.2, 0.03),
-  (8, 256): (46.6, 0.10),
-  (8, 1024): (155.4, 0.08),
-  (8, 4096): (621.5, 0.05),
-  (8, 16384): (2486.0, 0.05),
+  (8, 256): (46.6, 0.04),
+  (8, 1024): (155.4, 0.01),
+  (8, 4096): (621.5, 0.01),
+  (8, 16384): (2486.0, 0.01),
 }
 
 
@@ -503,13 +508,16 @@ def test_v5p_fused_allgather_estimate_follows_the_contraction(n, m):
   2% to 5% from M = 1024 up, and the picks stay: the fused kernel under
   ``xla_best`` (tp 4 M = 1024: 331.7) where auto runs it, including tp 8
   M = 16384 (since branch h-agest; the model's fused kernel 2486.0 us
-  against the two-way ring's 2510.9), estimated the faster there."""
+  against the two-way ring's 2510.9), estimated within
+  ``_auto._KEEP_FUSED`` of the ring there (h-v5pcal: 2486.4 against
+  2469.7). tp 8 within 1% from M = 1024 since h-v5pcal (M = 256 3.4%
+  under: the weight-bound steps)."""
   model, err = V5P_FUSED_MODEL[n, m]
   c = _llama("ag", "TPU v5p", n, m)
   assert abs(c.fused_us / model - 1) < err, str(c)
   assert c.method == "fused", str(c)
   if (n, m) == (8, 16384):
-    assert c.fused_us < c.ring_bidi_us, str(c)
+    assert c.fused_us * _auto._KEEP_FUSED < c.ring_bidi_us, str(c)
   if (n, m) == (4, 1024):
     assert c.fused_us < 331.7, str(c)
 
@@ -1246,7 +1254,7 @@ def test_xla_program_estimate_follows_the_model_at_decode(key):
 
 @pytest.mark.parametrize(
   "dtype, model, xla, err",
-  [(jnp.bfloat16, 30.40, 55.8, 0.02), (jnp.float32, 33.29, 62.4, 0.06)],
+  [(jnp.bfloat16, 30.40, 55.8, 0.03), (jnp.float32, 33.29, 62.4, 0.06)],
 )
 def test_v5e_chapter_fused_all_gather_follows_the_contraction(
   dtype, model, xla, err
@@ -1261,8 +1269,12 @@ def test_v5e_chapter_fused_all_gather_follows_the_contraction(
   estimate's last-step wait leaves out). Since the half-steps (h-agfwd,
   h-agsplit) the model has 30.40 and 33.29 us, and the estimate charges
   the last half-step after the last arrival (h-agest): 30.7 and 31.4,
-  within 2% and 6% (was 32.7, 7.7% over, and 1.6% under). The pick stays
-  the fused kernel, under ``xla_best`` (55.8 and 62.4) in the model."""
+  within 2% and 6% (was 32.7, 7.7% over, and 1.6% under). In bf16 the
+  kernel splits its last half (``AgSpec.split``), which the estimate
+  charges since branch h-v5pcal: 29.5 us, 3% under (the model's kernel
+  there ends on its contraction, XLA's estimate 27.8 us, which the
+  estimate's FLOPs at peak put at 21.8). The pick stays the fused
+  kernel, under ``xla_best`` (55.8 and 62.4) in the model."""
   c = _auto.explain_allgather(512, 512, 2048, 4, dtype, **V5E)
   assert abs(c.fused_us / model - 1) < err, str(c)
   assert c.method == "fused" and model < xla, str(c)
@@ -1634,8 +1646,9 @@ def test_fused_allgather_estimate_charges_the_last_half_step(key):
   the whole last step after it (main) put the estimate 3% to 8% over the
   model at these points (v5e chapter shape 32.7 against 30.40, v5e tp 8
   M = 16384 6664.6 against 6243.5, v5p 2641.8 against 2486.0); now
-  within 2.7% on v5e and v6e, and under the model on v5p by at most 5%
-  (where its ring term is fitted to the whole-step charge)."""
+  within 2.7% (v5p since branch h-v5pcal refitted ``Cal.fused_ring`` to
+  the half-steps: 4% to 5% under with h-agest's 1.3). The chapter's
+  shape splits its last half on v5e (``AgSpec.split``: 29.5 us)."""
   chip, n, m, k, f = key
   model = _AG_HALVES_MODEL[key]
   wiring = _v5p_cube() if chip == "TPU v5p" else None
@@ -1649,8 +1662,8 @@ def test_fused_allgather_estimate_charges_the_last_half_step(key):
     device_kind=chip,
     wiring=wiring,
   )
-  lo, hi = (0.95, 1.0) if chip == "TPU v5p" else (0.98, 1.027)
-  assert lo < c.fused_us / model < hi, str(c)
+  lo = 0.97 if key[2:] == (512, 512, 2048) else 0.98
+  assert lo < c.fused_us / model < 1.027, str(c)
 
 
 def test_fused_cover_follows_the_kernel_spec():
@@ -1680,3 +1693,39 @@ def test_fused_cover_follows_the_kernel_spec():
     assert covers[kind] == pytest.approx(min(1.0, want))
   assert _auto._fused_cover(None) == 0.0
   assert covers["TPU v5 lite"] < covers["TPU v6 lite"]
+
+
+def test_fused_split_charges_the_second_piece_after_the_first_part(
+  monkeypatch,
+):
+  """Where the kernel splits its last half (``AgSpec.split``: the
+  chapter's shape on v5e, not on v6e) the estimate waits for the second
+  piece only after the last half-step's first row part (1 of 2 parts of
+  2 blocks: 1/4), so it is under the same kernel charged unsplit (branch
+  h-v5pcal: 29.5 against 30.7 us; the model 30.40)."""
+  from asyncops.collective_matmul import _fused
+
+  specs = {}
+  for kind in ("TPU v5 lite", "TPU v6 lite"):
+    specs[kind] = _fused.plan_allgather(
+      512,
+      512,
+      2048,
+      4,
+      jnp.bfloat16,
+      jnp.bfloat16,
+      jnp.bfloat16,
+      directions=2,
+      precision="DEFAULT",
+      device_kind=kind,
+    ).spec
+  shares = {kind: _auto._fused_split(s) for kind, s in specs.items()}
+  spec = specs["TPU v5 lite"]
+  assert spec.split and shares["TPU v5 lite"] == pytest.approx(
+    1 / (spec.parts * (spec.f // spec.bn))
+  )
+  assert shares["TPU v6 lite"] is None and _auto._fused_split(None) is None
+  split = _auto.explain_allgather(512, 512, 2048, 4, jnp.bfloat16, **V5E)
+  monkeypatch.setattr(_auto, "_fused_split", lambda spec: None)
+  whole = _auto.explain_allgather(512, 512, 2048, 4, jnp.bfloat16, **V5E)
+  assert split.fused_us < whole.fused_us - 1.0, (split, whole)

@@ -65,9 +65,11 @@ to the benchmark model's figures (:data:`CAL`):
   branch h-agrefit), or the direct sends to every peer (the busiest
   link's load from the wiring, at ``1 / CAL.fused_ring`` of the link
   bandwidth) and the last step, whichever is longer; extra panels cost
-  ``CAL.fused_panel W + CAL.fused_panel_s`` each (the first term times
-  ``P / CAL.fused_panel_knee`` for ``P`` panels beyond the knee), and
-  ``CAL.fused_panels_s`` once.
+  ``CAL.fused_panel W`` each (times ``P / CAL.fused_panel_knee`` for
+  ``P`` panels beyond the knee) and ``CAL.fused_panels_s`` once, and
+  ``CAL.fused_panel_s`` each on the contraction's path (hidden where the
+  ring binds). The split last half (``AgSpec.split``) waits only before
+  the last half-step's second row part.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
@@ -208,6 +210,9 @@ Memory = Literal["fastest", "jit"]
 
 _HOP_S = 1e-6
 _FUSED_OVERHEAD_S = 1.5e-6  # the start's barrier and issue, the done
+# The start's issue, shared by its sends; a split send's extra piece is
+# charged its share (the benchmark model's convention, h-agsplit).
+_SPLIT_ISSUE_S = 1e-6
 _XLA_OVERHEAD_S = 1e-6
 _MARGIN = 0.97
 # The fused kernel is kept over a value ring estimated up to 2% faster (it
@@ -521,6 +526,8 @@ def _fused_ag_s(
   mid_acc_s=None,
   directions=2,
   cover=0.0,
+  split=None,
+  panel_s=0.0,
 ):
   """The fused all-gather's estimate over ``panels`` row panels, one after
   the other. Each step of the kernel's ``plan`` (``g`` chunks) is charged
@@ -546,7 +553,18 @@ def _fused_ag_s(
   (``Cal.fused_cast``). ``mid_acc_s`` (None: ``acc_s``) is the
   accumulator's charge in the steps between the first and the last
   (``Cal.fused_acc_vmem``: XLA keeps it in VMEM there). ``directions``:
-  the kernel's (``AgSpec.directions``)."""
+  the kernel's (``AgSpec.directions``). ``split`` (None: not split): with
+  ``AgSpec.split`` the last half to arrive comes as two row pieces, one
+  after the other on the same links, so the second lands when the whole
+  half would have, after the start's extra issue (``_SPLIT_ISSUE_S``
+  over its ``directions (n - 1)`` sends, the model's convention since
+  h-agsplit); the last half-step waits for it only after its first row
+  part, this share of it (:func:`_fused_split`), which with the cover
+  before it waits for the first piece, a piece's transfer earlier.
+  ``panel_s`` (``Cal.fused_panel_s``): each panel after the first
+  restarts its steps, on the contraction's path (under the ring where
+  the ring binds: the model at v5p tp 8 has 155.4 us a panel of 1024
+  rows in 1, 4, 8 and 16 panels; branch h-v5pcal)."""
   p = panels
   mid = acc_s if mid_acc_s is None else mid_acc_s
   extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
@@ -562,11 +580,19 @@ def _fused_ag_s(
   ]
   # The last half-step (the last direction's share of the last step)
   # waits for the last half to arrive; the final cast follows it.
-  after = (steps[-1] - step_s) / directions * (1 + cover) + step_s
+  half = (steps[-1] - step_s) / directions
+  after = half * (1 + cover) + step_s
+  if split is not None:
+    ring += _SPLIT_ISSUE_S / (directions * (n - 1))
+    piece = chunk / p / link / (2 * directions)  # half of one half
+    after = max(half * (cover + split) - piece, 0.0) + half * (1 - split)
+    after += step_s
   after += cast_s / p
   steps[-1] += cast_s / p
   c = sum(steps)
-  return p * (_FUSED_OVERHEAD_S + max(c, ring + after))
+  return p * _FUSED_OVERHEAD_S + max(
+    p * c + (p - 1) * panel_s, p * (ring + after)
+  )
 
 
 def _fused_cover(spec) -> float:
@@ -581,6 +607,17 @@ def _fused_cover(spec) -> float:
   if spec.tail is None:
     return 1.0 / nf
   return min(1.0, spec.tail / (spec.parts * nf * spec.plan[-1]))
+
+
+def _fused_split(spec) -> float | None:
+  """The share of the fused all-gather's last half-step that runs before
+  its wait for the split half's second piece (``AgSpec.split``: one row
+  part of its first iteration, ``1 / (parts nf)`` of the one unit's
+  half-step), or None where the kernel does not split (or without a
+  spec)."""
+  if spec is None or not spec.split:
+    return None
+  return 1.0 / (spec.parts * spec.nf * spec.plan[-1])
 
 
 def _fused_w(cal, chip, w_bytes) -> float:
@@ -1143,10 +1180,12 @@ def explain_allgather(
     _fused_mid_acc(cal, chip, panels, w_bytes, acc),
     plan.spec.directions if plan.spec is not None else 2,
     _fused_cover(plan.spec),
+    _fused_split(plan.spec),
+    cal.fused_panel_s,
   )
   if panels > 1:
     knee = max(1.0, panels / cal.fused_panel_knee)
-    fused += (panels - 1) * (cal.fused_panel * w_s * knee + cal.fused_panel_s)
+    fused += (panels - 1) * cal.fused_panel * w_s * knee
     fused += cal.fused_panels_s
   rings = {}
   # The two-way ring of whole chunks runs in row panels to hold its

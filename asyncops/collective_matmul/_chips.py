@@ -130,7 +130,10 @@ class Cal:
       ring's 188.1 and 668.1. v5p 5 and 0 us since branch h-wtail: what
       they charged is mostly each step's fixed cost and the final cast,
       which one panel has too (``fused_step_s``, ``fused_cast``); 5 us a
-      panel is left (its ring's restart).
+      panel is left (its ring's restart). Since branch h-v5pcal charged
+      on the contraction's path only (``_auto._fused_ag_s``): where the
+      ring binds (v5p tp 8) the model's panels cost alike, 155.4 us a
+      panel of 1024 rows in 1, 4, 8 and 16 panels.
     fused_step_s: (0 on every chip since branch h-agrefit, which drops
       v5p's 7.5 us and ``fused_cast`` 1: the benchmark's twin of the
       kernel is one contraction since h-acctwin, with no per-step fixed
@@ -550,7 +553,18 @@ class Cal:
       1.3: on the 2x2x2 cube at tp 8 the model's steps wait for chunks
       (17.9 to 286.9 us exposed from M = 1024) the estimate's last-step
       wait missed (0.82x to 0.90x of the model); with it 0.97x to 1.04x
-      from M = 256, and tp 4 (not ring-bound) unchanged. 1 elsewhere.
+      from M = 256, and tp 4 (not ring-bound) unchanged. v5p 1.42 since
+      branch h-v5pcal: with only the last half-step charged after the
+      last arrival (h-agest) 1.3 left tp 8 4% to 9% under the model. The
+      cube's routes bring in the fourth step's chunks late (the model at
+      M = 1024: the sends end at 95.2 us, within 3% of the estimate's
+      ring at 1.0, but the steps wait 11.7 us at 72.1 for step 3's
+      chunks, then run four half-steps, 71.6 us); its ring, the
+      compute and the sends all scale with M, so one factor fits: the
+      fit's 1.412, 1.420, 1.420, 1.420, 1.420 at M = 512, 1024, 4096,
+      8192, 16384 (the last three once ``fused_panel_s`` moved onto the
+      contraction's path), 1.488 at M = 256 (there weight-bound: 45.0 us
+      against 46.6). 1 elsewhere (v5e and v6e tp 8 fit 0.94 to 1.01).
     xla_ag_hidden_n: the largest ring on which XLA's all-gather hides
       under its weight-bound dot at decode sizes (the all-gather's decode
       rule weighs the fused kernel against XLA's estimate less its
@@ -679,7 +693,7 @@ CAL = {
     fused_panel_s=5e-6,
     fused_dot=1.05,
     fused_w=1.7,
-    fused_ring=1.3,
+    fused_ring=1.42,
     ag_step_s=2e-6,
     ag_ring_pass=0.5,
     bidi_rs_acc_from=32 * 2**20,
