@@ -1017,7 +1017,7 @@ def _ag_slots(plan) -> int:
   """The fused all-gather's receive slots in HBM (bytes; one panel), from
   the kernel's receive buffers (``_allgather_matmul.recv_hbm_bytes``):
   none where they are in VMEM (``AgSpec.recv_vmem``: the Llama shard's
-  tp 8, M = 16 to 256, on v5e, v6e and v5p) or rows of the result
+  tp 8, M = 16 to 1024, on v5e, v6e and v5p) or rows of the result
   (``AgSpec.recv_in_out``)."""
   if plan.spec is None:
     return 0

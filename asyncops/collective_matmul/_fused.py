@@ -33,6 +33,12 @@ the result concatenated. XLA copied both, 8.5 and 21.2 us for the
 all-gather at the Llama-3-70B shard's tp 8, M = 4096, on v5p; 24.9 and
 25.0 us for the reduce-scatter there, whose row panels' result is pinned
 to HBM (v5e kept it in VMEM and copied it out).
+
+The all-gather's receive slots (``n - 1`` chunks, live for the whole
+ring): the result's own rows where they fit (``_in_out``), else a VMEM
+buffer where it fits the chip's budget in one panel (``_in_vmem``), else
+an HBM buffer (on v5e and v6e over issue 15's memory target, jit's
+temporaries plus one chunk's two buffers, wherever ``n > 3``).
 """
 
 import dataclasses

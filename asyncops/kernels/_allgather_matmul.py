@@ -103,10 +103,11 @@ scaled per row before it is accumulated: the result is
 
 The receive buffer in VMEM (``AgSpec.recv_vmem``). All ``n - 1``
 receive slots are allocated up front, as a forwarding ring's are, and
-live from the start to the done: ``(n - 1) m k`` elements, in HBM over
-issue 15's memory target (jit's temporaries plus one chunk's send and
-receive buffers) wherever ``n > 3`` (the Llama-3-70B shard at tp 8, M =
-256: 3.5 MiB against 0.13 + 1.0). Where the slots are not rows of the
+live from the start to the done: ``(n - 1) m k`` elements, in HBM on v5e
+and v6e over issue 15's memory target (jit's temporaries plus one
+chunk's send and receive buffers) wherever ``n > 3`` (the Llama-3-70B
+shard at tp 8, M = 256: 3.5 MiB against 0.13 + 1.0). Where the slots
+are not rows of the
 result (``recv_in_out``), the kernel runs one row panel and the buffer
 fits the chip's VMEM budget (``collective_matmul._fused``), the start
 returns it in VMEM instead (``S(1)`` in the compiled HLO; the peers'
@@ -117,7 +118,8 @@ double buffer and makes no local copies, and the done takes it in VMEM
 (its and the start's scoped VMEM limits raised above 8 MiB of it, as the
 reduce-scatter's done holds its sent partial sums). XLA neither copies
 nor evicts it (measured on v5e, v6e and v5p at the Llama shard's tp 8, M
-= 16 to 256; ``tests/test_ag_slots_tpu.py``): the program's HBM
+= 16 to 256, and on v5e and v6e at M = 1024; ``tests/test_ag_slots_tpu.
+py``): the program's HBM
 temporaries drop to 0.05 MiB there, and the benchmark model's step times
 are unchanged (design/benchmarks.md, "The all-gather's receive slots").
 
