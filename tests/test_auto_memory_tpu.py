@@ -38,14 +38,14 @@ SHAPES = {"v5e:2x4": (4096, 1024, 7168), "v5p:2x2x2": (4096, 2048, 4096)}
 N = 4
 
 
-def _sizes(topology):
+def _sizes(topology, shape=None):
   """One chunk of ``x`` (bf16) and the rings' float32 accumulator."""
-  m, k, f = SHAPES[topology]
+  m, k, f = shape or SHAPES[topology]
   return m * k * 2, m * f * 4
 
 
-def _lowered(topology, body):
-  m, k, f = SHAPES[topology]
+def _lowered(topology, body, shape=None):
+  m, k, f = shape or SHAPES[topology]
   mesh = _measure.mesh_for(topology, "ring", N)
   specs = (P(None, "y"), P(None, "y"))
   args = (
@@ -65,15 +65,16 @@ def _lowered(topology, body):
 
 
 @functools.cache
-def _compile(topology, method):
-  """``(choices, HLO text, HBM temporary bytes)`` of one program."""
+def _compile(topology, method, shape=None):
+  """``(choices, HLO text, HBM temporary bytes)`` of one program (at
+  ``shape``, per device ``(M, K, F)``; default ``SHAPES[topology]``)."""
   body = functools.partial(
     allgather_matmul,
     axis_name="y",
     method=method,
     bidirectional=method == "ring",
   )
-  lowered, choices = _lowered(topology, body)
+  lowered, choices = _lowered(topology, body, shape)
   compiled, assignment = _measure.compile_with_assignment(lowered)
   alloc = _measure.peak_alloc_bytes(_measure.assignment_temps(assignment))
   return choices, compiled.as_text(), alloc
@@ -123,3 +124,26 @@ def test_the_two_way_ring_is_over_the_target(topology):
   chunk, acc = _sizes(topology)
   assert alloc >= acc, alloc
   assert alloc > (N + 1) * chunk + acc / 2, alloc
+
+
+# Where the rule overrules time (branch h-agslots: at ``SHAPES`` time picks
+# the fused kernel on both chips since h-agrefit / h-agest, so the rule
+# fired at no compiled shape): v5p, per device ``x [8192, 1024]``, ``w
+# [4096, 2048]`` (a 64 MiB accumulator, 16 MiB chunks; estimated: the
+# two-way ring 413.1 us, the fused kernel 633.6, XLA's program 856.6).
+SPILL = ("v5p:2x2x2", (8192, 1024, 2048))
+
+
+def test_the_rule_overrules_a_faster_ring():
+  topology, shape = SPILL
+  [(_, c)], text, alloc = _compile(topology, "auto", shape)
+  assert c.method == "fused", str(c)
+  assert min(c.ring_us, c.ring_bidi_us) < c.fused_us, str(c)
+  assert "within the memory target" in c.reason, str(c)
+  assert "asyncops_bidirectional_start" not in text
+  chunk, acc = _sizes(topology, shape)
+  # Within the rule's limit (n + 1 chunks); the two-way ring is over it.
+  assert alloc <= (N + 1) * chunk, alloc / 2**20
+  _, text, ring = _compile(topology, "ring", shape)
+  assert "asyncops_bidirectional_start" in text
+  assert ring > (N + 1) * chunk, ring / 2**20

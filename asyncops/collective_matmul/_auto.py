@@ -199,6 +199,7 @@ from asyncops.collective_matmul._chips import CHIPS as CHIPS
 from asyncops.collective_matmul._chips import Cal as Cal
 from asyncops.collective_matmul._chips import Chip as Chip
 from asyncops.collective_matmul._chips import chip_for as chip_for
+from asyncops.kernels import _allgather_matmul as agk
 
 Method = Literal["auto", "fused", "ring", "xla"]
 METHODS: tuple[str, ...] = ("auto", "fused", "ring", "xla")
@@ -969,7 +970,8 @@ def _ag_memory(m, k, f, n, b, one_acc, acc, whole_panels, rings):
   (:func:`_gather_rings.whole_panels`). The fused kernel keeps its
   accumulator in VMEM and holds at most ``n - 1`` received chunks in HBM
   (v5p tp 4: 12.1 and 6.3 MiB at M = 1024 and 4096, in 2 and 8 row
-  panels), within the limit."""
+  panels; none where they are in VMEM, ``AgSpec.recv_vmem``, or rows of
+  the result), within the limit."""
   if not _gather_rings.whole_chunks(m, f, jnp.float32, n):
     return set()
   chunk = m * k * b
@@ -1048,11 +1050,15 @@ def _mem_reason(choice, mem, fused_s, rings=None):
   return dataclasses.replace(choice, reason=why, fused_us=fused_s * 1e6, **est)
 
 
-def _ag_slots(plan, n, k, t) -> int:
-  """The fused all-gather's receive slots in HBM (bytes; one panel)."""
-  if plan.spec is None or plan.spec.recv_in_out:
+def _ag_slots(plan) -> int:
+  """The fused all-gather's receive slots in HBM (bytes; one panel), from
+  the kernel's receive buffers (``_allgather_matmul.recv_hbm_bytes``):
+  none where they are in VMEM (``AgSpec.recv_vmem``: the Llama shard's
+  tp 8, M = 16 to 1024, on v5e, v6e and v5p) or rows of the result
+  (``AgSpec.recv_in_out``)."""
+  if plan.spec is None:
     return 0
-  return (n - 1) * plan.spec.m * k * t
+  return agk.recv_hbm_bytes(plan.spec)
 
 
 def explain_allgather(
@@ -1255,7 +1261,7 @@ def explain_allgather(
   # Llama shard: XLA's program).
   mem = None
   if reason is None and memory == "jit":
-    mem = _slots_over(chip, n, m * k * b, _ag_slots(plan, n, k, t))
+    mem = _slots_over(chip, n, m * k * b, _ag_slots(plan))
     reason = mem
   # Dropped for its slots alone, bound by the weight read: XLA's program,
   # not a value ring (their estimates there are 13% to 17% under the

@@ -33,6 +33,12 @@ the result concatenated. XLA copied both, 8.5 and 21.2 us for the
 all-gather at the Llama-3-70B shard's tp 8, M = 4096, on v5p; 24.9 and
 25.0 us for the reduce-scatter there, whose row panels' result is pinned
 to HBM (v5e kept it in VMEM and copied it out).
+
+The all-gather's receive slots (``n - 1`` chunks, live for the whole
+ring): the result's own rows where they fit (``_in_out``), else a VMEM
+buffer where it fits the chip's budget in one panel (``_in_vmem``), else
+an HBM buffer (on v5e and v6e over issue 15's memory target, jit's
+temporaries plus one chunk's two buffers, wherever ``n > 3``).
 """
 
 import dataclasses
@@ -63,6 +69,11 @@ _W_BLOCK_BYTES = 4 * 2**20  # both halves of one w block
 # m 4096, tp 8, "CompileTimeScopedVmemOom"; 12 MiB, the prefill shape's
 # one panel, compiles on v5e and v6e).
 _SENT_BYTES = 16 * 2**20
+# The all-gather's receive buffer in VMEM (``AgSpec.recv_vmem``) up to this
+# size, as the reduce-scatter's sent partial sums (``_SENT_BYTES``): the
+# Llama-3-70B shard's tp 8 buffers at M = 16 to 1024 (0.22 to 14 MiB) and
+# the issue's float32 prefill row (12 MiB of bf16 chunks) take it.
+_RECV_VMEM_BYTES = 16 * 2**20
 
 
 def vmem_capacity(device_kind: str | None) -> int:
@@ -367,8 +378,7 @@ def plan_allgather(
     s = dataclasses.replace(s, tail=choose_tail(s, device_kind))
     s = dataclasses.replace(s, split=choose_split(s, device_kind))
     need = agk.vmem_bytes(s)
-    limit = min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
-    return dataclasses.replace(s, vmem_limit=limit), need
+    return dataclasses.replace(s, vmem_limit=_limit(need, device_kind)), need
 
   sub = _sublanes(t)
   one = _chips.CAL.get(_chips.chip_for(device_kind).name)
@@ -381,7 +391,7 @@ def plan_allgather(
       continue
     spec, need = spec_for(rows)
     if need <= budget:
-      return _in_out(AgPlan(spec, panels))
+      return _in_vmem(_in_out(AgPlan(spec, panels)), device_kind)
     if panels == 1 and steps is None and one and spec.g > 1:
       # One chunk per step holds half the chunk buffers (and narrower w
       # blocks less): one panel where the chip's share allows it
@@ -393,10 +403,35 @@ def plan_allgather(
           continue
         spec, need = spec_for(rows, (1,) * n, cols)
         if need <= one * vmem_capacity(device_kind):
-          return _in_out(AgPlan(spec, 1))
+          return _in_vmem(_in_out(AgPlan(spec, 1)), device_kind)
     if rows <= sub:
       break
   return AgPlan(None, 0, f"the accumulator of {m} x {f} does not fit VMEM")
+
+
+def _limit(need: int, device_kind: str | None) -> int:
+  """The compute kernel's scoped VMEM limit for ``need`` bytes."""
+  return min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
+
+
+def _in_vmem(plan: AgPlan, device_kind: str | None) -> AgPlan:
+  """``plan`` with its receive buffer in VMEM (``AgSpec.recv_vmem``: the
+  peers' chunks land in VMEM, the compute kernel reads them in place, no
+  receive buffer in HBM) where its chunks do not land in the result
+  (``recv_in_out``), it runs one row panel, the buffer is at most
+  ``_RECV_VMEM_BYTES`` and the compute kernel's VMEM, the buffer in
+  place of its chunk double buffer, fits the chip's share
+  (``_VMEM_SHARE``). Elsewhere the HBM buffer stays."""
+  spec = plan.spec
+  if spec.recv_in_out or plan.panels > 1:
+    return plan
+  vm = dataclasses.replace(spec, recv_vmem=True)
+  need = agk.vmem_bytes(vm)
+  budget = int(vmem_capacity(device_kind) * _VMEM_SHARE)
+  if need > budget or agk.recv_bytes(vm) > _RECV_VMEM_BYTES:
+    return plan
+  vm = dataclasses.replace(vm, vmem_limit=_limit(need, device_kind))
+  return dataclasses.replace(plan, spec=vm)
 
 
 def _in_out(plan: AgPlan) -> AgPlan:

@@ -43,7 +43,8 @@ Kernels, in program order (all three appear in the compiled HLO):
    n - 2``, nearest first. Returns the receive buffer ``[d, n - 1, m,
    k/d]`` (slot ``t`` of direction ``d`` holds the half of unit ``t +
    1``; its first output, which ``benchmarks/`` routes) and DMA
-   semaphore arrays ``[d, n - 1]`` for sends and receives.
+   semaphore arrays ``[d, n - 1]`` for sends and receives. The buffer is
+   in HBM, or in VMEM where it fits (``AgSpec.recv_vmem``, below).
 2. ``ring_allgather_matmul``: grid ``(steps, d, f / bn, max(steps))``.
    Half-step ``(s, h)`` multiplies half ``h`` of the units it holds
    (``x`` at step 0) by their ``w`` blocks (streamed by the Pallas
@@ -54,7 +55,9 @@ Kernels, in program order (all three appear in the compiled HLO):
    mid-iteration) it waits for the halves of the next half-step and
    starts copying them into a VMEM double buffer ``[2, max(steps), m,
    k]`` (step ``s`` in slot ``s % 2``, half ``h`` in its columns), so
-   the copies overlap that block (or those parts). The last half-step
+   the copies overlap that block (or those parts); with the receive
+   buffer in VMEM it only waits, and reads the halves in place. The last
+   half-step
    adds its product and writes ``[m, bn]`` output blocks. It starts **no
    remote DMA**, and returns an SMEM token besides the result. It runs
    in a ``ring_steps_<plan>_nf<blocks>[_t<tail>p<parts>]_halves`` named
@@ -98,19 +101,41 @@ codes meet the MXU as bfloat16 (exact for int8) and each step's product is
 scaled per row before it is accumulated: the result is
 ``all_gather(dequantize(quantize(x))) @ w``.
 
+The receive buffer in VMEM (``AgSpec.recv_vmem``). All ``n - 1``
+receive slots are allocated up front, as a forwarding ring's are, and
+live from the start to the done: ``(n - 1) m k`` elements, in HBM on v5e
+and v6e over issue 15's memory target (jit's temporaries plus one
+chunk's send and receive buffers) wherever ``n > 3`` (the Llama-3-70B
+shard at tp 8, M = 256: 3.5 MiB against 0.13 + 1.0). Where the slots
+are not rows of the
+result (``recv_in_out``), the kernel runs one row panel and the buffer
+fits the chip's VMEM budget (``collective_matmul._fused``), the start
+returns it in VMEM instead (``S(1)`` in the compiled HLO; the peers'
+DMAs write it there): the compute kernel takes it in VMEM and reads each
+unit's half in place (``recv[d, slot]``, only at steps after the first:
+before, the peers are still writing every slot), so it has no chunk
+double buffer and makes no local copies, and the done takes it in VMEM
+(its and the start's scoped VMEM limits raised above 8 MiB of it, as the
+reduce-scatter's done holds its sent partial sums). XLA neither copies
+nor evicts it (measured on v5e, v6e and v5p at the Llama shard's tp 8, M
+= 16 to 256, and on v5e and v6e at M = 1024; ``tests/test_ag_slots_tpu.
+py``): the program's HBM
+temporaries drop to 0.05 MiB there, and the benchmark model's step times
+are unchanged (design/benchmarks.md, "The all-gather's receive slots").
+
 Limits. ``k / d`` a multiple of 128; ``f`` divisible by ``bn``; the
 accumulator ``[m, f]`` (float32; int32 for int8), ``2 max(steps)``
-``[m, k]`` chunk buffers and the ``w`` blocks must fit in VMEM (the
-caller splits ``m`` into panels when they do not). One ring axis; other
-mesh axes keep this device's coordinates. All ``n - 1`` receive slots
-are allocated up front (``(n - 1) m k`` elements of HBM), as a
-forwarding ring's are. A step waits for its units inside the kernel; the
-benchmark model charges that wait (each slot arrives on its own, FIFO per
-link, in the order the start sends them).
+``[m, k]`` chunk buffers (or the VMEM receive buffer) and the ``w``
+blocks must fit in VMEM (the caller splits ``m`` into panels when they
+do not). One ring axis; other mesh axes keep this device's coordinates.
+A step waits for its units inside the kernel; the benchmark model
+charges that wait (each slot arrives on its own, FIFO per link, in the
+order the start sends them).
 """
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +197,15 @@ class AgSpec:
       half 1 fetched under half-step ``(0, 0)``), not whole before the
       first dot. Chosen by ``collective_matmul._fused.choose_split`` where
       the last half's wait is exposed.
+    recv_vmem: the receive buffer ``[d, n - 1, m, k/d]`` is a VMEM output
+      of the start (memory space ``S(1)``: the peers' DMAs land there),
+      which the compute kernel reads each unit's half from in place (no
+      copy into a VMEM chunk buffer, of which it then has none) and the
+      done takes in VMEM: no receive buffer in HBM. :func:`vmem_bytes`
+      counts it and :func:`recv_vmem_limit` raises the start's and the
+      done's scoped VMEM limits to hold it. Chosen by
+      ``collective_matmul._fused`` where it fits the chip's VMEM budget;
+      not with :attr:`recv_in_out`.
   """
 
   axis_name: str
@@ -194,6 +228,7 @@ class AgSpec:
   panel: int = 0
   recv_in_out: bool = False
   split: bool = False
+  recv_vmem: bool = False
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
@@ -224,6 +259,11 @@ class AgSpec:
     if self.split and (self.quantized or self.m % 2):
       raise ValueError(
         f"AgSpec.split needs unquantized chunks and even m, got {self}"
+      )
+    if self.recv_vmem and self.recv_in_out:
+      raise ValueError(
+        "AgSpec.recv_vmem and recv_in_out are exclusive (the receive slots "
+        f"are a VMEM buffer or rows of the result), got {self}"
       )
     if self.recv_in_out and not recv_fits_out(self):
       raise ValueError(
@@ -375,18 +415,62 @@ def vmem_bytes(spec: AgSpec) -> int:
   t = jnp.dtype(spec.dtype).itemsize
   w = jnp.dtype(spec.w_dtype).itemsize
   o = jnp.dtype(spec.out_dtype).itemsize
+  if spec.recv_vmem:
+    chunks = recv_bytes(spec)  # the receive buffer (and scales), in place
+  else:
+    chunks = 2 * spec.g * spec.m * spec.k * t  # chunk double buffer
   return (
     spec.m * spec.f * 4  # accumulator
-    + 2 * spec.g * spec.m * spec.k * t  # chunk double buffer
+    + chunks
     + 2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
     + 2 * spec.k * spec.bn * w  # w blocks, both halves, two buffers
     + 2 * spec.m * spec.bn * o  # output blocks
     + (
-      (2 * spec.g + 2) * spec.directions * spec.m * SCALE_LANES * 4
+      (2 * spec.directions * spec.m * SCALE_LANES * 4)
+      * (1 if spec.recv_vmem else spec.g + 1)
       if spec.quantized
       else 0
     )
   )
+
+
+def recv_shapes(spec: AgSpec) -> list[tuple[tuple[int, ...], jnp.dtype]]:
+  """``(shape, dtype)`` of each receive buffer the start returns: the
+  chunk halves ``[d, n - 1, m, k/d]`` and, quantized, their scales ``[d,
+  n - 1, m, 128]`` float32 (none with :attr:`AgSpec.recv_in_out`: the
+  slots are rows of the result)."""
+  if spec.recv_in_out:
+    return []
+  d, n1, m = spec.directions, spec.n - 1, spec.m
+  out = [((d, n1, m, spec.kh), jnp.dtype(spec.dtype))]
+  if spec.quantized:
+    out.append(((d, n1, m, SCALE_LANES), jnp.dtype(jnp.float32)))
+  return out
+
+
+def recv_bytes(spec: AgSpec) -> int:
+  """Bytes of the receive buffers (:func:`recv_shapes`), wherever they
+  live."""
+  return sum(
+    math.prod(shape) * dtype.itemsize for shape, dtype in recv_shapes(spec)
+  )
+
+
+def recv_hbm_bytes(spec: AgSpec) -> int:
+  """Bytes of the receive buffers in HBM, one row panel's: none with
+  :attr:`AgSpec.recv_vmem` (in VMEM) or :attr:`AgSpec.recv_in_out` (rows
+  of the result)."""
+  return 0 if spec.recv_vmem else recv_bytes(spec)
+
+
+def recv_vmem_limit(spec: AgSpec) -> int | None:
+  """The scoped VMEM limit of a :attr:`AgSpec.recv_vmem` start and done,
+  which hold the receive buffer in VMEM: above 8 MiB of it raised to hold
+  it (as the reduce-scatter's done holding its sent partial sums); None
+  (XLA's default) below and without ``recv_vmem``."""
+  if not spec.recv_vmem or recv_bytes(spec) <= 8 * 2**20:
+    return None
+  return recv_bytes(spec) + 2**22
 
 
 # A quantized chunk half travels with its per-row scales, one float32 per
@@ -511,9 +595,9 @@ def compute_kernel(*refs, spec: AgSpec):
   xs_ref = refs.pop(0) if q else None
   w_ref, recv_ref = refs.pop(0), refs.pop(0)
   rs_ref = refs.pop(0) if q else None
-  recv_sems, o_ref, tok_ref, acc_ref, xbuf = refs[:5]
-  sbuf = refs[5] if q else None
-  copy_sems = refs[-1]
+  recv_sems, o_ref, tok_ref, acc_ref, *bufs, copy_sems = refs
+  vm = spec.recv_vmem  # units read in place from the VMEM receive buffer
+  xbuf, sbuf = (None, None) if vm else (bufs[0], bufs[1] if q else None)
   nd = spec.directions
   kh, bn, nf = spec.kh, spec.bn, spec.nf
   plan, offsets, last = spec.plan, spec.offsets, len(spec.plan) - 1
@@ -521,7 +605,9 @@ def compute_kernel(*refs, spec: AgSpec):
   j, ci = pl.program_id(2), pl.program_id(3)
   slot = jax.lax.rem(s, 2)
   del me_ref  # only the w index map reads it
-  _, valid = _unit(spec, s, ci)
+  unit, valid = _unit(spec, s, ci)
+  # The receive slot of this iteration's unit (clamped at the local one).
+  u1 = jnp.maximum(unit - 1, 0)
   first_it = (j == 0) & (ci == 0)
 
   @pl.when((s == 0) & (d == 0) & first_it)
@@ -554,21 +640,26 @@ def compute_kernel(*refs, spec: AgSpec):
 
   for ss in range(1, last + 1):
     for dd in range(nd):
+      if vm and not spec.split:
+        continue  # nothing was copied: the units are read in place
 
       @pl.when((s == ss) & (d == dd) & first_it)
       def _(ss=ss, dd=dd):
         for cc, dd_, u1, dst in each_copy(ss, dd, ss % 2):
-          for src, dst_ref, sem in local_copies(dd_, u1, cc, dst):
-            pltpu.make_async_copy(src, dst_ref, sem).wait()
+          if not vm:
+            for src, dst_ref, sem in local_copies(dd_, u1, cc, dst):
+              pltpu.make_async_copy(src, dst_ref, sem).wait()
           if len(pieces(spec, dd_, u1)) > 1:
             # The split half's second piece: waited for here, before the
-            # last half-step's first part; its copy overlaps that part.
+            # last half-step's first part; its copy overlaps that part
+            # (``recv_vmem``: read in place, no copy).
             r0, nr, at = pieces(spec, dd_, u1)[1]
             c.wait_dma(
               slot_rows(spec, recv_ref, dd_, u1, r0, nr), recv_sems.at[at]
             )
-            for src, dst_ref, sem in local_copies(dd_, u1, cc, dst, 1):
-              pltpu.make_async_copy(src, dst_ref, sem).start()
+            if not vm:
+              for src, dst_ref, sem in local_copies(dd_, u1, cc, dst, 1):
+                pltpu.make_async_copy(src, dst_ref, sem).start()
 
   half = pl.ds(pl.multiple_of(d * kh, kh), kh)
 
@@ -576,7 +667,14 @@ def compute_kernel(*refs, spec: AgSpec):
     """Rows ``rows`` of the half this iteration multiplies (``x`` at
     step 0: by halves, its block, with :attr:`AgSpec.split`)."""
     mine = x_ref[rows, :] if spec.split else x_ref[rows, half]
-    held = jnp.where(s == 0, mine, xbuf[slot, ci, rows, half])
+    if vm:
+      # Read only at s > 0: at step 0 the peers are still writing every
+      # slot (a read then would race their DMAs, however discarded).
+      held = jax.lax.cond(
+        s == 0, lambda: mine, lambda: recv_ref[d, u1, rows, :]
+      )
+    else:
+      held = jnp.where(s == 0, mine, xbuf[slot, ci, rows, half])
     return held.astype(spec.mxu_dtype)
 
   if not spec.split:
@@ -586,12 +684,14 @@ def compute_kernel(*refs, spec: AgSpec):
 
   def wait_next(ns, nd_):
     """Waits for the halves of half-step ``(ns, nd_)`` and starts their
-    copies into VMEM."""
+    copies into VMEM (``recv_vmem``: only waits)."""
     for cc, dd_, u1, dst in each_copy(ns, nd_, ns % 2):
       r0, nr, at = pieces(spec, dd_, u1)[0]  # the split half's first piece
       c.wait_dma(slot_rows(spec, recv_ref, dd_, u1, r0, nr), recv_sems.at[at])
       if q:
         c.wait_dma(rs_ref.at[dd_, u1], recv_sems.at[dd_, u1])
+      if vm:
+        continue
       for src, dst_ref, sem in local_copies(dd_, u1, cc, dst):
         pltpu.make_async_copy(src, dst_ref, sem).start()
 
@@ -611,7 +711,7 @@ def compute_kernel(*refs, spec: AgSpec):
     oc = 0 if spec.split else part * sub
     cols = pl.ds(pl.multiple_of(j * bn + oc, sub), sub)
     if spec.split:
-      if part == 1:
+      if part == 1 and not vm:  # recv_vmem: nothing copied, read in place
 
         @pl.when(last_first)
         def _():
@@ -630,7 +730,10 @@ def compute_kernel(*refs, spec: AgSpec):
       precision=jax.lax.Precision[spec.precision],
     )
     if q:
-      scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, ci, d])
+      if vm:
+        scale = jax.lax.cond(s == 0, lambda: xs_ref[d], lambda: rs_ref[d, u1])
+      else:
+        scale = jnp.where(s == 0, xs_ref[d], sbuf[slot, ci, d])
       y = y * scale[:, :1]
 
     @pl.when(valid & first)
@@ -698,12 +801,9 @@ def _sem_array(spec: AgSpec):
 
 
 def _recv_shapes(x, spec: AgSpec):
-  """The receive buffers: chunk halves, and (quantized) their scales."""
-  d, n1, m = spec.directions, spec.n - 1, spec.m
-  out = [c.shape_like(x, (d, n1, m, spec.kh))]
-  if spec.quantized:
-    out.append(c.shape_like(x, (d, n1, m, SCALE_LANES), jnp.float32))
-  return out
+  """The receive buffers (:func:`recv_shapes`) as outputs varying as
+  ``x`` does."""
+  return [c.shape_like(x, shape, dt) for shape, dt in recv_shapes(spec)]
 
 
 def _shift_of(spec: AgSpec, d):
@@ -768,11 +868,10 @@ def _out_block(spec: AgSpec):
 
 
 def _scratch(spec: AgSpec):
-  out = [
-    pltpu.VMEM((spec.m, spec.f), spec.acc_dtype),
-    pltpu.VMEM((2, spec.g, spec.m, spec.k), jnp.dtype(spec.dtype)),
-  ]
-  if spec.quantized:
+  out = [pltpu.VMEM((spec.m, spec.f), spec.acc_dtype)]
+  if not spec.recv_vmem:  # else the units are read in the receive buffer
+    out.append(pltpu.VMEM((2, spec.g, spec.m, spec.k), jnp.dtype(spec.dtype)))
+  if spec.quantized and not spec.recv_vmem:
     shape = (2, spec.g, spec.directions, spec.m, SCALE_LANES)
     out.append(pltpu.VMEM(shape, jnp.float32))
   # (g, 0) of g + 1 rows: the split half's second piece's copy.
@@ -796,6 +895,24 @@ def _params(spec: AgSpec, collective_id=None):
 
 
 _SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
+_VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
+
+
+def _recv_spec(spec: AgSpec):
+  """Where the kernels take the receive buffers: VMEM (``recv_vmem``) or
+  HBM (pinned: XLA would otherwise move a small one to VMEM and copy it
+  back while the peers write it)."""
+  return _VMEM if spec.recv_vmem else c.HBM
+
+
+def _recv_params(spec: AgSpec, collective_id=None):
+  """The start's and the done's compiler params: a ``recv_vmem`` buffer
+  above 8 MiB raises their scoped VMEM limit (:func:`recv_vmem_limit`)."""
+  params = c.params(collective_id=collective_id)
+  limit = recv_vmem_limit(spec)
+  if limit is None:
+    return params
+  return dataclasses.replace(params, vmem_limit_bytes=limit)
 
 
 def _scales_of(refs, spec: AgSpec):
@@ -866,13 +983,20 @@ def _empty(out_shape):
 
 def _start_call(kernel, xs, spec: AgSpec):
   nq = len(xs)
+  if spec.recv_vmem:
+    # In VMEM: the peers' DMAs land there and the compute kernel reads
+    # each unit in place (``AgSpec.recv_vmem``).
+    shapes = tuple(
+      pltpu.VMEM(r.shape, r.dtype) for r in _recv_shapes(xs[0], spec)
+    )
+  else:
+    shapes = tuple(c.hbm_like(r) for r in _recv_shapes(xs[0], spec))
   return pl.pallas_call(
     kernel,
-    out_shape=tuple(c.hbm_like(r) for r in _recv_shapes(xs[0], spec))
-    + (_sem_array(spec), _sem_array(spec)),
+    out_shape=shapes + (_sem_array(spec), _sem_array(spec)),
     in_specs=[c.ANY] * nq,
-    out_specs=(c.HBM,) * nq + (c.SEM, c.SEM),
-    compiler_params=c.params(collective_id=spec.collective_id),
+    out_specs=(_recv_spec(spec),) * nq + (c.SEM, c.SEM),
+    compiler_params=_recv_params(spec, spec.collective_id),
     name="asyncops_ring_allgather_start",
   )(*xs)
 
@@ -894,7 +1018,8 @@ def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape, into=None):
 
 def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into):
   kernel = functools.partial(compute_kernel, spec=spec)
-  extra, aliases, in_specs = (), {}, _in_specs(spec) + [c.HBM] * nq + [c.SEM]
+  in_specs = _in_specs(spec) + [_recv_spec(spec)] * nq + [c.SEM]
+  extra, aliases = (), {}
   if spec.recv_in_out:
     if into is not None:
       raise ValueError("recv_in_out: the start takes the previous result")
@@ -964,9 +1089,9 @@ def done(xs, recvs, token, send_sems, *, spec: AgSpec):
   return pl.pallas_call(
     kernel,
     out_shape=c.shape_like(xs[0], (1,), jnp.int32),
-    in_specs=[c.ANY] * nq + [c.HBM] * len(recvs) + [_SMEM, c.SEM],
+    in_specs=[c.ANY] * nq + [_recv_spec(spec)] * len(recvs) + [_SMEM, c.SEM],
     out_specs=_SMEM,
-    compiler_params=c.params(),
+    compiler_params=_recv_params(spec),
     name="asyncops_ring_allgather_done",
   )(*xs, *recvs, token, send_sems)
 
@@ -1066,7 +1191,8 @@ def one_kernel(
       num_scalar_prefetch=1,
       grid=_grid(spec),
       in_specs=_in_specs(spec) + [c.ANY] * (nq + len(extra)),
-      out_specs=(_out_block(spec),) + (c.ANY,) * len(recv_out),
+      out_specs=(_out_block(spec),)
+      + ((_VMEM if spec.recv_vmem else c.ANY),) * len(recv_out),
       scratch_shapes=[_sem_array(spec), _sem_array(spec)]
       + [pltpu.SMEM((1,), jnp.int32)]
       + _scratch(spec),
