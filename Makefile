@@ -8,7 +8,20 @@ export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 export ALLOW_MULTIPLE_LIBTPU_LOAD ?= 1
 
-.PHONY: demo test fuzz doctest docs lint bench clean
+.PHONY: help demo test fuzz doctest docs lint bench clean
+
+# `make` alone lists the targets (it used to create .venv/ and stop).
+.DEFAULT_GOAL := help
+help:
+	@echo "make demo     installs, then runs examples/demo.py (no TPU needed)"
+	@echo "make test     the test suite (TEST_WORKERS=0: one process)"
+	@echo "make fuzz     generated loop programs (FUZZ_EXAMPLES=200 for more)"
+	@echo "make doctest  the docstring examples of the package"
+	@echo "make docs     API reference from the docstrings, into docs/api/"
+	@echo "make lint     ruff check and format --check"
+	@echo "make bench    python -m benchmarks.run: modelled TPU step times"
+	@echo "              (BENCH_ARGS='--help' for its flags)"
+	@echo "make clean    removes .venv/"
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -46,8 +59,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check asyncops tests examples benchmarks
 	$(VENV)/bin/ruff format --check asyncops tests examples benchmarks
 
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -51,9 +51,22 @@ def describe(doc: str) -> str:
   return "\n\n".join(paras).replace("``", "")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+  """An ``argparse.ArgumentParser`` whose usage errors are one line.
+
+  argparse prints the whole usage (many lines for a command with many
+  flags) before its error; this prints only ``PROG: error: MESSAGE (see
+  --help)`` and exits 2, as :func:`run` does for a :class:`UsageError`.
+  """
+
+  def error(self, message: str):  # noqa: D102 - argparse's hook
+    one = " ".join(str(message).split())
+    self.exit(EXIT_USAGE, f"{self.prog}: error: {one} (see --help)\n")
+
+
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-  """An ``ArgumentParser`` with the shared ``--json`` flag."""
-  p = argparse.ArgumentParser(
+  """An :class:`ArgumentParser` with the shared ``--json`` flag."""
+  p = ArgumentParser(
     prog=prog,
     description=describe(description),
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -116,6 +129,55 @@ def parse_ints(text: str, n: int, *, flag: str) -> tuple[int, ...]:
       f"got {text!r}"
     )
   return out
+
+
+def positive_int(text: str) -> int:
+  """An argparse ``type=``: an integer of at least 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"expected a positive integer, got {text!r}"
+    ) from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(
+      f"expected a positive integer, got {text!r}"
+    )
+  return value
+
+
+def parse_int_list(text: str, *, flag: str) -> list[int]:
+  """``"16,64,256"`` -> ``[16, 64, 256]`` (any count, each >= 1), or a
+  UsageError."""
+  try:
+    out = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    out = []
+  if not out or any(v <= 0 for v in out):
+    raise UsageError(
+      f"{flag}: expected positive integers separated by commas, got {text!r}"
+    )
+  return out
+
+
+def check_writable(path: str | None, *, flag: str = "--json") -> None:
+  """Raises :class:`UsageError` unless a file can be written at ``path``
+  (``None`` and ``"-"``, stdout, pass), before a long run that writes it
+  at the end."""
+  if path in (None, "-"):
+    return
+  where = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise UsageError(f"{flag}: {path!r} is a directory; give a file name")
+  if not os.path.isdir(where):
+    raise UsageError(
+      f"{flag}: directory {where!r} does not exist; create it or give "
+      "another path"
+    )
+  if not os.access(where, os.W_OK) or (
+    os.path.exists(path) and not os.access(path, os.W_OK)
+  ):
+    raise UsageError(f"{flag}: cannot write {path!r} (permission denied)")
 
 
 @contextlib.contextmanager

@@ -48,16 +48,35 @@ def _once(fn, args) -> float:
 def main(argv=None) -> int:
   p = _cli.parser("python -m benchmarks.cpu_walltime", __doc__.split("\n")[0])
   p.add_argument("--shape", default="512,1024,2048", help="B,D,F (global)")
-  p.add_argument("--dtype", default="float32")
-  p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--rounds", type=int, default=6)
+  p.add_argument("--dtype", default="float32", help="(default: float32)")
+  p.add_argument(
+    "--repeats",
+    type=_cli.positive_int,
+    default=5,
+    help="timings per variant per round (default: 5)",
+  )
+  p.add_argument(
+    "--rounds",
+    type=_cli.positive_int,
+    default=6,
+    help="interleaved rounds (default: 6)",
+  )
   a = p.parse_args(argv)
-  jax.config.update("jax_num_cpu_devices", 8)
   b, d, f = _cli.parse_ints(a.shape, 3, flag="--shape")
+  if b % 2 or d % 8 or f % 8:
+    raise _cli.UsageError(
+      f"--shape: B must divide by 2 and D, F by 8 (a 2x4 mesh), got {a.shape}"
+    )
   try:
     dtype = jnp.dtype(a.dtype)
   except TypeError:
     raise _cli.UsageError(f"--dtype: unknown dtype {a.dtype!r}") from None
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise _cli.UsageError(
+      f"--dtype: expected a floating dtype (e.g. float32, bfloat16), got "
+      f"{a.dtype!r}"
+    )
+  jax.config.update("jax_num_cpu_devices", 8)
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
   key_a, key_w = jax.random.split(jax.random.key(0))
   lhs = jax.device_put(

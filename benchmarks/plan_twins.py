@@ -29,6 +29,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from asyncops import _cli
 from benchmarks import (
   _chips,
   _fused_variants,
@@ -118,13 +119,22 @@ def plan_costs(topology, n, m, k, f, w_dtype, out_dtype, plans=PLANS):
   return out, tl.step_s
 
 
+PROG = "python -m benchmarks.plan_twins"
+
+
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = _cli.ArgumentParser(
+    prog=PROG,
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("--topology", default="v6e:2x4")
   p.add_argument("--dims", default="4,1024,2048,7168", help="n,m,k,f")
   p.add_argument("--w-dtype", default="bfloat16")
   p.add_argument("--out-dtype", default=None, help="default: --w-dtype")
-  p.add_argument("--json", metavar="FILE", help="also write the rows here")
+  p.add_argument(
+    "--json", metavar="FILE", help="also write the rows here (a JSON list)"
+  )
   a = p.parse_args(argv)
   try:
     n, m, k, f = (int(v) for v in a.dims.split(","))
@@ -145,6 +155,11 @@ def main(argv=None) -> int:
   try:
     _chips.chip_for(a.topology)
   except (KeyError, ValueError) as e:
+    p.error(f"--topology: {e}")
+  try:
+    _cli.check_topology(a.topology)
+    _cli.check_writable(a.json)
+  except _cli.UsageError as e:
     p.error(str(e))
   costs, local = plan_costs(a.topology, n, m, k, f, w_dtype, out_dtype)
   print(
@@ -175,4 +190,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli.run(main, prog=PROG))

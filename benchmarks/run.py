@@ -50,6 +50,7 @@ import time
 
 import jax.numpy as jnp
 
+from asyncops import _cli
 from benchmarks import _chips, _measure, _mesh, _roofline, _trace, _variants
 from benchmarks import xla_configs as _xc
 
@@ -441,9 +442,9 @@ class Bench:
 
 def llama_sweep(bench: Bench, a) -> None:
   """The Llama-3-70B MLP shard (D 8192, F 28672) at M tokens per device."""
-  ms = [int(m) for m in a.sweep_m.split(",")]
+  ms = _cli.parse_int_list(a.sweep_m, flag="--sweep-m")
   for topology in a.sweep_topologies.split(","):
-    for tp in [int(t) for t in a.sweep_tp.split(",")]:
+    for tp in _cli.parse_int_list(a.sweep_tp, flag="--sweep-tp"):
       n = len(_measure.mesh_for(topology, a.layout, None).devices.flat)
       x = n // tp
       for family in a.sweep_families.split(","):
@@ -556,7 +557,7 @@ def calibration(bench: Bench, a) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = _cli.ArgumentParser(
     prog="python -m benchmarks.run",
     description=__doc__.split("\n")[0],
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -569,7 +570,10 @@ def _parser() -> argparse.ArgumentParser:
     help="B,D,F global; ';' separates several",
   )
   p.add_argument(
-    "--tp", type=int, default=None, help="devices on the ring (default 4 of 8)"
+    "--tp",
+    type=_cli.positive_int,
+    default=None,
+    help="devices on the ring (default 4 of 8)",
   )
   p.add_argument(
     "--configs",
@@ -663,10 +667,57 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def _check_conflicts(p: argparse.ArgumentParser, a) -> None:
+  """Flags that another flag would silently override: a usage error."""
+
+  def given(*names):
+    return [
+      "--" + k.replace("_", "-")
+      for k in names
+      if getattr(a, k) != p.get_default(k)
+    ]
+
+  if a.calibration and a.sweep:
+    p.error("--calibration and --sweep are two runs; give one of them")
+  if a.preset and (clash := given("topology", "shape", "configs", "families")):
+    p.error(
+      f"--preset {a.preset} sets {', '.join(clash)}; drop "
+      f"{'it' if len(clash) == 1 else 'them'} or drop --preset"
+    )
+  if a.sweep and (clash := given("topology", "tp", "shape")):
+    p.error(
+      f"--sweep {a.sweep} ignores {', '.join(clash)}; use --sweep-topologies, "
+      "--sweep-tp and --sweep-m"
+    )
+
+
+def _check_meshes(p: argparse.ArgumentParser, a, flag, topologies, tps):
+  """Every topology libtpu knows, every ``tp`` dividing its devices."""
+  for topo in topologies:
+    try:
+      _chips.chip_for(topo)
+    except ValueError as e:
+      p.error(f"{flag}: {e}")
+    try:
+      _cli.check_topology(topo, flag=flag)
+    except _cli.UsageError as e:
+      p.error(str(e))
+    for tp in tps:
+      try:
+        _mesh.make_mesh(topo, a.layout, tp)
+      except ValueError as e:
+        p.error(f"--{'sweep-' if a.sweep else ''}tp: {e}")
+
+
 def main(argv=None) -> int:
   p = _parser()
   a = p.parse_args(argv)
   a.extra = a.extra or []
+  _check_conflicts(p, a)
+  try:
+    _cli.check_writable(a.json)
+  except _cli.UsageError as e:
+    p.error(str(e))
   if a.llama is None:
     a.llama = (
       not a.preset
@@ -710,11 +761,16 @@ def main(argv=None) -> int:
         f"--variants: unknown variant {v!r}; choose from "
         f"{', '.join(sorted(known))}"
       )
-  for topo in a.topology.split(","):
+  if a.sweep:
     try:
-      _chips.chip_for(topo)
-    except ValueError as e:
-      p.error(f"--topology: {e}")
+      tps = _cli.parse_int_list(a.sweep_tp, flag="--sweep-tp")
+      _cli.parse_int_list(a.sweep_m, flag="--sweep-m")
+    except _cli.UsageError as e:
+      p.error(str(e))
+    topologies = a.sweep_topologies.split(",")
+    _check_meshes(p, a, "--sweep-topologies", topologies, tps)
+  elif not a.calibration:
+    _check_meshes(p, a, "--topology", a.topology.split(","), [a.tp])
   _measure.MODEL["collectives"] = a.collectives
   _variants.X_INPUT = a.x_input
   bench = Bench(a)

@@ -105,21 +105,30 @@ _SCAN_SHAPES = (
 )
 
 
+PROG = "python -m benchmarks.xla_configs"
+
+
 def main(argv=None) -> int:
-  import argparse  # noqa: PLC0415
   import json  # noqa: PLC0415
 
   import jax.numpy as jnp  # noqa: PLC0415
 
+  from asyncops import _cli  # noqa: PLC0415
   from benchmarks import _measure  # noqa: PLC0415
 
-  p = argparse.ArgumentParser(
-    prog="python -m benchmarks.xla_configs",
+  p = _cli.ArgumentParser(
+    prog=PROG,
     description="Which libtpu flags change a collective matmul's HLO.",
   )
-  p.add_argument("--topology", default="v5e:2x4")
+  p.add_argument(
+    "--topology", default="v5e:2x4", help="TPU topology (default: v5e:2x4)"
+  )
   p.add_argument("--json", metavar="FILE", help="write the findings here")
   a = p.parse_args(argv)
+  # Checked first: the scan records a flag libtpu refuses as a finding, so
+  # a topology it does not know would otherwise end in a file of errors.
+  _cli.check_writable(a.json)
+  _cli.check_topology(a.topology)
   jobs = [
     (v, shape, tp, flag, value)
     for v, shape, tp in _SCAN_SHAPES
@@ -173,4 +182,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from asyncops import _cli
+
+  sys.exit(_cli.run(main, prog=PROG))

@@ -10,7 +10,9 @@ one row per variant at a Llama-3-70B MLP shard point (D 8192, F 28672,
 Usage::
 
   python -m benchmarks.xla_ring --topology v5e:2x4 --tp 4 --m 4096 \\
-    [--variants xla_ring1_float32,...] [--dtype float32]
+    [--variants xla_ring1_float32,...] [--dtype float32] [--json]
+
+Exit status: 0; 2 a usage error (one line on stderr).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from asyncops import _cli
 from benchmarks import _measure, _variants, xla_configs
 
 LLAMA_D, LLAMA_F = 8192, 28672
@@ -55,18 +58,54 @@ for _name in VARIANTS:
   _variants.register(_name, functools.partial(_build, _d, _acc), _args)
 
 
+PROG = "python -m benchmarks.xla_ring"
+
+
+def _mesh(topology: str, tp_text: str):
+  """``(tp, mesh)`` for ``--tp`` (an integer or ``mesh``), or a
+  UsageError."""
+  if tp_text == "mesh":
+    tp = None
+  else:
+    try:
+      tp = _cli.positive_int(tp_text)
+    except argparse.ArgumentTypeError:
+      raise _cli.UsageError(
+        f"--tp: expected a positive integer or 'mesh', got {tp_text!r}"
+      ) from None
+  try:
+    return tp, _measure.mesh_for(topology, "ring", tp)
+  except ValueError as e:
+    raise _cli.UsageError(f"--tp: {e}") from None
+
+
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.xla_ring")
-  p.add_argument("--topology", default="v5e:2x4")
-  p.add_argument("--tp", default="4", help="ring size, or 'mesh'")
-  p.add_argument("--m", default="4096", help="tokens per device, or chapter")
-  p.add_argument("--variants", default=",".join(VARIANTS))
+  """Runs the command line; returns the exit status."""
+  p = _cli.parser(PROG, __doc__)
+  p.add_argument(
+    "--topology", default="v5e:2x4", help="TPU topology (default: v5e:2x4)"
+  )
+  p.add_argument("--tp", default="4", help="ring size, or 'mesh' (default: 4)")
+  p.add_argument(
+    "--m",
+    default="4096",
+    help="tokens per device, or 'chapter' for (1024, 2048, 8192) "
+    "(default: 4096)",
+  )
+  p.add_argument(
+    "--variants",
+    default=",".join(VARIANTS),
+    help="comma list (default: %(default)s)",
+  )
   p.add_argument(
     "--xla-config",
     default=None,
-    help="also model jit with this xla_configs.CONFIGS entry",
+    choices=list(xla_configs.CONFIGS),
+    metavar="CONFIG",
+    help="also model jit with this xla_configs.CONFIGS entry: "
+    + ", ".join(xla_configs.CONFIGS),
   )
-  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--dtype", default="bfloat16", help="(default: bfloat16)")
   p.add_argument(
     "--x-input",
     default="parameter",
@@ -74,29 +113,56 @@ def main(argv=None) -> int:
     help="how x enters every program (benchmarks.run --x-input)",
   )
   a = p.parse_args(argv)
+  known = _variants.available()
+  variants = [v for v in a.variants.split(",") if v]
+  for v in variants:
+    if v not in known:
+      raise _cli.UsageError(
+        f"--variants: unknown variant {v!r}; choose from {', '.join(known)}"
+      )
+  if not variants and not a.xla_config:
+    raise _cli.UsageError("--variants: empty; name at least one variant")
+  try:
+    dtype = jnp.dtype(a.dtype)
+  except TypeError:
+    raise _cli.UsageError(
+      f"--dtype: unknown dtype {a.dtype!r} (e.g. bfloat16, float32)"
+    ) from None
+  if a.m != "chapter":
+    try:
+      m = _cli.positive_int(a.m)
+    except argparse.ArgumentTypeError:
+      raise _cli.UsageError(
+        f"--m: expected a positive integer or 'chapter', got {a.m!r}"
+      ) from None
+  _cli.check_topology(a.topology)
   _variants.X_INPUT = a.x_input
-  tp = None if a.tp == "mesh" else int(a.tp)
-  mesh = _measure.mesh_for(a.topology, "ring", tp)
+  tp, mesh = _mesh(a.topology, a.tp)
   if a.m == "chapter":
     shape = (1024, 2048, 8192)
   else:
-    shape = (int(a.m) * mesh.shape["x"], LLAMA_D, LLAMA_F)
-  dtype = jnp.dtype(a.dtype)
-  runs = [(v, {}) for v in a.variants.split(",") if v]
+    shape = (m * mesh.shape["x"], LLAMA_D, LLAMA_F)
+  runs = [(v, {}) for v in variants]
   if a.xla_config:
     runs.append(("jit", xla_configs.CONFIGS[a.xla_config]))
-  for v, opts in runs:
-    spec = _measure.Spec(v, a.topology, tp, shape, dtype, options=opts)
-    row = _measure.measure(spec).row
-    print(
-      f"{a.topology} tp {tp or 'mesh'} {shape} {dtype.name} {v}"
-      f"{' ' + a.xla_config if opts else ''}: step {row['step_us']:.1f} us, "
-      f"exposed {row['exposed_us']:.1f}, peak temp "
-      f"{row['peak_temp_mib']:.1f} MiB, copies {row['defensive_copies']}",
-      flush=True,
-    )
-  return 0
+  rows = []
+  with _cli.human_output(a.json):
+    for v, opts in _cli.progress(runs, "xla_ring", unit="variant"):
+      spec = _measure.Spec(v, a.topology, tp, shape, dtype, options=opts)
+      row = _measure.measure(spec).row
+      rows.append(dict(row, xla_config=a.xla_config if opts else None))
+      print(
+        f"{a.topology} tp {tp or 'mesh'} {shape} {dtype.name} {v}"
+        f"{' ' + a.xla_config if opts else ''}: step "
+        f"{row['step_us']:.1f} us, exposed {row['exposed_us']:.1f}, peak "
+        f"temp {row['peak_temp_mib']:.1f} MiB, copies "
+        f"{row['defensive_copies']}",
+        flush=True,
+      )
+  if a.json:
+    _cli.print_json(rows)
+  return _cli.EXIT_OK
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli.run(main, prog=PROG))

@@ -137,6 +137,7 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from asyncops.inspect import _json, analyze
 
+  _cli.check_writable(a.hlo, flag="--hlo")
   with _cli.progress_bar(3, f"inspect {a.target}") as bar:
     bar.set_postfix_str(f"topology {a.topology}")
     _cli.check_topology(a.topology)
