@@ -630,7 +630,11 @@ def analyze_module(
         between=tuple(between),
         between_cycles=float(sum(i.estimated_cycles or 0 for i in between)),
         overlapped=_has_compute(m, between, start_done_names),
-        source_live=_reaches(g, srcs, d, sems) if kernel else True,
+        source_live=(
+          _reaches(g, srcs, d, sems) or _caller_owned(m, srcs)
+          if kernel
+          else True
+        ),
         dest_live=_reaches(g, dsts, d, sems) if kernel else True,
         start_source=s.where,
         done_source=d.where,
@@ -867,6 +871,9 @@ _VALUE_STARTS = tuple(
 )
 
 
+_FUSED_AG_START = "asyncops_ring_allgather_start"
+
+
 def _roles(m: Module, s: Instr) -> tuple[set[Pos], set[Pos]] | None:
   """The positions a start kernel's DMA only reads, and those it writes.
 
@@ -874,7 +881,10 @@ def _roles(m: Module, s: Instr) -> tuple[set[Pos], set[Pos]] | None:
   only for the library's own starts: a value-API start
   (``kernels._common.start_call``, ``_bidirectional``, ``_copy``) aliases
   its one operand, the source, to output ``{0}`` only to keep it alive and
-  writes its other outputs; a Ref-API start (``stateful._kernels.start``)
+  writes its other outputs; the fused all-gather's start aliases nothing,
+  reads its operands and writes its receive outputs (or, with no array
+  output, reads operand 0 and its peers write operand 1); a Ref-API start
+  (``stateful._kernels.start``)
   aliases the destination operand to output ``{0}`` and only reads its
   operands that are not aliased (not the slot indices). ``None`` for any
   other kernel. Positions are resolved through get-tuple-element, tuple,
@@ -903,6 +913,17 @@ def _roles(m: Module, s: Instr) -> tuple[set[Pos], set[Pos]] | None:
   if base in _VALUE_STARTS and arrays == [0] and s.aliasing == (((0,), 0, ()),):
     srcs = {_resolve(m, (s.operands[0], ())), (s.name, (0,))}
     return srcs, {(s.name, out) for out in outs if out != (0,)}
+  if base == _FUSED_AG_START and arrays and not s.aliasing:
+    # ``kernels._allgather_matmul.start``: sends ``x`` (and its scales);
+    # the peers write its receive outputs, or, with the receive slots in
+    # the result's rows, the result buffer it takes as operand 1.
+    if outs:
+      srcs = {_resolve(m, (s.operands[k], ())) for k in arrays}
+      return srcs, {(s.name, out) for out in outs}
+    if arrays == [0, 1]:
+      return {_resolve(m, (s.operands[0], ()))}, {
+        _resolve(m, (s.operands[1], ()))
+      }
   return None
 
 
@@ -949,15 +970,20 @@ def _read_only_source(m: Module, g: _Graph, copy: Copy, records) -> bool:
       return False
     if not (pair.source_live and pair.dest_live) or pair.inplace_writes:
       return False
-    if not any(_resolve(m, (o, ())) in srcs for o in d.operands):
+    if not _caller_owned(m, srcs) and not any(
+      _resolve(m, (o, ())) in srcs for o in d.operands
+    ):
       return False
     result = [(c.name, ())]
     if c.opcode == "copy-start":
       result = [
         (u.name, ()) for u, _ in g.users[c.name] if u.opcode == "copy-done"
       ]
+    # A caller-owned source (an entry parameter) stays live without the
+    # done, so the done may take the copy (XLA's VMEM prefetch for it).
+    ends = (s.name,) if _caller_owned(m, srcs) else (s.name, d.name)
     for hit in g.trace(result, through_aliasing=False):
-      if hit.user.name in (s.name, d.name):
+      if hit.user.name in ends:
         return False
   return True
 
@@ -1120,6 +1146,33 @@ def _nested(m: Module, instrs) -> list[Instr]:
         seen.add(c)
         todo.extend(m.computations[c].instrs)
   return out
+
+
+def _caller_owned(m: Module, positions: list[Pos]) -> bool:
+  """Whether every position is an entry parameter the caller owns.
+
+  An entry computation's parameter that the module neither aliases to an
+  output nor takes as a donor (``Module.donated_params``) is the caller's
+  buffer: XLA never frees, reuses or writes it while the program runs, so
+  a DMA reading it needs no done to keep it alive (XLA may hand the done a
+  VMEM copy instead, as on v6e for the fused all-gather's ``x``:
+  ``design/inspect.md``, "A parameter is live for the whole program").
+  A donated parameter is not: XLA may give its buffer to an output.
+  """
+  if not positions:
+    return False
+  for pos in positions:
+    name, idx = _resolve(m, pos)
+    i = m.instr(name)
+    if (
+      idx
+      or i.opcode != "parameter"
+      or i.computation != m.entry_name
+      or i.parameter_number is None
+      or i.parameter_number in m.donated_params
+    ):
+      return False
+  return True
 
 
 def _resolve(m: Module, pos: Pos) -> Pos:

@@ -286,6 +286,11 @@ class Module:
   computations: dict[str, Computation]
   entry_name: str
   is_scheduled: bool
+  # Entry parameters XLA may write or hand to an output: named in the
+  # header's ``input_output_alias`` or ``buffer_donor`` (a donated
+  # argument). The others are the caller's buffers, live for the whole
+  # program.
+  donated_params: frozenset[int] = frozenset()
 
   @property
   def entry(self) -> Computation:
@@ -597,4 +602,33 @@ def parse_module(text: str) -> Module:
     computations=comps,
     entry_name=entry,
     is_scheduled="is_scheduled=true" in head,
+    donated_params=_donated_params(head),
   )
+
+
+def _header_field(head: str, key: str) -> str:
+  """The brace-balanced value of ``key={...}`` in a module header."""
+  at = head.find(key + "={")
+  if at < 0:
+    return ""
+  i = at + len(key) + 1
+  depth = 0
+  for j in range(i, len(head)):
+    depth += {"{": 1, "}": -1}.get(head[j], 0)
+    if depth == 0:
+      return head[i : j + 1]
+  return head[i:]
+
+
+def _donated_params(head: str) -> frozenset[int]:
+  """Entry parameter numbers the header aliases to outputs or donates.
+
+  >>> sorted(_donated_params(
+  ...   "HloModule m, input_output_alias={ {0}: (1, {}, may-alias) }, "
+  ...   "buffer_donor={ (2, {}) }"))
+  [1, 2]
+  """
+  aliases = _header_field(head, "input_output_alias")
+  aliased = re.findall(r":\s*\((\d+),", aliases)
+  donors = re.findall(r"\((\d+),", _header_field(head, "buffer_donor"))
+  return frozenset(int(k) for k in aliased + donors)
