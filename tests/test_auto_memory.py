@@ -6,6 +6,7 @@ by time as before. Estimates (no compile) at the Llama-3-70B sweep
 points, the argument's check, and compiled TPU programs on v5e and v6e
 against jit's buffer assignment."""
 
+import dataclasses
 import functools
 
 import jax
@@ -52,7 +53,7 @@ def _slots(family, chip, n, m):
   plan = _fused.plan_reducescatter(
     m, 28672 // n, 8192 // n, n, bf, bf, directions=2, **kw
   )
-  return (n - 1) * plan.spec.m * (8192 // n) * 2, m * (8192 // n) * 2
+  return _auto._rs_slots(plan), m * (8192 // n) * 2
 
 
 def _weight_bound(family, chip, n, m):
@@ -68,8 +69,10 @@ def _weight_bound(family, chip, n, m):
 
 
 # The 20 points where the benchmark (branch h-tables) found auto's fused
-# kernel over the target (its receive slots, [2, n - 1, m, k / 2]; jit at
-# 0.13 to 0.27 MiB there).
+# kernel over the target (its receive slots, [2, n - 1, m, k / 2], in HBM;
+# jit at 0.13 to 0.27 MiB there). Since branch h-rsslots the
+# reduce-scatter's 14 hold them in VMEM (``RsSpec.recv_vmem``), within the
+# target: the tests of the rule force them into HBM (``_hbm_slots``).
 OVER = [
   (chip, fam, n, m)
   for chip in ("v5e", "v6e")
@@ -82,8 +85,17 @@ OVER = [
 ]
 
 
+def _hbm_slots(monkeypatch):
+  """The reduce-scatter plans with their receive buffer in HBM, as before
+  branch h-rsslots (no VMEM share for it)."""
+  monkeypatch.setattr(_fused, "_RECV_VMEM_SHARE", 0.0)
+
+
 @pytest.mark.parametrize("chip,fam,n,m", OVER)
-def test_jit_drops_the_fused_kernel_over_the_target(chip, fam, n, m):
+def test_jit_drops_the_fused_kernel_over_the_target(
+  chip, fam, n, m, monkeypatch
+):
+  _hbm_slots(monkeypatch)
   c = _llama(fam, chip, n, m, memory="jit")
   slots, chunk = _slots(fam, chip, n, m)
   assert _auto._slots_over(_auto.CHIPS[chip], n, chunk, slots) is not None
@@ -105,6 +117,53 @@ def test_the_default_picks_by_time_there(chip, fam, n, m):
   assert c == _llama(fam, chip, n, m, memory="fastest")
   assert c.method in FUSED, c
   assert "memory target" not in c.reason
+
+
+OVER_RS = [p for p in OVER if p[1] == "rs"]
+
+
+@pytest.mark.parametrize("chip,fam,n,m", OVER_RS)
+def test_jit_keeps_the_fused_reducescatter_with_slots_in_vmem(chip, fam, n, m):
+  """Branch h-rsslots: at the reduce-scatter's 14 points the plan holds
+  the receive buffer in VMEM, so no HBM slots are counted
+  (``_auto._rs_slots``, from the kernel's ``recv_hbm_bytes``) and
+  ``"jit"`` keeps the default's fused kernel, estimate and reason."""
+  kw = dict(precision="DEFAULT", device_kind=CHIP[chip])
+  bf = jnp.bfloat16
+  plan = _fused.plan_reducescatter(
+    m, 28672 // n, 8192 // n, n, bf, bf, directions=2, **kw
+  )
+  assert plan.spec.recv_vmem, plan
+  slots, chunk = _slots(fam, chip, n, m)
+  assert slots == 0
+  assert _auto._slots_over(_auto.CHIPS[chip], n, chunk, slots) is None
+  c = _llama(fam, chip, n, m, memory="jit")
+  assert c.method in FUSED, c
+  # The one-way kernel's estimate is dropped where its own plan's slots
+  # are in HBM (tp 4, M = 1024: the next test); nothing else differs.
+  fast = _llama(fam, chip, n, m)
+  uni = dict(fused_uni_us=None)
+  assert dataclasses.replace(c, **uni) == dataclasses.replace(fast, **uni)
+  assert "memory target" not in c.reason
+
+
+def test_jit_drops_a_one_way_kernel_with_hbm_slots():
+  """The one-way kernel's own plan (a wider ``w`` block, more scoped VMEM)
+  keeps its receive buffer in HBM at the Llama shard's tp 4, M = 1024 on
+  v5e (12 MiB, over the target) where the two-way kernel's is in VMEM:
+  under ``"jit"`` it is no candidate (no estimate), the two-way kernel
+  is."""
+  kw = dict(precision="DEFAULT", device_kind=CHIP["v5e"])
+  bf = jnp.bfloat16
+  args = (1024, 28672 // 4, 8192 // 4, 4, bf, bf)
+  two = _fused.plan_reducescatter(*args, directions=2, **kw)
+  one = _fused.plan_reducescatter(*args, directions=1, **kw)
+  assert two.spec.recv_vmem and not one.spec.recv_vmem
+  assert _auto._rs_slots(one) > 8 * 2**20
+  fast = _llama("rs", "v5e", 4, 1024)
+  assert fast.fused_uni_us is not None
+  c = _llama("rs", "v5e", 4, 1024, memory="jit")
+  assert c.method == "fused" and c.fused_uni_us is None, c
 
 
 @pytest.mark.parametrize(
@@ -150,11 +209,16 @@ def test_jit_keeps_a_faster_pick_that_is_not_fused(chip, fam, n, m):
   assert _llama(fam, chip, n, m, memory="jit") == c
 
 
-def test_allreduce_follows_its_reduce_scatter():
-  """v5e tp 8 M = 1024: the fused reduce-scatter half is over the target
-  with ``"jit"``: XLA's all-reduce, the reason says why."""
+def test_allreduce_follows_its_reduce_scatter(monkeypatch):
+  """v5e tp 8 M = 1024: with its receive buffer in VMEM (the plan's since
+  branch h-rsslots) the fused reduce-scatter half is within the target
+  and ``"jit"`` keeps the default's pick; forced into HBM it is over:
+  XLA's all-reduce, the reason says why."""
   kw = dict(precision="DEFAULT", device_kind=CHIP["v5e"])
   args = (1024, 28672 // 8, 8192, 8, jnp.bfloat16)
+  fast = _auto.explain_allreduce(*args, **kw)
+  assert _auto.explain_allreduce(*args, memory="jit", **kw) == fast
+  _hbm_slots(monkeypatch)
   c = _auto.explain_allreduce(*args, memory="jit", **kw)
   assert c.method == "xla", c
   assert "receive slots" in c.reason, c
@@ -262,15 +326,30 @@ def _alloc(family, topology, memory):
   return choices, _measure.peak_alloc_bytes(_measure.assignment_temps(text))
 
 
-@pytest.mark.parametrize("family", ["ag", "rs"])
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
-def test_jit_program_within_jit_plus_a_chunk(topology, family):
-  _, jit = _alloc(family, topology, None)
+def test_jit_program_within_jit_plus_a_chunk(topology):
+  """The all-gather: ``"jit"`` runs XLA's program, within the target; the
+  default's fused kernel is over it by its slots."""
+  _, jit = _alloc("ag", topology, None)
   assert jit < CHUNK  # jit holds no chunks or partial sums here
-  [(_, c)], alloc = _alloc(family, topology, "jit")
+  [(_, c)], alloc = _alloc("ag", topology, "jit")
   assert c.method == "xla", c
   assert alloc <= jit + 2 * CHUNK, (alloc / 2**20, jit / 2**20)
   # The default: the fused kernel, over the target by its slots.
-  [(_, fast)], over = _alloc(family, topology, "fastest")
+  [(_, fast)], over = _alloc("ag", topology, "fastest")
   assert fast.method in FUSED, fast
   assert over > jit + 2 * CHUNK, (over / 2**20, jit / 2**20)
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
+def test_reducescatter_default_within_jit_plus_a_chunk(topology):
+  """The reduce-scatter (branch h-rsslots): the default's fused kernel
+  holds its receive buffer in VMEM, so its program is within jit's plus a
+  chunk's two buffers (it held 3.56 MiB against 1.14 to 1.27), and
+  ``"jit"`` runs the same fused kernel."""
+  _, jit = _alloc("rs", topology, None)
+  assert jit < CHUNK
+  for memory in ("fastest", "jit"):
+    [(_, c)], alloc = _alloc("rs", topology, memory)
+    assert c.method in FUSED, (memory, c)
+    assert alloc <= jit + 2 * CHUNK, (memory, alloc / 2**20, jit / 2**20)

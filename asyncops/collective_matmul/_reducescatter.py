@@ -84,9 +84,12 @@ def matmul_reducescatter(
       it). Every method differentiates.
     memory: ``"fastest"`` (default) or ``"jit"``: with ``"jit"``,
       ``method="auto"`` drops the fused kernel where its receive slots
-      put the peak temporaries over jit's plus one chunk's buffers. **It
-      costs speed** (at the Llama sweep's points up to 1.8x the fused
-      kernel's time); see :func:`allgather_matmul`.
+      in HBM put the peak temporaries over jit's plus one chunk's
+      buffers. The fused kernel keeps them in VMEM where they fit (every
+      point of the Llama sweep on v5e and v6e), within the target, so
+      ``"jit"`` changes nothing there; where they stay in HBM (float32
+      at the prefill shape, tp 4) **it costs speed**; see
+      :func:`allgather_matmul`.
 
   Returns:
     ``lhs.shape[:-1] + (f,)`` with ``scatter_dim`` divided by ``n``, in
