@@ -145,13 +145,14 @@ whose windowed einsum holds no chunks at the Llama shard's M <= 1024;
 is no candidate and the fastest of the rest runs (v5e and v6e tp 8, M =
 16 to 256 of the Llama shard's all-gather: XLA's program). The fused
 reduce-scatter's receive buffer is in VMEM wherever its plan finds room
-(``RsSpec.recv_vmem``, branch h-rsslots: every Llama-shard point on v5e
-and v6e), so no HBM slots are counted (:func:`_rs_slots`) and ``"jit"``
-keeps it (before, v5e tp 8 M = 1024 ran the two-way ring, 471.0 us and
-4.14 MiB against the fused kernel's 354.5 and 14.06, limit 4.16; the
-fused kernel now 344.2 us at 0.06 MiB); where its plan keeps the buffer
-in HBM (the float32 prefill shape at tp 4 on v5e and v6e) the rule
-applies as to the all-gather, to the one-way kernel's plan apart.
+(``RsSpec.recv_vmem``, branch h-rsslots: the Llama shard's tp 8 and
+tp 4 M <= 512 on v5e and v6e), so no HBM slots are counted
+(:func:`_rs_slots`) and ``"jit"`` keeps it (before, v5e tp 8 M = 1024
+ran the two-way ring, 471.0 us and 4.14 MiB against the fused kernel's
+354.5 and 14.06, limit 4.16; the fused kernel now 344.2 us at 0.06
+MiB); where its plan keeps the buffer in HBM (tp 4 M >= 1024 there) the
+rule applies as to the all-gather, to the one-way kernel's plan
+apart.
 Where the fused kernel is dropped for its slots alone and the matmul is
 bound by its weight read (``C < M``), the value rings are no candidates
 either and XLA's program runs (branch
@@ -1024,8 +1025,8 @@ def _mem_reason(choice, mem, fused_s, rings=None):
 def _rs_slots(plan) -> int:
   """The fused reduce-scatter's receive buffer in HBM (bytes; one panel):
   the kernel's own shape (``rsk.recv_dims``), 0 where the plan puts it
-  in VMEM (``RsSpec.recv_vmem``: every Llama-shard plan on v5e and v6e
-  since branch h-rsslots)."""
+  in VMEM (``RsSpec.recv_vmem``, since branch h-rsslots: the Llama
+  shard's tp 8 and tp 4 M <= 512 on v5e and v6e)."""
   return 0 if plan.spec is None else rsk.recv_hbm_bytes(plan.spec)
 
 

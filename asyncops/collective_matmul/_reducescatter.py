@@ -85,10 +85,10 @@ def matmul_reducescatter(
     memory: ``"fastest"`` (default) or ``"jit"``: with ``"jit"``,
       ``method="auto"`` drops the fused kernel where its receive slots
       in HBM put the peak temporaries over jit's plus one chunk's
-      buffers. The fused kernel keeps them in VMEM where they fit (every
-      point of the Llama sweep on v5e and v6e), within the target, so
-      ``"jit"`` changes nothing there; where they stay in HBM (float32
-      at the prefill shape, tp 4) **it costs speed**; see
+      buffers. The fused kernel keeps them in VMEM where they fit (the
+      Llama sweep's tp 8 and tp 4 M <= 512 on v5e and v6e), within the
+      target, so ``"jit"`` changes nothing there; where they stay in
+      HBM (tp 4, M >= 1024) **it costs speed**; see
       :func:`allgather_matmul`.
 
   Returns:

@@ -55,11 +55,12 @@ steps kernel and the finish copy a slot out of it VMEM to VMEM. Its
 bytes count against the chip's VMEM beside the steps kernel's scoped
 limit and the other VMEM outputs (:func:`resident_vmem_bytes`; XLA
 refuses a program over the chip's VMEM), so the plan keeps it in HBM
-where they would not fit (``_fused._RECV_VMEM_SHARE``: v5p's 64 MiB at
-tp 4, M >= 512 of the Llama shard; the float32 prefill shape's tp 4, M =
-1024 on v5e and v6e, whose wider ``w`` blocks leave too little). Bounded
-slots (two per direction, a credit semaphore per slot for flow control)
-would meet the target in HBM too, by 0.08 MiB there; not built
+where they would not fit or would leave XLA too little beside them
+(``_fused._RECV_VMEM_SHARE``: the Llama shard's tp 4, M >= 1024 on v5e
+and v6e, 117.25 of 128 MiB with it, where the MLP around the kernels
+lost time; v5p's 64 MiB at tp 4, M >= 512). Bounded slots (two per
+direction, a credit semaphore per slot for flow control) would meet the
+target in HBM too, by 0.08 MiB at tp 4, M = 1024; not built
 (design/benchmarks.md, "The reduce-scatter's receive slots").
 
 Why a finish kernel. XLA treats a kernel that starts a remote DMA as
