@@ -6,6 +6,7 @@ by time as before. Estimates (no compile) at the Llama-3-70B sweep
 points, the argument's check, and compiled TPU programs on v5e and v6e
 against jit's buffer assignment."""
 
+import dataclasses
 import functools
 
 import jax
@@ -52,7 +53,7 @@ def _slots(family, chip, n, m):
   plan = _fused.plan_reducescatter(
     m, 28672 // n, 8192 // n, n, bf, bf, directions=2, **kw
   )
-  return (n - 1) * plan.spec.m * (8192 // n) * 2, m * (8192 // n) * 2
+  return _auto._rs_slots(plan), m * (8192 // n) * 2
 
 
 def _weight_bound(family, chip, n, m):
@@ -67,10 +68,13 @@ def _weight_bound(family, chip, n, m):
   return flops / ch.bf16_flops < 2 * (w + x + out) / ch.hbm
 
 
-# The points where the benchmark (branch h-tables) found auto's fused
-# kernel over the target (its receive slots, [2, n - 1, m, k / 2]; jit at
-# 0.13 to 0.27 MiB there): 20, of which the all-gather's six (tp 8, M =
-# 16 to 256) hold their slots in VMEM since branch h-agslots (``AG_VMEM``).
+# The 20 points where the benchmark (branch h-tables) found auto's fused
+# kernel over the target (its receive slots, [2, n - 1, m, k / 2], in HBM;
+# jit at 0.13 to 0.27 MiB there). Since branch h-agslots the all-gather's
+# six (tp 8, M = 16 to 256) hold their slots in VMEM (``AG_VMEM``), and
+# since branch h-rsslots the reduce-scatter's 14 do too, but tp 4 M = 1024
+# (``RsSpec.recv_vmem``): the tests of the rule force them into HBM
+# (``_hbm_slots``).
 OVER = [
   (chip, fam, n, m)
   for chip in ("v5e", "v6e")
@@ -83,8 +87,17 @@ OVER = [
 AG_VMEM = [(chip, "ag", 8, m) for chip in ("v5e", "v6e") for m in (16, 64, 256)]
 
 
+def _hbm_slots(monkeypatch):
+  """The reduce-scatter plans with their receive buffer in HBM, as before
+  branch h-rsslots (no VMEM share for it)."""
+  monkeypatch.setattr(_fused, "_RECV_VMEM_SHARE", 0.0)
+
+
 @pytest.mark.parametrize("chip,fam,n,m", OVER)
-def test_jit_drops_the_fused_kernel_over_the_target(chip, fam, n, m):
+def test_jit_drops_the_fused_kernel_over_the_target(
+  chip, fam, n, m, monkeypatch
+):
+  _hbm_slots(monkeypatch)
   c = _llama(fam, chip, n, m, memory="jit")
   slots, chunk = _slots(fam, chip, n, m)
   assert _auto._slots_over(_auto.CHIPS[chip], n, chunk, slots) is not None
@@ -106,6 +119,56 @@ def test_the_default_picks_by_time_there(chip, fam, n, m):
   assert c == _llama(fam, chip, n, m, memory="fastest")
   assert c.method in FUSED, c
   assert "memory target" not in c.reason
+
+
+# tp 4 M = 1024 keeps its buffer in HBM (117.25 MiB of VMEM with it,
+# over ``_fused._RECV_VMEM_SHARE``), still over the target.
+OVER_RS = [p for p in OVER if p[1] == "rs" and (p[2], p[3]) != (4, 1024)]
+
+
+@pytest.mark.parametrize("chip,fam,n,m", OVER_RS)
+def test_jit_keeps_the_fused_reducescatter_with_slots_in_vmem(chip, fam, n, m):
+  """Branch h-rsslots: at 12 of the reduce-scatter's 14 points the plan
+  holds the receive buffer in VMEM, so no HBM slots are counted
+  (``_auto._rs_slots``, from the kernel's ``recv_hbm_bytes``) and
+  ``"jit"`` keeps the default's fused kernel, estimate and reason."""
+  kw = dict(precision="DEFAULT", device_kind=CHIP[chip])
+  bf = jnp.bfloat16
+  plan = _fused.plan_reducescatter(
+    m, 28672 // n, 8192 // n, n, bf, bf, directions=2, **kw
+  )
+  assert plan.spec.recv_vmem, plan
+  slots, chunk = _slots(fam, chip, n, m)
+  assert slots == 0
+  assert _auto._slots_over(_auto.CHIPS[chip], n, chunk, slots) is None
+  c = _llama(fam, chip, n, m, memory="jit")
+  assert c.method in FUSED, c
+  # The one-way kernel's estimate is dropped where its own plan's slots
+  # are in HBM (tp 4, M = 1024: the next test); nothing else differs.
+  fast = _llama(fam, chip, n, m)
+  uni = dict(fused_uni_us=None)
+  assert dataclasses.replace(c, **uni) == dataclasses.replace(fast, **uni)
+  assert "memory target" not in c.reason
+
+
+def test_jit_drops_a_one_way_kernel_with_hbm_slots(monkeypatch):
+  """The one-way kernel's own plan (a wider ``w`` block, more scoped VMEM)
+  may keep its receive buffer in HBM where the two-way kernel's is in
+  VMEM: at the Llama shard's tp 8, M = 1024 on v5e with the share set
+  between the two (91.0 and 97.25 MiB of 128), under ``"jit"`` the
+  one-way kernel is no candidate (no estimate), the two-way kernel is."""
+  monkeypatch.setattr(_fused, "_RECV_VMEM_SHARE", 94 / 128)
+  kw = dict(precision="DEFAULT", device_kind=CHIP["v5e"])
+  bf = jnp.bfloat16
+  args = (1024, 28672 // 8, 8192 // 8, 8, bf, bf)
+  two = _fused.plan_reducescatter(*args, directions=2, **kw)
+  one = _fused.plan_reducescatter(*args, directions=1, **kw)
+  assert two.spec.recv_vmem and not one.spec.recv_vmem
+  assert _auto._rs_slots(one) > 4 * 2**20
+  fast = _llama("rs", "v5e", 8, 1024)
+  assert fast.fused_uni_us is not None
+  c = _llama("rs", "v5e", 8, 1024, memory="jit")
+  assert c.method == "fused" and c.fused_uni_us is None, c
 
 
 @pytest.mark.parametrize(
@@ -152,11 +215,16 @@ def test_jit_keeps_a_faster_pick_that_is_not_fused(chip, fam, n, m):
   assert _llama(fam, chip, n, m, memory="jit") == c
 
 
-def test_allreduce_follows_its_reduce_scatter():
-  """v5e tp 8 M = 1024: the fused reduce-scatter half is over the target
-  with ``"jit"``: XLA's all-reduce, the reason says why."""
+def test_allreduce_follows_its_reduce_scatter(monkeypatch):
+  """v5e tp 8 M = 1024: with its receive buffer in VMEM (the plan's since
+  branch h-rsslots) the fused reduce-scatter half is within the target
+  and ``"jit"`` keeps the default's pick; forced into HBM it is over:
+  XLA's all-reduce, the reason says why."""
   kw = dict(precision="DEFAULT", device_kind=CHIP["v5e"])
   args = (1024, 28672 // 8, 8192, 8, jnp.bfloat16)
+  fast = _auto.explain_allreduce(*args, **kw)
+  assert _auto.explain_allreduce(*args, memory="jit", **kw) == fast
+  _hbm_slots(monkeypatch)
   c = _auto.explain_allreduce(*args, memory="jit", **kw)
   assert c.method == "xla", c
   assert "receive slots" in c.reason, c
@@ -267,20 +335,14 @@ def _alloc(family, topology, memory):
 
 @pytest.mark.parametrize("family", ["ag", "rs"])
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
-def test_jit_program_within_jit_plus_a_chunk(topology, family):
+def test_default_and_jit_within_jit_plus_a_chunk(topology, family):
+  """Since branches h-agslots and h-rsslots both fused kernels hold their
+  receive slots in VMEM here, so the default's fused kernel is within
+  jit's plus a chunk's two buffers (it held 3.55 / 3.56 MiB against 1.13
+  to 1.27), and ``"jit"`` runs the same fused kernel."""
   _, jit = _alloc(family, topology, None)
   assert jit < CHUNK  # jit holds no chunks or partial sums here
-  [(_, c)], alloc = _alloc(family, topology, "jit")
-  assert alloc <= jit + 2 * CHUNK, (alloc / 2**20, jit / 2**20)
-  [(_, fast)], fast_alloc = _alloc(family, topology, "fastest")
-  assert fast.method in FUSED, fast
-  if family == "ag":
-    # Since branch h-agslots the all-gather's receive slots are in VMEM
-    # (``AgSpec.recv_vmem``): the default's fused kernel is within the
-    # target, and "jit" keeps it.
-    assert c.method in FUSED, c
-    assert fast_alloc <= jit + 2 * CHUNK, (fast_alloc / 2**20, jit / 2**20)
-    return
-  assert c.method == "xla", c
-  # The default: the fused kernel, over the target by its slots.
-  assert fast_alloc > jit + 2 * CHUNK, (fast_alloc / 2**20, jit / 2**20)
+  for memory in ("fastest", "jit"):
+    [(_, c)], alloc = _alloc(family, topology, memory)
+    assert c.method in FUSED, (memory, c)
+    assert alloc <= jit + 2 * CHUNK, (memory, alloc / 2**20, jit / 2**20)

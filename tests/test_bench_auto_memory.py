@@ -8,12 +8,15 @@ import json
 
 import pytest
 
+from asyncops.collective_matmul import _fused
 from benchmarks import _variants
 from benchmarks import run as bench_run
 
 # The Llama-3-70B shard's reduce-scatter at tp 8 (x = 1), M = 256 tokens
-# per device: the default picks the fused kernel, whose HBM receive slots
-# exceed jit's temporaries plus one chunk's buffers.
+# per device: the default picks the fused kernel, whose receive slots in
+# HBM exceeded jit's temporaries plus one chunk's buffers; since branch
+# h-rsslots its plan holds them in VMEM (within), so the test forces them
+# into HBM (``slots="hbm"``) to see the option move the pick.
 SHAPE = "256,8192,28672"
 RS = "reducescatter:asyncops_auto"
 
@@ -27,9 +30,16 @@ def test_auto_jit_variants_listed():
   assert _variants.auto_memory("reducescatter:asyncops") is None
 
 
-@pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
-def test_auto_jit_row_records_memory_and_pick(tmp_path, monkeypatch, topology):
+@pytest.mark.parametrize(
+  "topology,slots",
+  [("v5e:2x4", "hbm"), ("v6e:2x4", "hbm"), ("v5e:2x4", "vmem")],
+)
+def test_auto_jit_row_records_memory_and_pick(
+  tmp_path, monkeypatch, topology, slots
+):
   monkeypatch.setenv("ASYNCOPS_BENCH_CACHE", str(tmp_path / "cache"))
+  if slots == "hbm":  # the plans' receive buffer in HBM, as before
+    monkeypatch.setattr(_fused, "_RECV_VMEM_SHARE", 0.0)
   out = tmp_path / "rows.json"
   code = bench_run.main(
     [
@@ -56,6 +66,12 @@ def test_auto_jit_row_records_memory_and_pick(tmp_path, monkeypatch, topology):
   assert default["memory"] == "fastest"
   assert jit_target["memory"] == "jit"
   assert "fused" in default["auto_choice"]
+  if slots == "vmem":
+    # Within the target: the option keeps the default's pick and program.
+    assert jit_target["auto_choice"] == default["auto_choice"]
+    assert "memory target" not in jit_target["auto_reason"]
+    assert jit_target["peak_alloc_mib"] == default["peak_alloc_mib"]
+    return
   assert jit_target["auto_choice"] != default["auto_choice"]
   assert "memory target" in jit_target["auto_reason"]
   # The jit target's program reserves no more HBM than the default's.

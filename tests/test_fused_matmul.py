@@ -347,6 +347,66 @@ def test_reducescatter_row_panels_write_one_result_in_place(
   _check_interpreter_output(capfd)
 
 
+@pytest.mark.parametrize(
+  "n,directions,dtype",
+  [
+    (4, 2, "float32"),
+    (4, 1, "bfloat16"),
+    (4, 2, "bfloat16"),
+    (6, 2, "bfloat16"),
+    (6, 1, "float32"),
+  ],
+)
+def test_reducescatter_receive_buffer_in_vmem(n, directions, dtype, capfd):
+  """``RsSpec.recv_vmem`` (the plan's choice on v5e and v6e since branch
+  h-rsslots): the start's receive buffer ``[d, n - 1, m, c/d]`` in VMEM,
+  the peers' partial sums landing there, the steps kernel and the finish
+  copying them out of it: exact against ``psum_scatter(x @ w)`` (and the
+  product), both directions' settings, with no race and every DMA waited
+  for. Rings of 4 and 6: the interpreter deadlocks with 8 devices (module
+  docstring); on TPU the same bodies run at tp 8 (``_fused_matmul_tpu``
+  checks the compiled program there)."""
+  dtype = jnp.dtype(dtype)
+  a = _ints((16, n * 128), dtype, 10)
+  w = _ints((n * 128, n * 128 * 2 * directions), dtype, 11)
+  if dtype == jnp.bfloat16:
+    # bfloat16 partial sums round once per hop: sparse signs keep every
+    # partial sum an integer bfloat16 holds exactly (as the panels' test).
+    a, w = jnp.sign(a), jnp.sign(w) * (_ints(w.shape, dtype, 12) == 3)
+    mags = [np.abs(np.asarray(v, np.float32)) for v in (a, w)]
+    assert (mags[0] @ mags[1]).max() <= 256
+
+  def body(x, y):
+    spec = rsk.RsSpec(
+      "y",
+      ("x", "y"),
+      n,
+      x.shape[0],
+      x.shape[1],
+      y.shape[1] // n,
+      dtype.name,
+      dtype.name,
+      directions=directions,
+      bn=128,
+      collective_id=0,
+      recv_vmem=True,
+    )
+    assert spec.nb == 2  # each half waits before its last block
+    return _one_kernel(rsk, x, y, spec, spec.c, dtype)
+
+  def want(x, y):
+    prod = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
+    return jax.lax.psum_scatter(prod, "y", scatter_dimension=1, tiled=True)
+
+  specs = (P(None, "y"), P("y", None))
+  mesh = u.cpu_mesh((1, n))
+  got = u.run_sharded(body, mesh, specs, P(None, "y"), a, w, check_vma=False)
+  ref = u.run_sharded(want, mesh, specs, P(None, "y"), a, w)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(a @ w))
+  _check_interpreter_output(capfd)
+
+
 def test_wrong_rows_are_caught(monkeypatch, capfd):
   """The interpreted check fails when a chunk meets the wrong rows of w."""
 

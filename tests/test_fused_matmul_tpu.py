@@ -21,8 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from asyncops import collective_matmul as cm
 from asyncops.collective_matmul import _auto, _fused
-from asyncops.inspect import analyze, parse_module, tpu_mesh
+from asyncops.inspect import analyze, check_hlo, parse_module, tpu_mesh
+from asyncops.kernels import _reducescatter_matmul as rsk
 from asyncops.testing import assert_copy_free
+from benchmarks import _measure
 from tests import util as u
 
 B, D, F = 1024, 2048, 8192
@@ -351,6 +353,105 @@ def test_reducescatter_kernels_in_order(topology):
 
 def _kernels(text):
   return {n for n in _entry_order(text)}
+
+
+# The Llama-3-70B MLP shard's reduce-scatter (D 8192, F 28672) where the
+# fused kernel's receive buffer in HBM missed issue 15's memory target
+# (design/benchmarks.md, "The reduce-scatter's receive slots"): (tp, rows
+# per device).
+RS_SLOT_POINTS = [(8, 16), (8, 64), (8, 256), (8, 1024), (4, 64), (4, 256)]
+
+
+@functools.cache
+def _rs_llama(topology, n, m):
+  """``(plan, HLO text, HBM temporary bytes)`` of the fused reduce-scatter
+  of the Llama shard at tp ``n``, ``m`` rows per device (the buffer
+  assignment's color 0, the benchmark's ``peak_alloc_mib``)."""
+  k, c = 28672 // n, 8192 // n
+  mesh = (1, 8) if n == 8 else (2, 4)
+
+  def f(h, w):
+    return _fused.matmul_reducescatter(h, w, "y")
+
+  shape = (mesh[0] * m, 8192, 28672)
+  jitted, args = _reducescatter(topology, f, shape=shape, mesh=mesh)
+  lowered = jitted.trace(*args).lower()
+  compiled, assignment = _measure.compile_with_assignment(lowered)
+  alloc = _measure.peak_alloc_bytes(_measure.assignment_temps(assignment))
+  return _rs_plan(m, k, c, n, topology[:3]), compiled.as_text(), alloc
+
+
+def _assert_recv_space(text, plan, space):
+  """The start returns the receive buffer ``rsk.recv_dims`` in memory
+  space ``space`` (1: VMEM) and the steps, finish and done kernels take it
+  there (no copy between)."""
+  module = parse_module(text)
+  (start,) = _calls(text, "asyncops_ring_reducescatter_start")
+  recv = start.leaves[0]
+  assert recv.dims == rsk.recv_dims(plan.spec), recv
+  assert recv.memory_space == space, recv
+  # Its operand index in each kernel that takes it.
+  for name, k in (
+    ("ring_reducescatter_matmul", 3),
+    ("ring_reducescatter_finish", 1),
+    ("asyncops_ring_reducescatter_done", 0),
+  ):
+    (call,) = _calls(text, name)
+    got = module.instructions[call.operands[k]]
+    assert got.opcode == "get-tuple-element", (name, got.name)
+    assert got.operands[0] == start.name, (name, got.name)
+    assert got.leaves[0].memory_space == space, (name, got.leaves)
+
+
+@pytest.mark.parametrize("n,m", RS_SLOT_POINTS)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_reducescatter_receive_buffer_in_vmem(topology, n, m):
+  """Branch h-rsslots: at the Llama shard's points where the receive
+  buffer ``[2, n - 1, m, c/2]`` in HBM held the program over issue 15's
+  memory target (``n - 1`` partial sums against the two a chunk's buffers
+  allow), the plan puts it in VMEM: the start returns it there, the other
+  kernels take it there, the guard finds no copy of it or of any buffer
+  in flight, and the program's HBM temporaries are within the target
+  (jit's, at least ``_auto._JIT_MIN`` on these chips, plus one chunk's
+  two buffers; they were ``n - 1`` chunks plus 0.06 MiB: 14.06 MiB at tp
+  8, M = 1024)."""
+  plan, text, alloc = _rs_llama(topology, n, m)
+  assert plan.panels == 1 and plan.spec.recv_vmem, plan
+  _assert_recv_space(text, plan, 1)
+  report = check_hlo(text, f"reduce-scatter tp {n} M {m}")
+  assert not report.defensive_copies and not report.inflight_copies
+  assert not _entry_copies(text)
+  assert _entry_order(text) == RS_KERNELS
+  chunk = m * (8192 // n) * 2
+  assert alloc <= _auto._JIT_MIN + 2 * chunk, (alloc, chunk)
+  assert alloc < rsk.recv_bytes(plan.spec), alloc  # none of it in HBM
+
+
+@pytest.mark.parametrize(
+  "topology,m,vmem",
+  [
+    ("v5p:2x2x2", 256, True),
+    ("v5p:2x2x2", 512, False),
+    ("v5e:2x4", 1024, False),
+    ("v6e:2x4", 1024, False),
+  ],
+)
+def test_reducescatter_receive_buffer_by_chip(topology, m, vmem):
+  """The receive buffer goes to VMEM where the steps kernel's scoped
+  limit, its VMEM outputs and the buffer fit ``_fused._RECV_VMEM_SHARE``
+  of the chip's VMEM, else it stays in HBM: on v5p (64 MiB) tp 4 M = 256
+  (38.9 MiB) in VMEM, M = 512 (65.0 MiB) in HBM; on v5e and v6e tp 4 M
+  = 1024 (117.25 of 128 MiB, where the MLP around it lost time) in HBM.
+  The compiled program's memory space follows the plan."""
+  plan, text, alloc = _rs_llama(topology, 4, m)
+  assert plan.spec.recv_vmem == vmem, plan
+  cap = _fused.vmem_capacity(_KINDS[topology[:3]])
+  resident = rsk.resident_vmem_bytes(plan.spec, recv_vmem=True)
+  assert (resident <= _fused._RECV_VMEM_SHARE * cap) == vmem
+  _assert_recv_space(text, plan, 1 if vmem else 0)
+  check_hlo(text, f"reduce-scatter {topology} tp 4 M {m}")
+  hbm = rsk.recv_hbm_bytes(plan.spec)
+  assert (alloc >= rsk.recv_bytes(plan.spec)) == (hbm > 0), alloc
 
 
 def test_auto_picks_xla_at_decode_and_the_fused_kernel_at_prefill():

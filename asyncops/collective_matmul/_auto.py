@@ -145,11 +145,19 @@ direction of a row panel's rows) are a constraint of both picks too
 whose windowed einsum holds no chunks at the Llama shard's M <= 1024;
 ``n - 1`` chunks elsewhere) plus a chunk's two buffers, the fused kernel
 is no candidate and the fastest of the rest runs (v5e and v6e tp 8, M =
-16 to 256 of the Llama shard: XLA's program; v5e tp 8 reduce-scatter M =
-1024: the two-way ring, 471.0 us and 4.14 MiB against the fused kernel's
-354.5 and 14.06, limit 4.16). Where the fused kernel is dropped for its
-slots alone and the matmul is bound by its weight read (``C < M``), the
-value rings are no candidates either and XLA's program runs (branch
+16 to 256 of the Llama shard's all-gather: XLA's program). The fused
+reduce-scatter's receive buffer is in VMEM wherever its plan finds room
+(``RsSpec.recv_vmem``, branch h-rsslots: the Llama shard's tp 8 and
+tp 4 M <= 512 on v5e and v6e), so no HBM slots are counted
+(:func:`_rs_slots`) and ``"jit"`` keeps it (before, v5e tp 8 M = 1024
+ran the two-way ring, 471.0 us and 4.14 MiB against the fused kernel's
+354.5 and 14.06, limit 4.16; the fused kernel now 344.2 us at 0.06
+MiB); where its plan keeps the buffer in HBM (tp 4 M >= 1024 there) the
+rule applies as to the all-gather, to the one-way kernel's plan
+apart.
+Where the fused kernel is dropped for its slots alone and the matmul is
+bound by its weight read (``C < M``), the value rings are no candidates
+either and XLA's program runs (branch
 h-memrule's rule ran the rings there, 1.026x and 1.363x of ``xla_best``
 at v5e and v6e tp 8 all-gather M = 256; their estimates there are 13% to
 17% under the model). Only a fused pick moves: where the default picks a
@@ -200,6 +208,7 @@ from asyncops.collective_matmul._chips import Cal as Cal
 from asyncops.collective_matmul._chips import Chip as Chip
 from asyncops.collective_matmul._chips import chip_for as chip_for
 from asyncops.kernels import _allgather_matmul as agk
+from asyncops.kernels import _reducescatter_matmul as rsk
 
 Method = Literal["auto", "fused", "ring", "xla"]
 METHODS: tuple[str, ...] = ("auto", "fused", "ring", "xla")
@@ -1005,8 +1014,10 @@ def _slots_over(chip, n, chunk, slots):
   ``n - 1`` chunks. ``slots``: the start's receive buffer, one slot per
   peer and direction of one row panel's rows (``[d, n - 1, m / p, k /
   d]``; 0 where the all-gather's chunks land in the result,
-  ``AgSpec.recv_in_out``): v5e tp 8, M = 1024 of the reduce-scatter,
-  ``bf16[2, 7, 1024, 512]``, 14.0 MiB against 0.16 + 4.0. The value
+  ``AgSpec.recv_in_out``, or the reduce-scatter's receive buffer is in
+  VMEM, :func:`_rs_slots`): v5e tp 8, M = 1024 of the reduce-scatter
+  with the buffer in HBM, ``bf16[2, 7, 1024, 512]``, 14.0 MiB against
+  0.16 + 4.0. The value
   rings hold one chunk's send and receive buffers (their accumulators:
   :func:`_ag_memory`), within; XLA's program is not counted (it stays
   the fallback; at v5e tp 4 reduce-scatter M = 64 and 256 it is itself
@@ -1048,6 +1059,14 @@ def _mem_reason(choice, mem, fused_s, rings=None):
       ring_bidi_us=None if 2 not in rings else rings[2] * 1e6,
     )
   return dataclasses.replace(choice, reason=why, fused_us=fused_s * 1e6, **est)
+
+
+def _rs_slots(plan) -> int:
+  """The fused reduce-scatter's receive buffer in HBM (bytes; one panel):
+  the kernel's own shape (``rsk.recv_dims``), 0 where the plan puts it
+  in VMEM (``RsSpec.recv_vmem``, since branch h-rsslots: the Llama
+  shard's tp 8 and tp 4 M <= 512 on v5e and v6e)."""
+  return 0 if plan.spec is None else rsk.recv_hbm_bytes(plan.spec)
 
 
 def _ag_slots(plan) -> int:
@@ -1443,12 +1462,13 @@ def explain_reducescatter(
     device_kind=device_kind,
   )
   reason = None if plan.spec is not None else plan.reason
-  # ``memory="jit"``: the fused kernels' receive slots against the memory
-  # target (:func:`_slots_over`; the one-way kernel's, ``[1, n - 1, m,
-  # c]`` in one panel, are as many): over it, no fused candidate.
+  # ``memory="jit"``: the fused kernels' receive slots in HBM against the
+  # memory target (:func:`_slots_over`, :func:`_rs_slots`: none where the
+  # plan holds them in VMEM): over it, no fused candidate. (The one-way
+  # kernel's plan is checked apart, below.)
   mem = None
   if reason is None and memory == "jit":
-    mem = _slots_over(chip, n, part, (n - 1) * plan.spec.m * c * t)
+    mem = _slots_over(chip, n, part, _rs_slots(plan))
     reason = mem
   panels = max(plan.panels, 1)
   w_s = w_bytes / chip.hbm
@@ -1536,6 +1556,12 @@ def explain_reducescatter(
     p1 = max(plan_uni.panels, 1)
     ratio = chained(p1, 1, plan_uni) / chained(panels, 2, plan)
     fused_uni = fused * ratio
+    # ``memory="jit"``: the one-way kernel's plan may keep its slots in
+    # HBM where the two-way one's are in VMEM (its wider ``w`` block
+    # leaves less VMEM: the Llama shard's tp 4, M = 1024 on v5e and v6e,
+    # 12.06 MiB against the two-way kernel's 0.06): no candidate then.
+    if memory == "jit" and _slots_over(chip, n, part, _rs_slots(plan_uni)):
+      fused_uni = None
   rings = {}
   for d in (1, 2):
     if d == 2 and m % 2:

@@ -74,6 +74,19 @@ _SENT_BYTES = 16 * 2**20
 # Llama-3-70B shard's tp 8 buffers at M = 16 to 1024 (0.22 to 14 MiB) and
 # the issue's float32 prefill row (12 MiB of bf16 chunks) take it.
 _RECV_VMEM_BYTES = 16 * 2**20
+# The reduce-scatter's receive buffer goes to VMEM (``RsSpec.recv_vmem``)
+# where the VMEM in use while its steps kernel runs (the scoped limit and
+# the sent partial sums, own products and receive buffer XLA places there,
+# ``rsk.resident_vmem_bytes``) stays within this share of the chip's VMEM,
+# else HBM. XLA refuses a program over all of it (v5e, tp 4, m 1024 of
+# the Llama-3-70B shard: 129.25 MiB of 128 failed, 127.25 compiled); the
+# rest is room for XLA's own VMEM buffers beside the kernels'. At 0.92
+# the Llama shard's tp 4 m >= 1024 plans (117.25 MiB) fit, and the MLP
+# around them lost time (v5e prefill: mlp 1349.6 -> 1367.5 us, mlp_gated
+# 2197.1 -> 2234.9; XLA's own buffers moved to HBM): they stay in HBM.
+# Fit: every tp 8 plan on v5e and v6e (91.0 MiB), tp 4 m <= 512 (65.0);
+# on v5p (64 MiB) tp 8 (51.9) and tp 4 m <= 256 (38.9).
+_RECV_VMEM_SHARE = 0.85
 
 
 def vmem_capacity(device_kind: str | None) -> int:
@@ -739,7 +752,9 @@ def plan_reducescatter(
   mesh_axes: tuple[str, ...] = (),
   collective_id: int | None = None,
 ) -> RsPlan:
-  """Block size and panels for ``[m, k] @ [k, n c] -> [m, c]``."""
+  """Block size, panels and the receive buffer's memory space
+  (``RsSpec.recv_vmem``, :data:`_RECV_VMEM_SHARE`) for ``[m, k] @ [k, n
+  c] -> [m, c]``."""
   t = transfer_dtype(dtype, precision)
   if jnp.dtype(t) not in (
     jnp.dtype(jnp.bfloat16),
@@ -791,7 +806,10 @@ def plan_reducescatter(
     sent = (n - 1) * directions * rows * ch * jnp.dtype(t).itemsize
     if need <= budget and sent <= _SENT_BYTES:
       limit = min(int(cap * 0.9), need + need // 4 + 2**22)
-      return RsPlan(dataclasses.replace(spec, vmem_limit=limit), panels)
+      spec = dataclasses.replace(spec, vmem_limit=limit)
+      resident = rsk.resident_vmem_bytes(spec, recv_vmem=True)
+      recv_vmem = resident <= _RECV_VMEM_SHARE * cap
+      return RsPlan(dataclasses.replace(spec, recv_vmem=recv_vmem), panels)
     if rows <= sub:
       break
   return RsPlan(None, 0, f"x rows of {k} columns do not fit VMEM")

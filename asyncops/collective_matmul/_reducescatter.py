@@ -84,9 +84,12 @@ def matmul_reducescatter(
       it). Every method differentiates.
     memory: ``"fastest"`` (default) or ``"jit"``: with ``"jit"``,
       ``method="auto"`` drops the fused kernel where its receive slots
-      put the peak temporaries over jit's plus one chunk's buffers. **It
-      costs speed** (at the Llama sweep's points up to 1.8x the fused
-      kernel's time); see :func:`allgather_matmul`.
+      in HBM put the peak temporaries over jit's plus one chunk's
+      buffers. The fused kernel keeps them in VMEM where they fit (the
+      Llama sweep's tp 8 and tp 4 M <= 512 on v5e and v6e), within the
+      target, so ``"jit"`` changes nothing there; where they stay in
+      HBM (tp 4, M >= 1024) **it costs speed**; see
+      :func:`allgather_matmul`.
 
   Returns:
     ``lhs.shape[:-1] + (f,)`` with ``scatter_dim`` divided by ``n``, in

@@ -25,6 +25,8 @@ Kernels, in program order (all four appear in the compiled HLO):
    holds the partial sum added at step ``t + 1``; its first output, which
    ``benchmarks/`` routes) and DMA semaphore arrays ``[d, n - 1]``. It
    starts no transfer: the first partial sums exist only after step 0.
+   The receive buffer is in VMEM where the plan finds room for it
+   (``RsSpec.recv_vmem``, below), else in HBM.
 2. ``ring_reducescatter_matmul``: grid ``(n, d, c / (d bn))``, every
    product and every send. After block ``max(nb - 2, 0)`` of a half at
    step ``1 <= s <= n - 2`` it waits for the neighbour's partial sum and
@@ -39,7 +41,27 @@ Kernels, in program order (all four appear in the compiled HLO):
    besides the result.
 4. ``asyncops_ring_reducescatter_done``: waits for every send; it takes
    the token (not the result), so it runs after the finish, and reads the
-   send buffer in VMEM (its scoped VMEM limit is raised to hold it).
+   send buffer (and a VMEM receive buffer) in VMEM (its scoped VMEM limit
+   is raised to hold them).
+
+The receive buffer in VMEM (branch h-rsslots). In HBM it is ``n - 1``
+partial sums per direction held from the start to the done: the
+program's HBM temporaries were ``n - 1`` chunks where issue 15's memory
+target allows jit's plus two (the Llama-3-70B shard at tp 8, M = 1024:
+``bf16[2, 7, 1024, 512]``, 14.06 MiB against 4.16). XLA places a
+kernel's VMEM output for the kernels that take it in VMEM, as it does the
+sent partial sums, and the peers' remote DMAs write into it there; the
+steps kernel and the finish copy a slot out of it VMEM to VMEM. Its
+bytes count against the chip's VMEM beside the steps kernel's scoped
+limit and the other VMEM outputs (:func:`resident_vmem_bytes`; XLA
+refuses a program over the chip's VMEM), so the plan keeps it in HBM
+where they would not fit or would leave XLA too little beside them
+(``_fused._RECV_VMEM_SHARE``: the Llama shard's tp 4, M >= 1024 on v5e
+and v6e, 117.25 of 128 MiB with it, where the MLP around the kernels
+lost time; v5p's 64 MiB at tp 4, M >= 512). Bounded slots (two per
+direction, a credit semaphore per slot for flow control) would meet the
+target in HBM too, by 0.08 MiB at tp 4, M = 1024; not built
+(design/benchmarks.md, "The reduce-scatter's receive slots").
 
 Why a finish kernel. XLA treats a kernel that starts a remote DMA as
 communicating and copies its result before it leaves the program (see
@@ -71,7 +93,8 @@ no concatenation of the panels' results.
 Limits. ``c / d`` a multiple of 128 and of ``bn``; ``x`` ``[m, k]``, the
 float32 partial ``[m, c/d]``, the own products ``[m, c]`` (float32), the
 received and the ``n - 1`` sent partial sums must fit in VMEM (the caller
-splits ``m`` into panels when they do not). One ring axis.
+splits ``m`` into panels when they do not), and the receive buffer too
+where it is in VMEM. One ring axis.
 """
 
 import dataclasses
@@ -108,6 +131,11 @@ class RsSpec:
       the steps kernel reads rows ``panel m ..`` of the ``x`` it is given
       and the finish writes its rows of the result (``finish``'s
       ``into``); 0 for one panel.
+    recv_vmem: the start's receive buffer ``[d, n - 1, m, c/d]`` in VMEM
+      (the peers' partial sums land there; the steps, finish and done
+      kernels take it in VMEM), else in HBM. The plan
+      (``_fused.plan_reducescatter``) puts it in VMEM where it fits
+      beside the kernels' other VMEM (:func:`resident_vmem_bytes`).
   """
 
   axis_name: str
@@ -124,6 +152,7 @@ class RsSpec:
   collective_id: int | None = None
   vmem_limit: int | None = None
   panel: int = 0
+  recv_vmem: bool = False
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
@@ -314,7 +343,52 @@ def _sem_array(spec: RsSpec):
 
 def _recv_shape(x, spec: RsSpec):
   t = jnp.dtype(spec.dtype)
-  return c.shape_like(x, (spec.directions, spec.n - 1, spec.m, spec.ch), t)
+  return c.shape_like(x, recv_dims(spec), t)
+
+
+def recv_dims(spec: RsSpec) -> tuple[int, int, int, int]:
+  """The receive buffer's shape, ``[d, n - 1, m, c/d]``: slot ``t`` of
+  direction ``d`` holds the partial sum added at step ``t + 1``."""
+  return (spec.directions, spec.n - 1, spec.m, spec.ch)
+
+
+def recv_bytes(spec: RsSpec) -> int:
+  """Bytes of the receive buffer (as many as the sent partial sums)."""
+  size = 1
+  for v in recv_dims(spec):
+    size *= v
+  return size * jnp.dtype(spec.dtype).itemsize
+
+
+def recv_hbm_bytes(spec: RsSpec) -> int:
+  """HBM bytes of the receive buffer: all of it, or 0 in VMEM."""
+  return 0 if spec.recv_vmem else recv_bytes(spec)
+
+
+def resident_vmem_bytes(spec: RsSpec, recv_vmem: bool) -> int:
+  """VMEM in use while the steps kernel runs: its scoped limit
+  (``spec.vmem_limit``) plus the buffers XLA places in VMEM across the
+  kernels, the sent partial sums, the own products and, with
+  ``recv_vmem``, the receive buffer. XLA refuses a program whose VMEM
+  buffers and scoped limit exceed the chip's VMEM ("Too many buffers are
+  colored in the alternate memory": v5e, tp 4, ``m`` 1024 of the
+  Llama-3-70B shard at 129.25 of 128 MiB; 127.25 compiled)."""
+  own = spec.directions * spec.m * spec.ch * 4
+  recv = recv_bytes(spec) if recv_vmem else 0
+  return (spec.vmem_limit or 0) + sent_bytes(spec) + own + recv
+
+
+def _recv_out(x, spec: RsSpec):
+  """The start's receive buffer, in VMEM or pinned to HBM."""
+  shape = _recv_shape(x, spec)
+  if spec.recv_vmem:
+    return pltpu.VMEM(shape.shape, shape.dtype)
+  return c.hbm_like(shape)
+
+
+def _recv_spec(spec: RsSpec):
+  """The receive buffer's ``BlockSpec`` in every kernel that takes it."""
+  return _VMEM if spec.recv_vmem else c.HBM
 
 
 def _params(spec: RsSpec, collective_id=None, *, dims=3, vmem_limit=None):
@@ -382,12 +456,12 @@ def start(me, *, spec: RsSpec):
   return pl.pallas_call(
     kernel,
     out_shape=(
-      c.hbm_like(_recv_shape(me, spec)),
+      _recv_out(me, spec),
       _sem_array(spec),
       _sem_array(spec),
     ),
     in_specs=[c.ANY],
-    out_specs=(c.HBM, c.SEM, c.SEM),
+    out_specs=(_recv_spec(spec), c.SEM, c.SEM),
     compiler_params=c.params(collective_id=spec.collective_id),
     name="asyncops_ring_reducescatter_start",
   )(me)
@@ -406,7 +480,7 @@ def steps(me, x, w, recv, send_sems, recv_sems, *, spec: RsSpec):
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(spec.n, spec.directions, spec.nb),
-      in_specs=_in_specs(spec) + [c.HBM, c.SEM, c.SEM],
+      in_specs=_in_specs(spec) + [_recv_spec(spec), c.SEM, c.SEM],
       out_specs=(_VMEM, _VMEM),
       scratch_shapes=_scratch(spec),
     ),
@@ -442,7 +516,7 @@ def finish(own, recv, recv_sems, *, spec: RsSpec, out_shape, into=None):
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=0,
       grid=(spec.directions,),
-      in_specs=[_VMEM, c.HBM, c.SEM] + [c.ANY] * len(extra),
+      in_specs=[_VMEM, _recv_spec(spec), c.SEM] + [c.ANY] * len(extra),
       out_specs=(out_block, _SMEM),
       scratch_shapes=[
         pltpu.VMEM((spec.m, spec.ch), t),
@@ -456,12 +530,14 @@ def finish(own, recv, recv_sems, *, spec: RsSpec, out_shape, into=None):
 
 
 def finish_vmem_limit(spec: RsSpec) -> int:
-  """Its own products, one received half, two output blocks (and room)."""
+  """Its own products, one received half, two output blocks (and room);
+  the receive buffer too where it is in VMEM."""
   half = spec.m * spec.ch
   o = jnp.dtype(spec.out_dtype).itemsize
   need = (
     spec.directions * half * 4 + half * jnp.dtype(spec.dtype).itemsize
   ) + 2 * half * o
+  need += recv_bytes(spec) - recv_hbm_bytes(spec)
   return need + need // 4 + 2**22
 
 
@@ -473,11 +549,12 @@ def sent_bytes(spec: RsSpec) -> int:
 
 
 def done_vmem_limit(spec: RsSpec) -> int | None:
-  """The done reads the sent partial sums in VMEM: above 8 MiB of them its
-  scoped limit is raised to hold them (XLA's default, 16 MiB on v5e, did
-  not hold 29 MiB); None (the default) below."""
-  sent = sent_bytes(spec)
-  return None if sent <= 8 * 2**20 else sent + 2**22
+  """The done reads the sent partial sums in VMEM (and the receive buffer
+  where it is there): above 8 MiB of them its scoped limit is raised to
+  hold them (XLA's default, 16 MiB on v5e, did not hold 29 MiB); None
+  (the default) below."""
+  held = sent_bytes(spec) + recv_bytes(spec) - recv_hbm_bytes(spec)
+  return None if held <= 8 * 2**20 else held + 2**22
 
 
 def done(recv, sent, token, send_sems, *, spec: RsSpec):
@@ -497,7 +574,7 @@ def done(recv, sent, token, send_sems, *, spec: RsSpec):
   return pl.pallas_call(
     kernel,
     out_shape=c.shape_like(recv, (1,), jnp.int32),
-    in_specs=[c.HBM, pl.BlockSpec(memory_space=pltpu.VMEM), _SMEM, c.SEM],
+    in_specs=[_recv_spec(spec), _VMEM, _SMEM, c.SEM],
     out_specs=_SMEM,
     compiler_params=pltpu.CompilerParams(
       has_side_effects=True, vmem_limit_bytes=done_vmem_limit(spec)
@@ -580,7 +657,7 @@ def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None, into=None):
       num_scalar_prefetch=1,
       grid=(spec.n, spec.directions, spec.nb),
       in_specs=_in_specs(spec) + [c.ANY] * len(extra),
-      out_specs=(out_block, _VMEM, c.ANY),
+      out_specs=(out_block, _VMEM, _VMEM if spec.recv_vmem else c.ANY),
       scratch_shapes=[_sem_array(spec), _sem_array(spec), _own_shape(spec)]
       + _scratch(spec),
     ),
