@@ -112,6 +112,16 @@ REF_INTO_SHARD_MAP = JAX_VERSION >= (0, 10)
 # Older jax refuses those dtypes at trace time, naming the fix.
 NARROW_DMA = JAX_VERSION >= (0, 10)
 
+# The fused all-gather's receive buffer in VMEM (``AgSpec.recv_vmem``): its
+# compute kernel picks, under ``lax.cond``, between a read of ``x`` (an
+# input) and a read of the receive buffer (the start's VMEM output). jax
+# 0.9 types the first as varying over the ``shard_map``'s manual axes and
+# the second as not, ``cond`` refuses the mismatch, and ``lax.pcast`` is a
+# no-op inside a kernel; jax 0.10 types both alike. On 0.9 the buffer stays
+# in HBM (issue 15's memory target is then missed at the Llama shard's tp 8
+# M = 16 to 256, as before branch h-agslots).
+AG_RECV_VMEM = JAX_VERSION >= (0, 10)
+
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE
