@@ -135,19 +135,20 @@ def allgather_matmul(
       backward pass (gradients) keep float32.
     memory: what ``method="auto"`` weighs besides time. ``"fastest"``
       (default): the fastest candidate by estimate. ``"jit"``: also the
-      fused kernels' HBM receive slots (``n - 1`` chunks per ring
-      direction) against the memory target, peak temporaries within
-      ``jax.jit``'s (XLA's own program) plus one chunk's send and receive
-      buffers; where a fused pick is over it (v5e and v6e, ``n = 8`` up
-      to 2048 rows per device and ``n = 4`` reduce-scatter at 64 to 1024,
-      of the Llama-3-70B MLP shard) auto runs XLA's program or a value
-      ring instead (XLA's program where the matmul is bound by its
-      weight read). **It costs speed**: at the 20 such points of the
-      benchmark's Llama sweep auto went from 0.48x-0.95x of the best XLA
-      program's time to 1.00x at 17 (XLA's program but one) and
-      0.74x-0.98x at 3 (a value ring), and the chapter's training step
-      (``mlp_block``, forward and backward) from 0.93x and 0.96x to 1.007x
-      and 1.034x of it (v5e, v6e). Other methods ignore it.
+      fused kernels' HBM receive slots against the memory target, peak
+      temporaries within ``jax.jit``'s (XLA's own program) plus one
+      chunk's send and receive buffers; where a fused pick is over it,
+      auto runs XLA's program or a value ring instead (XLA's program
+      where the matmul is bound by its weight read). The fused kernels
+      keep their receive slots in VMEM where they fit (jax >= 0.10), so
+      the default meets the target at 70 of the 72 points of the
+      benchmark's Llama-3-70B MLP sweep (v5e, v6e, v5p; not ``n = 4``
+      reduce-scatter at 1024 rows per device on v5e and v6e) and
+      ``"jit"`` moves a pick only where the slots stay in HBM (row
+      panels, larger rows, jax 0.9). **There it costs speed**: before
+      the VMEM slots, ``"jit"`` took auto at 20 sweep points from
+      0.48x-0.95x of the best XLA program's time to 0.74x-1.00x. Other
+      methods ignore it.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by

@@ -89,10 +89,11 @@ def mlp_block(
       ``"fused"`` is refused. **``api="ref"`` and ``bidirectional=True``
       configure the ring** (``"auto"`` then runs it).
     memory: ``"fastest"`` (default) or ``"jit"``, for both matmuls' auto
-      choice (:func:`allgather_matmul`). **``"jit"`` costs speed**: the
-      chapter's training step (v5e's 2x4 mesh) ran 1.007x of the best
-      XLA program's time against 0.934x (the fused reduce-scatter's
-      receive slots, 1.5 MiB, were over the 1.1 MiB target).
+      choice (:func:`allgather_matmul`). With the fused kernels' receive
+      slots in VMEM the chapter's training step meets the target by
+      default (v5e and v6e 2x4 meshes); where slots stay in HBM
+      **``"jit"`` costs speed** (before the VMEM slots, that step ran
+      1.007x of the best XLA program's time against 0.934x).
 
   Returns:
     An array shaped and sharded like ``x``, in ``x.dtype``.
