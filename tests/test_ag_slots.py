@@ -57,18 +57,7 @@ def test_units_read_in_the_vmem_receive_buffer(
     )
     return tf._one_kernel(agk, x, y, spec, y.shape[1], dtype)
 
-  got = u.run_sharded(
-    body,
-    u.cpu_mesh(mesh_shape),
-    (P("x", "y"), P(None, "y")),
-    P("x", "y"),
-    a,
-    w,
-    check_vma=False,
-  )
-  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(dtype)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  tf._check_interpreter_output(capfd)
+  tf._assert_panels_equal_dot(body, a, w, n, capfd, mesh_shape)
 
 
 def test_int8_units_and_scales_read_in_vmem(capfd):

@@ -15,15 +15,14 @@ in HBM, 0.27 / 0.92 / 3.55 MiB against 0.13 + 0.06 / 0.25 / 1.00.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _auto, allgather_matmul
+from asyncops.collective_matmul import _auto
 from asyncops.inspect import analyze, parse_module
 from benchmarks import _measure, _mesh, _variants
+from tests import util as u
 
 TP = 8
 D, F = 8192, 28672
@@ -47,14 +46,7 @@ def _program(topology, m, variant):
     fn = _variants.build("jit", mesh)
     args = _variants.abstract_args("jit", mesh, shape, jnp.bfloat16)
   else:
-    fn = jax.jit(
-      jax.shard_map(
-        functools.partial(allgather_matmul, axis_name="y", method=variant),
-        mesh=mesh,
-        in_specs=(P("x", "y"), P(None, "y")),
-        out_specs=P("x", "y"),
-      )
-    )
+    fn = u.allgather_jit(mesh, method=variant)
     args = _variants.abstract_args(
       "allgather_matmul_auto", mesh, shape, jnp.bfloat16
     )

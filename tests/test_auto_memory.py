@@ -24,6 +24,7 @@ from asyncops.collective_matmul import (
   mlp_block,
 )
 from benchmarks import _measure, _mesh, _variants
+from tests import util as u
 
 CHIP = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5p"}
 FUSED = ("fused", "fused_uni")
@@ -317,14 +318,7 @@ def _alloc(family, topology, memory):
     fn = _variants.build(jit_name, mesh)
     args = _variants.abstract_args(jit_name, mesh, SHAPE, jnp.bfloat16)
   elif family == "ag":
-    fn = jax.jit(
-      jax.shard_map(
-        functools.partial(allgather_matmul, axis_name="y", memory=memory),
-        mesh=mesh,
-        in_specs=(P("x", "y"), P(None, "y")),
-        out_specs=P("x", "y"),
-      )
-    )
+    fn = u.allgather_jit(mesh, memory=memory)
   else:
     fam = _variants.FAMILIES["reducescatter"]
     fn = jax.jit(

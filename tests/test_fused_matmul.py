@@ -78,13 +78,13 @@ def _panels(kernels, me, x, y, specs, whole):
   return out
 
 
-def _assert_panels_equal_dot(body, a, w, n, capfd):
-  """Runs ``body`` on a ``(1, n)`` CPU mesh (``x`` row- and column-sharded,
-  ``w`` column-sharded) and checks it equals ``jnp.dot`` exactly, with a
-  clean interpreter log."""
+def _assert_panels_equal_dot(body, a, w, n, capfd, mesh_shape=None):
+  """Runs ``body`` on a ``(1, n)`` CPU mesh (or ``mesh_shape``; ``x`` row-
+  and column-sharded, ``w`` column-sharded) and checks it equals
+  ``jnp.dot`` exactly, with a clean interpreter log."""
   got = u.run_sharded(
     body,
-    u.cpu_mesh((1, n)),
+    u.cpu_mesh(mesh_shape or (1, n)),
     (P("x", "y"), P(None, "y")),
     P("x", "y"),
     a,
@@ -192,18 +192,7 @@ def test_allgather_receive_slots_in_the_result(
     )
     return _one_kernel(agk, x, y, spec, y.shape[1], dtype)
 
-  got = u.run_sharded(
-    body,
-    u.cpu_mesh(mesh_shape),
-    (P("x", "y"), P(None, "y")),
-    P("x", "y"),
-    a,
-    w,
-    check_vma=False,
-  )
-  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(dtype)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  _check_interpreter_output(capfd)
+  _assert_panels_equal_dot(body, a, w, n, capfd, mesh_shape)
 
 
 def test_allgather_receive_slots_in_the_result_by_panels(capfd):

@@ -642,3 +642,19 @@ def count_ties(jaxpr) -> int:
       if hasattr(sub, "eqns"):
         n += count_ties(sub)
   return n
+
+
+def allgather_jit(mesh, **kw):
+  """``jax.jit`` of ``allgather_matmul(x, w, "y", **kw)`` in ``shard_map``
+  over the benchmark's ring layout (``x`` rows over ``"x"``, its
+  contracting columns and ``w``'s output columns over ``"y"``)."""
+  from asyncops.collective_matmul import allgather_matmul
+
+  return jax.jit(
+    jax.shard_map(
+      functools.partial(allgather_matmul, axis_name="y", **kw),
+      mesh=mesh,
+      in_specs=(P("x", "y"), P(None, "y")),
+      out_specs=P("x", "y"),
+    )
+  )
