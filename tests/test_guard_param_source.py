@@ -80,8 +80,11 @@ def test_v6e_prefetch_of_a_parameter_source_is_accepted(m):
 
 @pytest.mark.parametrize("m", [16, 256])
 def test_v6e_donated_source_stays_refused(m):
-  kinds = _kinds(_hlo("v6e", m, "donated"))
-  assert "source not live" in kinds
+  found = hazards(analyze(_hlo("v6e", m, "donated")))
+  [live] = [h for h in found if h.kind == "source not live"]
+  # The message names the argument and the fix.
+  assert "argument 0 of the jitted function, donated" in live.detail
+  assert "do not donate argument 0 (donate_argnums)" in live.detail
 
 
 def test_v6e_aliased_parameter_stays_refused():

@@ -153,6 +153,21 @@ def _destination_value(report: Report, c, start: str) -> bool:
   return _resolve(m, (c.operand, ())) in dsts or (result, ()) in dsts
 
 
+def _donated_operand(report: Report, start: str) -> int | None:
+  """The entry parameter number a start's operand is, when the module
+  donates or aliases it (``Module.donated_params``), else ``None``."""
+  m = report.module
+  for o in m.instr(start).operands:
+    i = m.instr(_resolve(m, (o, ()))[0])
+    if (
+      i.opcode == "parameter"
+      and i.computation == m.entry_name
+      and i.parameter_number in m.donated_params
+    ):
+      return i.parameter_number
+  return None
+
+
 def hazards(report: Report) -> list[Hazard]:
   """The hazards in a harness report (empty for a safe program)."""
   out: list[Hazard] = []
@@ -246,6 +261,17 @@ def hazards(report: Report) -> list[Hazard]:
       )
     for live, role in ((p.source_live, "source"), (p.dest_live, "destination")):
       if not live:
+        donated = None
+        if role == "source":
+          donated = _donated_operand(report, p.start)
+        hint = (
+          ""
+          if donated is None
+          else f"; it is argument {donated} of the jitted function, "
+          "donated: XLA may give a donated buffer to an output while the "
+          f"DMA reads it; do not donate argument {donated} "
+          "(donate_argnums) when you send it"
+        )
         out.append(
           Hazard(
             f"{role} not live",
@@ -255,7 +281,7 @@ def hazards(report: Report) -> list[Hazard]:
             "it (a copy on the way, or a lax.cond/switch branch that "
             "replaces it: XLA computes that branch's value into the very "
             "buffer; pass the future through every branch unchanged, or "
-            "await it before the branch)",
+            f"await it before the branch){hint}",
             p.start,
             p.done,
             line,
