@@ -144,6 +144,18 @@ def test_the_rule_overrules_a_faster_ring():
   chunk, acc = _sizes(topology, shape)
   # Within the rule's limit (n + 1 chunks); the two-way ring is over it.
   assert alloc <= (N + 1) * chunk, alloc / 2**20
-  _, text, ring = _compile(topology, "ring", shape)
-  assert "asyncops_bidirectional_start" in text
+  _, ring_text, ring = _compile(topology, "ring", shape)
+  assert "asyncops_bidirectional_start" in ring_text
   assert ring > (N + 1) * chunk, ring / 2**20
+  # The benchmark model agrees with the rule's premise (the ring it drops
+  # is faster) but prices the trade at 8.8%, not the estimates' 55%
+  # (fused 488.5 us against the two-way ring's 448.9; design/benchmarks.md,
+  # "The model's answer"): the rule must not cost more than 15%.
+  fused_us, ring_us = (_modelled(topology, t) for t in (text, ring_text))
+  assert ring_us < fused_us < 1.15 * ring_us, (fused_us, ring_us)
+
+
+def _modelled(topology, text):
+  """The benchmark model's step time (us) of a program on the ring."""
+  spec = _measure.Spec("model", topology, N, (0, 0, 0), jnp.bfloat16)
+  return _measure.simulate(text, spec).step_s * 1e6
