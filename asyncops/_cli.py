@@ -5,9 +5,20 @@ asyncops.compare``, ``python -m benchmarks.run``, the examples) is an
 ``argparse`` parser with ``--help`` and ``--json`` and exits with
 
 * 0: ran, nothing to report;
-* 1: ran and found something (a hazard, a refused program);
+* 1: ran and found something (a hazard, a refused program), each finding
+  named on a ``finding: ...`` line of the human output and in the JSON;
 * 2: a usage error: one line on stderr naming the bad argument and the fix,
   never a traceback.
+
+``--json`` (:func:`add_json`) means the same everywhere: alone (or
+``--json -``) the JSON document goes to stdout and the human output to
+stderr; ``--json FILE`` writes FILE and leaves the human output on stdout.
+On a command with a positional argument, ``--json`` followed by a word is
+read as ``--json FILE`` only when the positionals are still complete
+without that word (``inspect TARGET --json out.json``, ``inspect --json
+out.json TARGET``); otherwise the word is the positional and the JSON goes
+to stdout (``inspect --json TARGET``, as before ``--json`` took a file).
+``--json=FILE`` is never ambiguous.
 
 Long commands show a ``tqdm`` progress bar on the terminal (stderr, so
 ``--json`` output on stdout stays clean). ``ASYNCOPS_PROGRESS=0`` hides it,
@@ -25,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
+import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,8 +49,15 @@ T = TypeVar("T")
 EXIT_OK, EXIT_FINDING, EXIT_USAGE = 0, 1, 2
 
 
+JSON_STDOUT = "-"
+
+
 class UsageError(Exception):
   """A user mistake: the message names the argument and the fix."""
+
+
+class _TrialError(Exception):
+  """An argparse error while trying one reading of ``--json WORD``."""
 
 
 def describe(doc: str) -> str:
@@ -59,24 +79,120 @@ class ArgumentParser(argparse.ArgumentParser):
   --help)`` and exits 2, as :func:`run` does for a :class:`UsageError`.
   """
 
+  _trial = False
+
   def error(self, message: str):  # noqa: D102 - argparse's hook
+    if self._trial:
+      raise _TrialError(message)
     one = " ".join(str(message).split())
     self.exit(EXIT_USAGE, f"{self.prog}: error: {one} (see --help)\n")
 
+  def parse_known_args(self, args=None, namespace=None):  # noqa: D102
+    args = list(sys.argv[1:] if args is None else args)
+    flag = _json_action(self)
+    if flag is not None:
+      args = self._read_bare_json(args, namespace)
+    ns, extras = super().parse_known_args(args, namespace)
+    if flag is not None:
+      dest = getattr(ns, flag.dest, None)
+      if dest == "":
+        self.error("--json: empty file name; give FILE, or '-' for stdout")
+      try:
+        check_writable(dest)
+      except UsageError as e:
+        self.error(str(e))
+    return ns, extras
 
-def parser(prog: str, description: str) -> argparse.ArgumentParser:
-  """An :class:`ArgumentParser` with the shared ``--json`` flag."""
+  def _read_bare_json(self, args: list[str], namespace) -> list[str]:
+    """``--json WORD`` on a parser with positionals: ``--json=-`` and the
+    positional WORD unless the positionals are complete without WORD."""
+    if not any(not a.option_strings for a in self._actions):
+      return args
+    out = list(args)
+    for i, tok in enumerate(out[:-1]):
+      if tok == "--":
+        break
+      nxt = out[i + 1]
+      if tok != "--json" or (nxt.startswith("-") and nxt != JSON_STDOUT):
+        continue
+      if not self._parses(out, namespace):
+        out[i] = f"--json={JSON_STDOUT}"
+    return out
+
+  def _parses(self, args: list[str], namespace) -> bool:
+    self._trial = True
+    try:
+      _, extras = super().parse_known_args(list(args), copy.deepcopy(namespace))
+    except _TrialError:
+      return False
+    finally:
+      self._trial = False
+    return not extras
+
+
+def _json_action(p: argparse.ArgumentParser) -> argparse.Action | None:
+  for a in p._actions:  # noqa: SLF001 - argparse has no public listing
+    if "--json" in a.option_strings and a.nargs == "?":
+      return a
+  return None
+
+
+def add_json(
+  p: argparse.ArgumentParser, what: str = "the result"
+) -> argparse.Action:
+  """Adds the shared ``--json [FILE]`` (see the module docstring); the
+  parsed value is ``None`` (not given), ``"-"`` (stdout) or a path."""
+  return p.add_argument(
+    "--json",
+    nargs="?",
+    const=JSON_STDOUT,
+    default=None,
+    metavar="FILE",
+    help=f"write {what} as JSON to FILE; without FILE (or with '-') on "
+    "stdout, the human output then on stderr (progress stays on stderr)",
+  )
+
+
+def parser(
+  prog: str, description: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
+  """An :class:`ArgumentParser` with the shared ``--json [FILE]``."""
   p = ArgumentParser(
     prog=prog,
     description=describe(description),
+    epilog=epilog,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
-  p.add_argument(
-    "--json",
-    action="store_true",
-    help="print the result as JSON on stdout (progress stays on stderr)",
-  )
+  add_json(p)
   return p
+
+
+def json_to_stdout(dest: str | bool | None) -> bool:
+  """Whether ``--json``'s value sends the JSON document to stdout."""
+  return dest is True or dest == JSON_STDOUT
+
+
+def write_json(dest: str | bool | None, data: Any, *, indent: int = 1) -> None:
+  """Writes ``data`` where ``--json``'s value says: nowhere (``None``),
+  stdout (``"-"``) or the file ``dest``."""
+  if dest is None or dest is False:
+    return
+  text = json.dumps(data, indent=indent, default=str)
+  if json_to_stdout(dest):
+    print(text, flush=True)
+  else:
+    with open(dest, "w") as f:
+      f.write(text + "\n")
+
+
+def print_findings(findings: Sequence[str], dest: str | bool | None) -> int:
+  """Prints one ``finding: ...`` line per finding with the human output
+  (stdout; stderr when the JSON goes to stdout) and returns the exit
+  status: 1 with a finding, else 0."""
+  stream = sys.stderr if json_to_stdout(dest) else sys.stdout
+  for f in findings:
+    print(f"finding: {f}", file=stream, flush=True)
+  return EXIT_FINDING if findings else EXIT_OK
 
 
 def run(
@@ -181,10 +297,11 @@ def check_writable(path: str | None, *, flag: str = "--json") -> None:
 
 
 @contextlib.contextmanager
-def human_output(as_json: bool) -> Iterator[None]:
-  """Under ``--json``, sends the human-readable prints to stderr, so
-  stdout carries only the JSON document."""
-  if not as_json:
+def human_output(dest: str | bool | None) -> Iterator[None]:
+  """When ``--json`` sends the JSON to stdout, sends the human-readable
+  prints to stderr, so stdout carries only the JSON document (with
+  ``--json FILE`` they stay on stdout)."""
+  if not json_to_stdout(dest):
     yield
     return
   with contextlib.redirect_stdout(sys.stderr):
@@ -193,8 +310,6 @@ def human_output(as_json: bool) -> Iterator[None]:
 
 def print_json(data: Any) -> None:
   """Prints ``data`` as one JSON document on stdout."""
-  import json
-
   print(json.dumps(data, indent=1, default=str))
 
 

@@ -3,7 +3,7 @@
 Usage::
 
   python -m benchmarks.edge_copies [--topology v5p:2x2x2,v5e:2x4]
-      [--xla-flag NAME=VALUE ...] [--json]
+      [--xla-flag NAME=VALUE ...] [--variant NAME ...] [--json [FILE]]
 
 Compiles one minimal program per variant ahead of time for each topology
 and prints one markdown table of the copies XLA scheduled (the harness's
@@ -14,7 +14,17 @@ and a wait kernel aliases that buffer to its output, which is returned.
 Each variant changes one thing: the DMA, the start's alias of ``x``,
 donation, memory-space constraints, side effects, what is returned; two
 rows are XLA's own ``jax.lax.ppermute`` and ``all_gather``. The evidence
-of design/scheduling.md section 4. Exit status 0.
+of design/scheduling.md section 4.
+
+Most rows show copies on purpose: the variants asyncops did not choose, a
+donated or non-aliasing start the copy guard refuses, XLA's collectives.
+Exit status: 0 clean; 1 a finding: a copy the library promises not to make
+(a defensive copy, a copy of a buffer in flight, or any other hazard of
+the copy guard, ``asyncops.inspect.hazards``) in a row of asyncops' own
+start (:data:`CLEAN`: the start returned as is, and with a computed
+result). Copies at the program's edge (kinds ``boundary`` and
+``memory_space``) are expected there (design/scheduling.md section 4) and
+no finding. 2 a usage error.
 """
 
 import dataclasses
@@ -28,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncops import _cli
-from asyncops.inspect import analyze_module, parse_module, tpu_mesh
+from asyncops.inspect import analyze_module, hazards, parse_module, tpu_mesh
 from asyncops.inspect._report import mib
 
 TOPOLOGIES = ("v5p:2x2x2", "v5e:2x4")
@@ -70,6 +80,11 @@ VARIANTS = {
   "jax.lax.ppermute returned": Variant(xla="ppermute"),
   "jax.lax.all_gather returned": Variant(xla="all_gather"),
 }
+# The rows of asyncops' own start: a copy the guard refuses is a finding.
+CLEAN = (
+  "remote DMA, x aliased (asyncops' start)",
+  "remote, received + 1 returned",
+)
 
 
 def _start_kernel(v: Variant):
@@ -169,6 +184,7 @@ def measure(topology: str, name: str, flags: dict) -> dict:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e)
     return {"topology": topology, "variant": name, "error": str(first)}
   report = analyze_module(parse_module(text), text)
+  found = hazards(report)
   copies = [
     {
       "name": c.name,
@@ -181,12 +197,35 @@ def measure(topology: str, name: str, flags: dict) -> dict:
     for c in report.copies
     if c.kind != "scalar"
   ]
+  named = {h.instr for h in found}
+  bad = [f"{h.kind} %{h.instr}: {h.detail}" for h in found]
+  bad += [
+    f"{c.kind}{' in-flight' if c.inflight else ''} copy %{c.name} of "
+    f"%{c.operand} {c.spaces[0]}->{c.spaces[1]} {mib(c.nbytes)}"
+    for c in report.copies
+    if (c.kind == "defensive" or c.inflight) and c.name not in named
+  ]
+  promised = name in CLEAN
   return {
     "topology": topology,
     "variant": name,
     "copies": copies,
     "bytes": sum(c["bytes"] for c in copies),
+    "hazards": [f"{h.kind} %{h.instr}" for h in found],
+    "promised_clean": promised,
+    "findings": [f"{name} on {topology}: {b}" for b in bad] if promised else [],
   }
+
+
+def findings(rows) -> list[str]:
+  """The findings of ``rows`` (see the module docstring); a row XLA
+  refused to compile is one when it is a row of :data:`CLEAN`."""
+  out = []
+  for r in rows:
+    if "error" in r and r["variant"] in CLEAN:
+      out.append(f"{r['variant']} on {r['topology']}: refused: {r['error']}")
+    out += r.get("findings", [])
+  return out
 
 
 def _cell(row: dict) -> str:
@@ -249,21 +288,32 @@ def main(argv=None) -> int:
     metavar="NAME=VALUE",
     help="an XLA option for every compile (repeatable)",
   )
+  p.add_argument(
+    "--variant",
+    action="append",
+    default=[],
+    metavar="NAME",
+    help="only this variant (repeatable; default: all): " + "; ".join(VARIANTS),
+  )
   a = p.parse_args(argv)
+  for n in a.variant:
+    if n not in VARIANTS:
+      raise _cli.UsageError(
+        f"--variant: unknown variant {n!r}; choose from {'; '.join(VARIANTS)}"
+      )
   topologies = [t for t in a.topology.split(",") if t]
   for t in topologies:
     _cli.check_topology(t)
   flags = _flags(a.xla_flag)
-  jobs = [(n, t) for n in VARIANTS for t in topologies]
+  jobs = [(n, t) for n in a.variant or VARIANTS for t in topologies]
   rows = [
     measure(t, n, flags)
     for n, t in _cli.progress(jobs, "edge_copies", unit="compile")
   ]
-  if a.json:
-    _cli.print_json(rows)
-  else:
+  _cli.write_json(a.json, rows)
+  if not _cli.json_to_stdout(a.json):
     print(_table(rows))
-  return 0
+  return _cli.print_findings(findings(rows), a.json)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Usage::
 
   python -m benchmarks.loop_copies [--topology v5e:2x4,v4:2x2x1,...]
-      [--programs accumulate,two_rings,matmul] [--json]
+      [--programs accumulate,two_rings,matmul] [--loops lax,scheduling]
+      [--json [FILE]]
 
 Compiles each program ahead of time for each topology twice: with
 ``jax.lax.fori_loop(..., unroll=2)`` (what the seed design suggests) and
@@ -11,7 +12,14 @@ with ``asyncops.scheduling.fori_loop``, then prints one markdown table:
 copies by kind, the bytes the ``boundary`` copies move per call (each read
 and written once), copies of a buffer in flight, the copy guard's hazards,
 the compile time and the guard's time on the compiled HLO text (what
-``asyncops.jit`` adds to a TPU compile). Exit status 0.
+``asyncops.jit`` adds to a TPU compile).
+
+The ``jax.lax.fori_loop`` rows show the seed design's copies for
+comparison (defensive copies and copies of buffers in flight are expected
+there). Exit status: 0 clean; 1 a finding: a defensive copy, a copy of a
+buffer in flight or a copy-guard hazard in a ``scheduling.fori_loop`` row
+(the library's loop promises none; ``boundary``, ``memory_space`` and
+``layout`` copies are no finding); 2 a usage error.
 """
 
 import functools
@@ -106,6 +114,13 @@ LOOPS = {
   "jax.lax.fori_loop(unroll=2)": functools.partial(jax.lax.fori_loop, unroll=2),
   "scheduling.fori_loop": asyncops.scheduling.fori_loop,
 }
+# --loops' short names.
+LOOP_NAMES = {
+  "lax": "jax.lax.fori_loop(unroll=2)",
+  "scheduling": "scheduling.fori_loop",
+}
+# The loops that promise no defensive and no in-flight copy.
+CLEAN = ("scheduling.fori_loop",)
 
 
 def _args(mesh, name):
@@ -148,6 +163,15 @@ def measure(topology: str, name: str, loop_name: str) -> dict:
   kinds = {}
   for c in report.copies:
     kinds[c.kind] = kinds.get(c.kind, 0) + 1
+  named = {h.instr for h in found}
+  bad = [f"{h.kind} %{h.instr}: {h.detail}" for h in found]
+  bad += [
+    f"{c.kind}{' in-flight' if c.inflight else ''} copy %{c.name} of "
+    f"%{c.operand} in %{c.computation}"
+    for c in report.copies
+    if (c.kind == "defensive" or c.inflight) and c.name not in named
+  ]
+  where = f"{name} on {topology} with {loop_name}"
   return {
     "topology": topology,
     "program": name,
@@ -158,6 +182,8 @@ def measure(topology: str, name: str, loop_name: str) -> dict:
     "hazards": len(found),
     "compile_s": round(seconds, 2),
     "check_s": round(check, 3),
+    "promised_clean": loop_name in CLEAN,
+    "findings": [f"{where}: {b}" for b in bad] if loop_name in CLEAN else [],
   }
 
 
@@ -191,6 +217,12 @@ def main(argv=None) -> int:
     default=",".join(PROGRAMS),
     help="comma-separated programs (default: %(default)s)",
   )
+  p.add_argument(
+    "--loops",
+    default=",".join(LOOP_NAMES),
+    help="comma-separated loops: lax (jax.lax.fori_loop(unroll=2)), "
+    "scheduling (asyncops.scheduling.fori_loop) (default: %(default)s)",
+  )
   a = p.parse_args(argv)
   topologies = [t for t in a.topology.split(",") if t]
   names = [n for n in a.programs.split(",") if n]
@@ -199,18 +231,29 @@ def main(argv=None) -> int:
       p.error(
         f"--programs: unknown program {n!r}; choose from {', '.join(PROGRAMS)}"
       )
+  loops = [lp for lp in a.loops.split(",") if lp]
+  for lp in loops:
+    if lp not in LOOP_NAMES:
+      p.error(
+        f"--loops: unknown loop {lp!r}; choose from {', '.join(LOOP_NAMES)}"
+      )
   for t in topologies:
     _cli.check_topology(t)
-  jobs = [(t, n, lp) for n in names for t in topologies for lp in LOOPS]
+  jobs = [
+    (t, n, lp)
+    for n in names
+    for t in topologies
+    for lp in LOOPS
+    if lp in {LOOP_NAMES[k] for k in loops}
+  ]
   rows = [
     measure(t, n, lp)
     for t, n, lp in _cli.progress(jobs, "loop_copies", unit="compile")
   ]
-  if a.json:
-    _cli.print_json(rows)
-  else:
+  _cli.write_json(a.json, rows)
+  if not _cli.json_to_stdout(a.json):
     print(_table(rows))
-  return 0
+  return _cli.print_findings([f for r in rows for f in r["findings"]], a.json)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,15 @@ Usage::
   python -m benchmarks.plan_twins --topology v6e:2x4 --dims 4,1024,2048,7168
   python -m benchmarks.plan_twins --topology v5e:2x4 --dims 4,512,512,2048 \\
       --w-dtype float32 --out-dtype float32
+
+Exit status: 0, or 2 for a usage error; a table of modelled costs has no
+findings (exit 1 is never used). ``--json FILE`` writes the rows to FILE
+(the table stays on stdout); ``--json`` alone or ``--json -`` prints them
+on stdout (the table then on stderr).
 """
 
 import argparse
 import functools
-import json
 import sys
 
 import jax
@@ -126,15 +130,14 @@ def main(argv=None) -> int:
   p = _cli.ArgumentParser(
     prog=PROG,
     description=__doc__.split("\n\n")[0],
+    epilog=_cli.describe(__doc__.rsplit("\n\n", 1)[1]),
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--topology", default="v6e:2x4")
   p.add_argument("--dims", default="4,1024,2048,7168", help="n,m,k,f")
   p.add_argument("--w-dtype", default="bfloat16")
   p.add_argument("--out-dtype", default=None, help="default: --w-dtype")
-  p.add_argument(
-    "--json", metavar="FILE", help="also write the rows here (a JSON list)"
-  )
+  _cli.add_json(p, "the rows (a JSON list)")
   a = p.parse_args(argv)
   try:
     n, m, k, f = (int(v) for v in a.dims.split(","))
@@ -158,12 +161,20 @@ def main(argv=None) -> int:
     p.error(f"--topology: {e}")
   try:
     _cli.check_topology(a.topology)
-    _cli.check_writable(a.json)
   except _cli.UsageError as e:
     p.error(str(e))
   costs, local = plan_costs(a.topology, n, m, k, f, w_dtype, out_dtype)
+  with _cli.human_output(a.json):
+    rows = _print(a.topology, (n, m, k, f), w_dtype, costs, local)
+  _cli.write_json(a.json, rows)
+  return _cli.EXIT_OK
+
+
+def _print(topology, dims, w_dtype, costs, local) -> list[dict]:
+  """Prints the table; returns its rows."""
+  n, m, k, f = dims
   print(
-    f"{a.topology} (n, m, k, f) = ({n}, {m}, {k}, {f}), w {w_dtype.name}: "
+    f"{topology} (n, m, k, f) = ({n}, {m}, {k}, {f}), w {w_dtype.name}: "
     f"unsharded dot {local * 1e6:.1f} us (prefetch free)"
   )
   print("| plan | twin (us) | per step (us) |")
@@ -174,7 +185,7 @@ def main(argv=None) -> int:
     print(f"| {plan} | {total * 1e6:.1f} | {per} |")
     rows.append(
       {
-        "topology": a.topology,
+        "topology": topology,
         "dims": [n, m, k, f],
         "w_dtype": w_dtype.name,
         "plan": plan if isinstance(plan, str) else list(plan),
@@ -183,10 +194,7 @@ def main(argv=None) -> int:
         "unsharded_us": local * 1e6,
       }
     )
-  if a.json:
-    with open(a.json, "w") as fh:
-      json.dump(rows, fh, indent=1)
-  return 0
+  return rows
 
 
 if __name__ == "__main__":

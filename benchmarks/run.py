@@ -4,6 +4,7 @@ Usage::
 
   python -m benchmarks.run                       # the default tables
   python -m benchmarks.run --json rows.json      # also every row as JSON
+  python -m benchmarks.run --json                # the rows on stdout
   python -m benchmarks.run --families allgather,reducescatter,allreduce,mlp
   python -m benchmarks.run --families mlp_gated,mlp_sp_gated  # SwiGLU MLPs
   python -m benchmarks.run --no-llama            # without the Llama table
@@ -35,14 +36,17 @@ markdown table per family, dtype, shape and topology. Each table gives:
 
 Compiled HLO is cached (:mod:`benchmarks._measure`), so a second run, or
 ``--sensitivity``, only re-models. Exit status: 0, or 1 when a row is
-modelled below its roofline (a model bug), 2 for a usage error.
+modelled below its roofline (a model bug: a ``finding:`` line after the
+tables, and ``"below its roofline"`` in the row's ``flags``), 2 for a
+usage error. ``--json FILE`` writes the rows to FILE (the tables stay on
+stdout); ``--json`` alone or ``--json -`` prints them on stdout (the
+tables then on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import pathlib
 import re
 import sys
@@ -644,13 +648,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--layout", default="ring", choices=("ring", "line", "chapter")
   )
-  p.add_argument(
-    "--json",
-    nargs="?",
-    const="-",
-    metavar="FILE",
-    help="write every row as a JSON list (no FILE: stdout)",
-  )
+  _cli.add_json(p, "every row (a JSON list)")
   p.add_argument(
     "--pictures",
     action="store_true",
@@ -714,10 +712,6 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   a.extra = a.extra or []
   _check_conflicts(p, a)
-  try:
-    _cli.check_writable(a.json)
-  except _cli.UsageError as e:
-    p.error(str(e))
   if a.llama is None:
     a.llama = (
       not a.preset
@@ -774,7 +768,7 @@ def main(argv=None) -> int:
   _measure.MODEL["collectives"] = a.collectives
   _variants.X_INPUT = a.x_input
   bench = Bench(a)
-  sink = sys.stderr if a.json == "-" else sys.stdout
+  sink = sys.stderr if _cli.json_to_stdout(a.json) else sys.stdout
   t0 = time.perf_counter()
   with contextlib.redirect_stdout(sink):
     if a.calibration:
@@ -816,19 +810,11 @@ def main(argv=None) -> int:
       f"({len(bench.rows)} rows in {time.perf_counter() - t0:.0f} s; "
       "! = see the notes under its table)"
     )
-  if a.json:
-    text = json.dumps(bench.rows, indent=1, default=str)
-    if a.json == "-":
-      print(text)
-    else:
-      pathlib.Path(a.json).write_text(text)
-  if bench.below_roofline:
-    print(
-      "modelled below the roofline: " + ", ".join(bench.below_roofline),
-      file=sys.stderr,
-    )
-    return 1
-  return 0
+  _cli.write_json(a.json, bench.rows)
+  return _cli.print_findings(
+    [f"{r}: modelled below its roofline" for r in bench.below_roofline],
+    a.json,
+  )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,15 @@ the modelled step time; :data:`CONFIGS` holds the ones that do.
 
 Usage::
 
-  python -m benchmarks.xla_configs [--topology v5e:2x4] [--json FILE]
+  python -m benchmarks.xla_configs [--topology v5e:2x4] [--json [FILE]]
+
+Exit status: 0 clean; 1 a finding: a flag of :data:`CANDIDATES` that libtpu
+refuses (the list is stale: the flag was renamed or removed, or a value
+left its enum), each named on a ``finding:`` line and in the JSON (its
+row's ``"error"``); 2 a usage error. A flag that changes the HLO is a
+result of the scan, not a finding. ``--json FILE`` writes the rows to FILE
+(the scan's lines stay on stdout); ``--json`` alone or ``--json -`` prints
+them on stdout (the lines then on stderr).
 """
 
 from __future__ import annotations
@@ -109,25 +117,24 @@ PROG = "python -m benchmarks.xla_configs"
 
 
 def main(argv=None) -> int:
-  import json  # noqa: PLC0415
-
-  import jax.numpy as jnp  # noqa: PLC0415
+  """Runs the command line; returns the exit status."""
+  import argparse  # noqa: PLC0415
 
   from asyncops import _cli  # noqa: PLC0415
-  from benchmarks import _measure  # noqa: PLC0415
 
   p = _cli.ArgumentParser(
     prog=PROG,
     description="Which libtpu flags change a collective matmul's HLO.",
+    epilog=_cli.describe(__doc__.rsplit("\n\n", 1)[1]),
+    formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument(
     "--topology", default="v5e:2x4", help="TPU topology (default: v5e:2x4)"
   )
-  p.add_argument("--json", metavar="FILE", help="write the findings here")
+  _cli.add_json(p, "every row of the scan (a JSON list)")
   a = p.parse_args(argv)
   # Checked first: the scan records a flag libtpu refuses as a finding, so
   # a topology it does not know would otherwise end in a file of errors.
-  _cli.check_writable(a.json)
   _cli.check_topology(a.topology)
   jobs = [
     (v, shape, tp, flag, value)
@@ -135,10 +142,31 @@ def main(argv=None) -> int:
     for flag, values in [(None, (None,)), *CANDIDATES.items()]
     for value in values
   ]
+  with _cli.human_output(a.json):
+    found = _scan(jobs, a.topology)
+  _cli.write_json(a.json, found)
+  return _cli.print_findings(
+    [
+      f"{r['flag']}={r['value']} ({r['variant']} {r['shape']} tp{r['tp']}): "
+      f"libtpu refuses it: {r['error']}"
+      for r in found
+      if "error" in r
+    ],
+    a.json,
+  )
+
+
+def _scan(jobs, topology) -> list[dict]:
+  """Compiles and models every job; prints one line per flag; returns the
+  rows."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from benchmarks import _measure  # noqa: PLC0415
+
   found, base = [], {}
   for v, shape, tp, flag, value in _measure.progress(jobs, "scan"):
     opts = {} if flag is None else {flag: value}
-    spec = _measure.Spec(v, a.topology, tp, shape, jnp.bfloat16, options=opts)
+    spec = _measure.Spec(v, topology, tp, shape, jnp.bfloat16, options=opts)
     try:
       res = _measure.measure(spec)
     except Exception as e:  # noqa: BLE001 - report a flag libtpu refuses
@@ -175,10 +203,7 @@ def main(argv=None) -> int:
       f"{row['step_us']:.1f} us (default {row['default_us']:.1f})",
       flush=True,
     )
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump(found, f, indent=1, default=str)
-  return 0
+  return found
 
 
 if __name__ == "__main__":

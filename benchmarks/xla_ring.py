@@ -10,9 +10,12 @@ one row per variant at a Llama-3-70B MLP shard point (D 8192, F 28672,
 Usage::
 
   python -m benchmarks.xla_ring --topology v5e:2x4 --tp 4 --m 4096 \\
-    [--variants xla_ring1_float32,...] [--dtype float32] [--json]
+    [--variants xla_ring1_float32,...] [--dtype float32] [--json [FILE]]
 
-Exit status: 0; 2 a usage error (one line on stderr).
+Exit status: 0, or 2 for a usage error (one line on stderr): a table of
+modelled step times has no findings (exit 1 is never used). ``--json
+FILE`` writes the rows to FILE (the lines stay on stdout); ``--json``
+alone or ``--json -`` prints them on stdout (the lines then on stderr).
 """
 
 from __future__ import annotations
@@ -159,8 +162,7 @@ def main(argv=None) -> int:
         f"{row['defensive_copies']}",
         flush=True,
       )
-  if a.json:
-    _cli.print_json(rows)
+  _cli.write_json(a.json, rows)
   return _cli.EXIT_OK
 
 

@@ -234,11 +234,8 @@ def main(argv=None) -> int:
     ]
   else:
     bad = [r for r in rows if not r["exact"]]
-  if args.json:
-    _cli.print_json({"rows": rows, "findings": bad})
-  for r in bad:
-    print(f"finding: {r}", file=sys.stderr)
-  return _cli.EXIT_FINDING if bad else _cli.EXIT_OK
+  _cli.write_json(args.json, {"rows": rows, "findings": bad})
+  return _cli.print_findings([str(r) for r in bad], args.json)
 
 
 if __name__ == "__main__":

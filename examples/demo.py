@@ -18,6 +18,11 @@ Sections (one function each):
    version, and the flagship's timeline picture.
 
 Run with ``make demo`` (no TPU needed).
+
+Exit status: 0 when every section's check holds; 1 a finding: a section
+whose check fails (numerics differ from JAX's, a copy or an empty window
+in the TPU HLO), named on a ``finding:`` line and in the JSON's
+``"findings"``; 2 a usage error.
 """
 
 import os
@@ -292,12 +297,16 @@ def main(argv=None) -> int:
       raise _cli.UsageError(
         f"--sections: unknown section {s!r}; choose from {', '.join(SECTIONS)}"
       )
+  bad = []
   with _cli.human_output(a.json):
     for s in _cli.progress(names, "demo", unit="section"):
-      globals()[s]()
-  if a.json:
-    _cli.print_json({"sections": names, "ok": True})
-  return 0
+      try:
+        globals()[s]()
+      except AssertionError as e:
+        first = str(e).strip().splitlines() or ["AssertionError"]
+        bad.append(f"{s}: {first[0]}")
+  _cli.write_json(a.json, {"sections": names, "ok": not bad, "findings": bad})
+  return _cli.print_findings(bad, a.json)
 
 
 if __name__ == "__main__":

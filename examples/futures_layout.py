@@ -4,6 +4,9 @@ The treedef of a ppermute future, the jaxpr of start/done, and the start and
 done custom calls in the TPU ``v5e:2x4`` HLO of the same program::
 
   python examples/futures_layout.py
+
+Exit status: 0, or 2 for a usage error: it prints evidence and has no
+findings (exit 1 is never used).
 """
 
 import os
@@ -43,13 +46,16 @@ def program(mesh):
 
 
 def main(argv=None) -> int:
-  p = _cli.parser("python examples/futures_layout.py", __doc__.split("\n")[0])
+  p = _cli.parser(
+    "python examples/futures_layout.py",
+    __doc__.split("\n")[0],
+    epilog=_cli.describe(__doc__.rsplit("\n\n", 1)[1]),
+  )
   a = p.parse_args(argv)
   with _cli.human_output(a.json):
     lines = _show()
-  if a.json:
-    _cli.print_json({"kernels": lines})
-  return 0
+  _cli.write_json(a.json, {"kernels": lines})
+  return _cli.EXIT_OK
 
 
 def _show() -> list[str]:

@@ -145,9 +145,8 @@ def main(argv=None) -> int:
     measure(t, name, remat)
     for t, name, remat in _cli.progress(jobs, "compiling", unit="program")
   ]
-  if args.json:
-    _cli.print_json(rows)
-  else:
+  _cli.write_json(args.json, rows)
+  if not _cli.json_to_stdout(args.json):
     print(
       f"{'topology':9s} {'program':28s} {'fwd overlapped':>15s} "
       f"{'bwd overlapped':>15s} {'defensive':>9s} {'in-flight':>9s}"
@@ -159,8 +158,15 @@ def main(argv=None) -> int:
         f"{r['bwd_overlapped']:>8d}/{r['bwd_pairs']:<6d} "
         f"{r['defensive']:9d} {r['inflight']:9d}"
       )
-  bad = any(r["defensive"] or r["inflight"] for r in rows)
-  return _cli.EXIT_FINDING if bad else _cli.EXIT_OK
+  return _cli.print_findings(
+    [
+      f"{r['program']} on {r['topology']}: {r['defensive']} defensive, "
+      f"{r['inflight']} in-flight copies"
+      for r in rows
+      if r["defensive"] or r["inflight"]
+    ],
+    args.json,
+  )
 
 
 if __name__ == "__main__":

@@ -128,15 +128,14 @@ def main(argv=None) -> int:
     errors[name] = float(jnp.max(jnp.abs(shmap(fn)(*args) - want)))
   # The Llama-style gated MLP, sequence parallel: B tokens, same D and F.
   errors.update(llama_errors(mesh, b, d, f))
-  if not a.json:
+  if not _cli.json_to_stdout(a.json):
     for name, err in errors.items():
       print(f"{name:14s} max |err| vs jit = {err:.2e}")
   bad = [n for n, e in errors.items() if not e < 1e-4]
-  if a.json:
-    _cli.print_json({"max_abs_err_vs_jit": errors, "bad": bad})
-  for n in bad:
-    print(f"finding: {n} differs from jit by {errors[n]:.2e}", file=sys.stderr)
-  return _cli.EXIT_FINDING if bad else _cli.EXIT_OK
+  _cli.write_json(a.json, {"max_abs_err_vs_jit": errors, "bad": bad})
+  return _cli.print_findings(
+    [f"{n} differs from jit by {errors[n]:.2e}" for n in bad], a.json
+  )
 
 
 if __name__ == "__main__":

@@ -133,7 +133,9 @@ def train(args, b, d, f) -> int:
     for name, step in steps.items():
       params[name], loss = step(params[name], x.astype(dtype), target)
       history[name].append(float(loss))
-    if not args.json and (i % args.every == 0 or i == args.steps - 1):
+    if not _cli.json_to_stdout(args.json) and (
+      i % args.every == 0 or i == args.steps - 1
+    ):
       print(
         f"step {i:4d}  loss asyncops {history['asyncops'][-1]:.6f}  "
         f"lax {history['lax'][-1]:.6f}"
@@ -142,27 +144,26 @@ def train(args, b, d, f) -> int:
   rel = float(np.max(np.abs(ours - ref) / np.maximum(np.abs(ref), 1e-12)))
   tol = 1e-4 if dtype == jnp.float32 else 3e-2
   fell = ours[-1] < 0.5 * ours[0]
-  ok = rel <= tol and fell
-  if args.json:
-    _cli.print_json(
-      {
-        "losses": history,
-        "max_rel_diff": rel,
-        "tolerance": tol,
-        "loss_fell": bool(fell),
-      }
-    )
-  else:
+  bad = ["the loss did not halve"] if not fell else []
+  if rel > tol:
+    bad.append("losses differ from the lax program")
+  _cli.write_json(
+    args.json,
+    {
+      "losses": history,
+      "max_rel_diff": rel,
+      "tolerance": tol,
+      "loss_fell": bool(fell),
+      "findings": bad,
+    },
+  )
+  if not _cli.json_to_stdout(args.json):
     print(
       f"loss {ours[0]:.6f} -> {ours[-1]:.6f} in {args.steps} steps; "
       f"max relative difference from the lax program {rel:.2e} "
       f"(tolerance {tol:.0e})"
     )
-  if not fell:
-    print("finding: the loss did not halve", file=sys.stderr)
-  if rel > tol:
-    print("finding: losses differ from the lax program", file=sys.stderr)
-  return _cli.EXIT_OK if ok else _cli.EXIT_FINDING
+  return _cli.print_findings(bad, args.json)
 
 
 def hlo(args, b, d, f) -> int:
@@ -195,9 +196,13 @@ def hlo(args, b, d, f) -> int:
     "defensive_copies": len(report.defensive_copies),
     "inflight_copies": len(report.inflight_copies),
   }
-  if args.json:
-    _cli.print_json({"topology": args.hlo, **counts})
-  else:
+  bad = [
+    f"train step on {args.hlo}: {counts['defensive_copies']} defensive, "
+    f"{counts['inflight_copies']} in-flight copies"
+  ]
+  bad = bad if counts["defensive_copies"] or counts["inflight_copies"] else []
+  _cli.write_json(args.json, {"topology": args.hlo, **counts, "findings": bad})
+  if not _cli.json_to_stdout(args.json):
     print(report.summary())
     print(
       f"train step on {args.hlo} ({args.dtype}, B,D,F = {b},{d},{f}, "
@@ -207,8 +212,7 @@ def hlo(args, b, d, f) -> int:
       f"{counts['backward_pairs']}; {counts['defensive_copies']} defensive, "
       f"{counts['inflight_copies']} in-flight copies"
     )
-  bad = counts["defensive_copies"] or counts["inflight_copies"]
-  return _cli.EXIT_FINDING if bad else _cli.EXIT_OK
+  return _cli.print_findings(bad, args.json)
 
 
 def main(argv=None) -> int:

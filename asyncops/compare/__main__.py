@@ -9,7 +9,6 @@ Exit status: 0 clean; 1 a side has a defensive or in-flight copy; 2 a
 usage error (one line on stderr).
 """
 
-import json
 import os
 import sys
 
@@ -62,17 +61,12 @@ def main(argv=None) -> int:
     for side in ("value", "ref")
     if r[side]["defensive"] or r[side]["inflight"]
   ]
-  if a.json:
-    print(
-      json.dumps(
-        {"topology": a.topology, "rows": table, "findings": bad}, indent=2
-      )
-    )
-  else:
+  _cli.write_json(
+    a.json, {"topology": a.topology, "rows": table, "findings": bad}, indent=2
+  )
+  if not _cli.json_to_stdout(a.json):
     print(format_table(a.topology, table))
-    for line in bad:
-      print(f"finding: {line}")
-  return _cli.EXIT_FINDING if bad else _cli.EXIT_OK
+  return _cli.print_findings(bad, a.json)
 
 
 if __name__ == "__main__":

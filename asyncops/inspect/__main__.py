@@ -3,7 +3,7 @@
 Usage::
 
   python -m asyncops.inspect MODULE:FUNCTION [--topology v5e:2x4]
-      [--json] [--hlo FILE] [--require-overlap]
+      [--json [FILE]] [--hlo FILE] [--require-overlap]
 
 ``FUNCTION`` returns ``(jitted, args)``: a ``jax.jit`` function and the
 (abstract) arguments to compile it for, with shardings over a TPU mesh
@@ -16,6 +16,11 @@ defensive copy, a transfer buffer that does not live until its done, with
 ``--require-overlap`` a start/done pair with nothing in its window) or a
 program asyncops refused while tracing it; 2 a usage error (bad module,
 function, topology or return value), one line on stderr.
+
+``--json`` alone prints the report as JSON on stdout; ``--json FILE``
+writes it to FILE and prints the summary. ``--json MODULE:FUNCTION`` (the
+target right after the flag) is the target, not a file, as before
+``--json`` took one; ``--json=FILE`` is never ambiguous.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import json
 import os
 import sys
 import traceback
@@ -182,8 +186,8 @@ def main(argv=None) -> int:
     ]
   if a.json:
     data.update(target=a.target, topology=a.topology, findings=findings)
-    print(json.dumps(data, indent=2))
-  else:
+    _cli.write_json(a.json, data, indent=2)
+  if not _cli.json_to_stdout(a.json):
     print(f"{a.target} on {a.topology}")
     print(report.summary())
     print(
