@@ -266,6 +266,65 @@ def test_guard_refuses_x_evicted_beside_vmem_slots():
     asyncops.jit(fn).lower(*args).compile()
 
 
+def scoped(u, mib):
+  """The user's kernel using ``mib - 4`` MiB of scratch VMEM under a
+  ``vmem_limit_bytes`` of ``mib`` MiB (scoped: only while it runs)."""
+  rows = (mib - 4) * 256
+
+  def kernel(u_ref, o_ref, s_ref):
+    def body(i, c):
+      s_ref[pl.ds(i * 256, 256), :] = jnp.ones((256, 1024), jnp.float32)
+      return c
+
+    jax.lax.fori_loop(0, rows // 256, body, 0)
+    o_ref[...] = u_ref[...] + s_ref[pl.ds(0, 8), :]
+
+  return pl.pallas_call(
+    kernel,
+    out_shape=jc.shape_like(u),
+    scratch_shapes=[pltpu.VMEM((rows, 1024), jnp.float32)],
+    compiler_params=pltpu.CompilerParams(vmem_limit_bytes=mib * MiB),
+  )(u)
+
+
+@pytest.mark.parametrize(
+  "topology,op", [("v5e:2x4", "ag"), ("v6e:2x4", "ag"), ("v5e:2x4", "rs")]
+)
+def test_user_scoped_vmem_beside_the_op_compiles(topology, op):
+  """A user kernel with its own 120 MiB scoped VMEM limit, independent of
+  the op: compiles with the receive buffer in VMEM (XLA runs it after
+  the done, when nothing of ours is pinned), no retry."""
+  mesh = tpu_mesh(topology, (1, TP), ("x", "y"))
+  xs, ws, specs = _layout(op, 1024)
+  args = [
+    jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+    for s, p in zip((xs, ws), specs, strict=True)
+  ]
+  cols = P(None, "y")
+  args.append(
+    jax.ShapeDtypeStruct(
+      (8, TP * 1024), jnp.float32, sharding=NamedSharding(mesh, cols)
+    )
+  )
+
+  def f(x, w, u):
+    fn = cm.allgather_matmul if op == "ag" else cm.matmul_reducescatter
+    return fn(x, w, "y", method="fused"), scoped(u, 120)
+
+  fn = jax.shard_map(
+    f, mesh=mesh, in_specs=(*specs, cols), out_specs=(P("x", "y"), cols)
+  )
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", FusedVmemWarning)
+    text = asyncops.jit(fn).lower(*args).compile().as_text()
+  assert in_vmem(text, recv_shape(op, 1024)) == (op == "rs" or jc.AG_RECV_VMEM)
+  entry = text[text.index("\nENTRY") :]  # in schedule order
+  name = "allgather" if op == "ag" else "reducescatter"
+  done = entry.index(f"%asyncops_ring_{name}_done")
+  user = re.search(r"%shard_map\.\d+ = f32\[8,1024\]", entry)
+  assert user and user.start() > done
+
+
 def test_asyncops_jit_raises_when_hbm_does_not_help():
   """A user buffer too large with the receive buffer in HBM too (96 MiB
   at v5e, M 1024): the first error, no warning, no other program."""
