@@ -266,6 +266,41 @@ def test_guard_refuses_x_evicted_beside_vmem_slots():
     asyncops.jit(fn).lower(*args).compile()
 
 
+@pytest.mark.parametrize("topology,mib", [("v5e:2x4", 32), ("v6e:2x4", 48)])
+def test_mlp_block_beside_user_vmem(topology, mib):
+  """``mlp_block`` (auto: both fused kernels, M 1024) with the user's
+  buffer across it: plain ``jax.jit`` refused (v5e 32 MiB, v6e 48; 24
+  and 32 compile), ``fused_vmem(recv_max_bytes=0)`` compiles it with
+  both receive buffers in HBM, and ``asyncops.jit`` gives that program
+  with one warning."""
+  m = 1024
+  mesh = tpu_mesh(topology, (1, TP), ("x", "y"))
+  specs = (P("x", "y"), P(None, "y"), P("y", None))
+  shapes = ((m, 8192), (8192, 28672), (28672, 8192))
+  args = [
+    jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+    for s, p in zip(shapes, specs, strict=True)
+  ]
+
+  def f(x, w_in, w_out):
+    x, buf = produce(x, mib)
+    y = cm.mlp_block(x, w_in, w_out, "y")
+    return y, consume(buf, y)
+
+  fn = jax.shard_map(
+    f, mesh=mesh, in_specs=specs, out_specs=(P("x", "y"), P("x", "y"))
+  )
+  with pytest.raises(jax.errors.JaxRuntimeError, match="vmem"):
+    jax.jit(fn).lower(*args).compile()
+  with fused_vmem(recv_max_bytes=0):
+    want = jax.jit(fn).lower(*args).compile().as_text()
+  assert "ring_allgather_matmul" in want and "ring_reducescatter" in want
+  assert not in_vmem(want, recv_shape("ag", m))
+  with pytest.warns(FusedVmemWarning):
+    text = asyncops.jit(fn).lower(*args).compile().as_text()
+  assert instructions(text) == instructions(want)
+
+
 def scoped(u, mib):
   """The user's kernel using ``mib - 4`` MiB of scratch VMEM under a
   ``vmem_limit_bytes`` of ``mib`` MiB (scoped: only while it runs)."""
