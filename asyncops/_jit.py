@@ -10,12 +10,23 @@ or a source XLA may free early raises :class:`CopyHazardError` before
 anything runs. Programs compiled for other platforms (the CPU emulation)
 are not checked: they have no DMA to endanger.
 
+A TPU compile XLA refuses for VMEM (``RESOURCE_EXHAUSTED`` naming
+``vmem``, or "Too many buffers are colored in the alternate memory"; e.g.
+a user's Pallas kernel holding a large VMEM output across the fused
+collective matmuls, whose receive buffers sit in VMEM) is lowered and
+compiled once more with those receive buffers in HBM
+(:func:`asyncops.collective_matmul.fused_vmem` with ``recv_max_bytes=0``,
+the results are the same), with one
+:class:`asyncops.collective_matmul.FusedVmemWarning`; where that
+changes nothing in the program, or fails too, the first error is raised.
+
 Cost: the check parses the HLO text the compile already produced and walks
 it once; it adds no compile. ``Jitted.last_check_seconds`` holds the time
 of the last check (``benchmarks/`` and ``design/scheduling.md`` quote it).
 """
 
 import functools
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -24,10 +35,20 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from asyncops.collective_matmul import _vmem
 from asyncops.inspect import _guard
 
 Check = Literal["raise", "warn", "off"]
 _CHECKS = ("raise", "warn", "off")
+
+
+def _vmem_refused(e: Exception) -> bool:
+  """Whether ``e`` is XLA refusing a program for VMEM (a scoped VMEM out
+  of memory, or too many buffers colored in the alternate memory)."""
+  msg = str(e)
+  if "colored in the alternate memory" in msg:  # FAILED_PRECONDITION
+    return True
+  return "RESOURCE_EXHAUSTED" in msg and "vmem" in msg.lower()
 
 
 def _static_positions(kwargs: dict[str, Any]) -> tuple[set[int], set[str]]:
@@ -158,7 +179,11 @@ class Jitted:
     return _Traced(self.__wrapped_jit__.trace(*args, **kwargs), self)
 
   def lower(self, *args: Any, **kwargs: Any) -> "_Lowered":
-    return _Lowered(self.__wrapped_jit__.lower(*args, **kwargs), self)
+    return _Lowered(
+      self.__wrapped_jit__.lower(*args, **kwargs),
+      self,
+      lambda: self.__wrapped_jit__.lower(*args, **kwargs),
+    )
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self.__wrapped_jit__, name)
@@ -168,14 +193,54 @@ class Jitted:
 
 
 class _Lowered:
-  """``jax.stages.Lowered`` whose ``compile()`` runs the copy guard."""
+  """``jax.stages.Lowered`` whose ``compile()`` runs the copy guard and
+  retries a program XLA refuses for VMEM with the fused collective
+  matmuls' receive buffers in HBM (``relower``: the same lowering, redone
+  inside ``fused_vmem(recv_max_bytes=0)``)."""
 
-  def __init__(self, lowered: Any, owner: Jitted):
+  def __init__(self, lowered: Any, owner: Jitted, relower: Callable[[], Any]):
     self._lowered = lowered
     self._owner = owner
+    self._relower = relower
 
   def compile(self, *args: Any, **kwargs: Any) -> Any:
-    return self._owner._guard(self._lowered.compile(*args, **kwargs))
+    try:
+      compiled = self._lowered.compile(*args, **kwargs)
+    except Exception as e:
+      if not _vmem_refused(e):
+        raise
+      compiled = self._compile_recv_in_hbm(e, args, kwargs)
+    return self._owner._guard(compiled)
+
+  def _compile_recv_in_hbm(self, error: Exception, args, kwargs) -> Any:
+    """The program lowered again with every receive buffer in HBM and
+    compiled, with one warning; ``error`` if that lowering is the same
+    program (nothing of ours in VMEM) or fails to compile too."""
+    with _vmem.fused_vmem(recv_max_bytes=0):
+      lowered = self._relower()
+    if lowered.as_text() == self._lowered.as_text():
+      raise error
+    try:
+      compiled = lowered.compile(*args, **kwargs)
+    except Exception:
+      raise error from None
+    msg = str(error)
+    first = msg.strip().splitlines()[0][:120]
+    why = re.search(r"Scoped allocation with size \S+ and limit \S+", msg)
+    first += f" {why[0]}" if why else ""
+    warnings.warn(
+      f"asyncops.jit({self._owner.__name__}): XLA refused the program for "
+      f"VMEM ({first}); compiled it with the fused collective matmuls' "
+      "receive buffers in HBM instead (same results, slower where they "
+      "were in VMEM). To choose this up front and skip the failed "
+      "compile, call or lower inside "
+      "asyncops.collective_matmul.fused_vmem(recv_max_bytes=0), or give "
+      "your own kernels less VMEM.",
+      _vmem.FusedVmemWarning,
+      stacklevel=3,
+    )
+    self._lowered = lowered
+    return compiled
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._lowered, name)
@@ -189,7 +254,11 @@ class _Traced:
     self._owner = owner
 
   def lower(self, *args: Any, **kwargs: Any) -> _Lowered:
-    return _Lowered(self._traced.lower(*args, **kwargs), self._owner)
+    return _Lowered(
+      self._traced.lower(*args, **kwargs),
+      self._owner,
+      lambda: self._traced.lower(*args, **kwargs),
+    )
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._traced, name)
@@ -208,7 +277,12 @@ def jit(
   ``.lower(...).compile()``, the compiled HLO is checked: **a copy of a
   buffer in flight, a defensive copy of a transfer's buffer, a write into
   one inside its window, or a source XLA may free early is refused before
-  anything runs**, with the user's source line of the start.
+  anything runs**, with the user's source line of the start. A TPU
+  compile XLA refuses for VMEM is retried once with the fused collective
+  matmuls' receive buffers in HBM
+  (``asyncops.collective_matmul.fused_vmem(recv_max_bytes=0)``: same
+  results), with a ``FusedVmemWarning``; plain ``jax.jit`` raises XLA's
+  error (``RESOURCE_EXHAUSTED: ... vmem``) and the fix is that context.
 
   Args:
     fun: the function; omit it to use ``jit(check=...)`` as a decorator.

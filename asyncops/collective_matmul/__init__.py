@@ -13,3 +13,8 @@ from asyncops.collective_matmul._reducescatter import (
 from asyncops.collective_matmul._torus import (
   torus_allgather_matmul as torus_allgather_matmul,
 )
+from asyncops.collective_matmul._vmem import FusedVmem as FusedVmem
+from asyncops.collective_matmul._vmem import (
+  FusedVmemWarning as FusedVmemWarning,
+)
+from asyncops.collective_matmul._vmem import fused_vmem as fused_vmem

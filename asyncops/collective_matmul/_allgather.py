@@ -148,7 +148,16 @@ def allgather_matmul(
       panels, larger rows, jax 0.9). **There it costs speed**: before
       the VMEM slots, ``"jit"`` took auto at 20 sweep points from
       0.48x-0.95x of the best XLA program's time to 0.74x-1.00x. Other
-      methods ignore it.
+      methods ignore it. **VMEM of your own**: the slots in VMEM (up to
+      14 MiB per device at the Llama shard's tp 8, 1024 rows) stay
+      there across the kernels; a program that keeps a large buffer of
+      its own in VMEM across this call (a Pallas kernel's VMEM output
+      read after it) can then be refused by XLA (``RESOURCE_EXHAUSTED:
+      ... CompileTimeScopedVmemOom``, e.g. 64 MiB of 128 on v5e, 72 on
+      v6e, at that shape) where HBM slots compiled. Lower it inside
+      :func:`fused_vmem` with ``recv_max_bytes=0`` (slots in HBM, same
+      results), or compile with ``asyncops.jit``, which retries so with
+      a :class:`FusedVmemWarning`.
 
   Returns:
     One array per weight, ``lhs.shape`` with ``gather_dim`` multiplied by

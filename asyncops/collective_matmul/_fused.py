@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncops import _jax_compat as jc
-from asyncops.collective_matmul import _chips, _wiring
+from asyncops.collective_matmul import _chips, _vmem, _wiring
 from asyncops.kernels import _allgather_matmul as agk
 from asyncops.kernels import _common
 from asyncops.kernels import _reducescatter_matmul as rsk
@@ -434,15 +434,17 @@ def _in_vmem(plan: AgPlan, device_kind: str | None) -> AgPlan:
   (``recv_in_out``), it runs one row panel, the buffer is at most
   ``_RECV_VMEM_BYTES`` and the compute kernel's VMEM, the buffer in
   place of its chunk double buffer, fits the chip's share
-  (``_VMEM_SHARE``). Elsewhere, and on jax 0.9
-  (``_jax_compat.AG_RECV_VMEM``), the HBM buffer stays."""
+  (``_VMEM_SHARE``) and the user's cap allows it (``_vmem.fused_vmem``).
+  Elsewhere, and on jax 0.9 (``_jax_compat.AG_RECV_VMEM``), the HBM
+  buffer stays."""
   spec = plan.spec
   if spec.recv_in_out or plan.panels > 1 or not jc.AG_RECV_VMEM:
     return plan
   vm = dataclasses.replace(spec, recv_vmem=True)
   need = agk.vmem_bytes(vm)
   budget = int(vmem_capacity(device_kind) * _VMEM_SHARE)
-  if need > budget or agk.recv_bytes(vm) > _RECV_VMEM_BYTES:
+  recv = agk.recv_bytes(vm)
+  if need > budget or recv > _RECV_VMEM_BYTES or not _vmem.recv_allowed(recv):
     return plan
   vm = dataclasses.replace(vm, vmem_limit=_limit(need, device_kind))
   return dataclasses.replace(plan, spec=vm)
@@ -809,7 +811,9 @@ def plan_reducescatter(
       limit = min(int(cap * 0.9), need + need // 4 + 2**22)
       spec = dataclasses.replace(spec, vmem_limit=limit)
       resident = rsk.resident_vmem_bytes(spec, recv_vmem=True)
-      recv_vmem = resident <= _RECV_VMEM_SHARE * cap
+      recv_vmem = resident <= _RECV_VMEM_SHARE * cap and _vmem.recv_allowed(
+        rsk.recv_bytes(spec)
+      )
       return RsPlan(dataclasses.replace(spec, recv_vmem=recv_vmem), panels)
     if rows <= sub:
       break

@@ -89,7 +89,11 @@ def matmul_reducescatter(
       Llama sweep's tp 8 and tp 4 M <= 512 on v5e and v6e), within the
       target, so ``"jit"`` changes nothing there; where they stay in
       HBM (tp 4, M >= 1024) **it costs speed**; see
-      :func:`allgather_matmul`.
+      :func:`allgather_matmul`. A program keeping VMEM of its own
+      across this call (32 MiB of 128 on v5e at the Llama shard's tp 8,
+      1024 rows) can be refused by XLA for VMEM: lower it inside
+      :func:`fused_vmem` with ``recv_max_bytes=0`` or compile with
+      ``asyncops.jit`` (see :func:`allgather_matmul`).
 
   Returns:
     ``lhs.shape[:-1] + (f,)`` with ``scatter_dim`` divided by ``n``, in
