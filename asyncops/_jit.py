@@ -19,6 +19,11 @@ compiled once more with those receive buffers in HBM
 the results are the same), with one
 :class:`asyncops.collective_matmul.FusedVmemWarning`; where that
 changes nothing in the program, or fails too, the first error is raised.
+A program the copy guard refuses gets the same second lowering, and runs
+in that form if the guard passes it: XLA may move a transfer's buffer to
+make room beside receive buffers in VMEM (v6e, the fused all-gather's
+``x`` evicted to HBM beside a user's 64 MiB VMEM buffer: "source not
+live"); otherwise the refusal stands.
 
 Cost: the check parses the HLO text the compile already produced and walks
 it once; it adds no compile. ``Jitted.last_check_seconds`` holds the time
@@ -49,6 +54,32 @@ def _vmem_refused(e: Exception) -> bool:
   if "colored in the alternate memory" in msg:  # FAILED_PRECONDITION
     return True
   return "RESOURCE_EXHAUSTED" in msg and "vmem" in msg.lower()
+
+
+def _first_line(e: Exception) -> str:
+  """``e``'s first line (120 characters), with XLA's scoped VMEM sizes."""
+  msg = str(e)
+  first = msg.strip().splitlines()[0][:120] if msg.strip() else repr(e)
+  why = re.search(r"Scoped allocation with size \S+ and limit \S+", msg)
+  return first + (f" {why[0]}" if why else "")
+
+
+# :class:`asyncops.inspect.Hazard` kinds, as the guard's message names them.
+_KINDS = (
+  "in-flight copy",
+  "defensive copy",
+  "semaphore copy",
+  "in-place write",
+  "source not live",
+  "destination not live",
+  "start with no done",
+)
+
+
+def _kinds(e: Exception) -> str:
+  """The hazard kinds a :class:`CopyHazardError` names, or its first line."""
+  found = [k for k in _KINDS if k in str(e)]
+  return ", ".join(found) if found else _first_line(e)
 
 
 def _static_positions(kwargs: dict[str, Any]) -> tuple[set[int], set[str]]:
@@ -112,22 +143,26 @@ class Jitted:
 
   # The check --------------------------------------------------------------
 
-  def _guard(self, compiled: Any) -> Any:
+  def _hazard(self, compiled: Any) -> _guard.CopyHazardError | None:
+    """The copy guard's refusal of ``compiled``, or None (also None off
+    TPU and with ``check="off"``)."""
     if self.check == "off" or _guard._platform(compiled) != "tpu":
-      return compiled
+      return None
     t0 = time.perf_counter()
     try:
       self.last_report = _guard.check_hlo(
         compiled.as_text(), f"asyncops.jit({self.__name__})"
       )
     except _guard.CopyHazardError as e:
+      return e
+    finally:
       self.last_check_seconds = time.perf_counter() - t0
-      if self.check == "raise":
-        raise
-      warnings.warn(str(e), _guard.CopyHazardWarning, stacklevel=3)
-    else:
-      self.last_check_seconds = time.perf_counter() - t0
-    return compiled
+    return None
+
+  def _refuse(self, error: _guard.CopyHazardError) -> None:
+    if self.check == "raise":
+      raise error
+    warnings.warn(str(error), _guard.CopyHazardWarning, stacklevel=4)
 
   def _key(self, args, kwargs) -> Any:
     nums, names = self._static
@@ -204,43 +239,63 @@ class _Lowered:
     self._relower = relower
 
   def compile(self, *args: Any, **kwargs: Any) -> Any:
+    owner = self._owner
     try:
       compiled = self._lowered.compile(*args, **kwargs)
     except Exception as e:
       if not _vmem_refused(e):
         raise
-      compiled = self._compile_recv_in_hbm(e, args, kwargs)
-    return self._owner._guard(compiled)
+      retry = self._recv_in_hbm(args, kwargs)
+      if retry is None:
+        raise e from None
+      self._warn(f"XLA refused the program for VMEM ({_first_line(e)})")
+      self._lowered, compiled = retry
+      hazard = owner._hazard(compiled)
+      if hazard is not None:
+        owner._refuse(hazard)
+      return compiled
+    hazard = owner._hazard(compiled)
+    if hazard is None:
+      return compiled
+    # XLA may move a buffer of ours out of its place to make room beside
+    # receive buffers in VMEM (the fused all-gather's ``x`` evicted to
+    # HBM beside a user's 64 MiB VMEM buffer, v6e: "source not live"):
+    # the program with them in HBM, if the guard passes it, is as good.
+    retry = self._recv_in_hbm(args, kwargs)
+    if retry is not None and owner._hazard(retry[1]) is None:
+      self._warn(
+        "the copy guard refused the program with the fused collective "
+        f"matmuls' receive buffers in VMEM ({_kinds(hazard)})"
+      )
+      self._lowered, compiled = retry
+      return compiled
+    owner._refuse(hazard)
+    return compiled
 
-  def _compile_recv_in_hbm(self, error: Exception, args, kwargs) -> Any:
-    """The program lowered again with every receive buffer in HBM and
-    compiled, with one warning; ``error`` if that lowering is the same
-    program (nothing of ours in VMEM) or fails to compile too."""
+  def _recv_in_hbm(self, args, kwargs) -> tuple[Any, Any] | None:
+    """``(lowered, compiled)``: the program lowered again with every
+    receive buffer in HBM; None where that is the same program (nothing
+    of ours in VMEM) or XLA refuses it too."""
     with _vmem.fused_vmem(recv_max_bytes=0):
       lowered = self._relower()
     if lowered.as_text() == self._lowered.as_text():
-      raise error
+      return None
     try:
-      compiled = lowered.compile(*args, **kwargs)
+      return lowered, lowered.compile(*args, **kwargs)
     except Exception:
-      raise error from None
-    msg = str(error)
-    first = msg.strip().splitlines()[0][:120]
-    why = re.search(r"Scoped allocation with size \S+ and limit \S+", msg)
-    first += f" {why[0]}" if why else ""
+      return None
+
+  def _warn(self, why: str) -> None:
     warnings.warn(
-      f"asyncops.jit({self._owner.__name__}): XLA refused the program for "
-      f"VMEM ({first}); compiled it with the fused collective matmuls' "
-      "receive buffers in HBM instead (same results, slower where they "
-      "were in VMEM). To choose this up front and skip the failed "
-      "compile, call or lower inside "
+      f"asyncops.jit({self._owner.__name__}): {why}; compiled it with the "
+      "fused collective matmuls' receive buffers in HBM instead (same "
+      "results, slower where they were in VMEM). To choose this up front "
+      "and skip the failed compile, call or lower inside "
       "asyncops.collective_matmul.fused_vmem(recv_max_bytes=0), or give "
       "your own kernels less VMEM.",
       _vmem.FusedVmemWarning,
-      stacklevel=3,
+      stacklevel=4,
     )
-    self._lowered = lowered
-    return compiled
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self._lowered, name)
@@ -283,6 +338,9 @@ def jit(
   (``asyncops.collective_matmul.fused_vmem(recv_max_bytes=0)``: same
   results), with a ``FusedVmemWarning``; plain ``jax.jit`` raises XLA's
   error (``RESOURCE_EXHAUSTED: ... vmem``) and the fix is that context.
+  So is a program the guard refuses, where the receive buffers in HBM
+  make it pass (XLA evicting a transfer's source to make room in VMEM).
+  **Plain ``jax.jit`` runs such a program unchecked.**
 
   Args:
     fun: the function; omit it to use ``jit(check=...)`` as a decorator.
