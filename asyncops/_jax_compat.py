@@ -73,6 +73,12 @@ __all__ = [
 #   default: our explicit ids stand) and makes ``pl.kernel`` alias only
 #   written Refs (we alias explicitly with ``pallas_call``'s
 #   ``input_output_aliases``, unaffected).
+# - (measured, not in the changelogs) 0.9's Pallas types a kernel's refs
+#   with their operands' varying manual axes, 0.10's with none; an output
+#   declared by memory space (``pltpu.VMEM(shape, dtype)``, ``HBM``)
+#   varies over none in both (``kernels._common.vary_like`` types it as
+#   its input varies: a ``lax.cond`` between reads of both then
+#   type-checks on 0.9).
 # - jax.extend.core gained ``jaxprs_in_params`` in 0.10.0; state effects
 #   name their operand ``input`` (0.10) or ``input_index`` (0.9).
 
@@ -111,16 +117,6 @@ REF_INTO_SHARD_MAP = JAX_VERSION >= (0, 10)
 # libtpu of jax 0.10 (0.0.42) compiles them (tests/test_dtypes_tpu.py).
 # Older jax refuses those dtypes at trace time, naming the fix.
 NARROW_DMA = JAX_VERSION >= (0, 10)
-
-# The fused all-gather's receive buffer in VMEM (``AgSpec.recv_vmem``): its
-# compute kernel picks, under ``lax.cond``, between a read of ``x`` (an
-# input) and a read of the receive buffer (the start's VMEM output). jax
-# 0.9 types the first as varying over the ``shard_map``'s manual axes and
-# the second as not, ``cond`` refuses the mismatch, and ``lax.pcast`` is a
-# no-op inside a kernel; jax 0.10 types both alike. On 0.9 the buffer stays
-# in HBM (issue 15's memory target is then missed at the Llama shard's tp 8
-# M = 16 to 256, as before branch h-agslots).
-AG_RECV_VMEM = JAX_VERSION >= (0, 10)
 
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY

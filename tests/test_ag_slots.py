@@ -175,10 +175,7 @@ def test_plan_puts_the_llama_tp8_buffer_in_vmem(chip, m):
   slots cannot be the result's rows): one panel, the buffer in VMEM, the
   compute kernel's limit covering it."""
   plan = _llama_plan(chip, 8, m)
-  # jax 0.9: the buffer stays in HBM (``_jax_compat.AG_RECV_VMEM``).
-  assert plan.panels == 1 and plan.spec.recv_vmem == jc.AG_RECV_VMEM
-  if not jc.AG_RECV_VMEM:
-    return
+  assert plan.panels == 1 and plan.spec.recv_vmem
   assert not plan.spec.recv_in_out
   assert plan.spec.vmem_limit >= agk.vmem_bytes(plan.spec)
 
@@ -218,3 +215,35 @@ def test_plan_keeps_the_hbm_buffer_over_the_vmem_share():
   share = _fused.vmem_capacity("TPU v4") * _fused._VMEM_SHARE
   assert agk.vmem_bytes(plan.spec) <= share < agk.vmem_bytes(vm)
   assert not plan.spec.recv_vmem
+
+
+@pytest.mark.parametrize("recv_vmem", [True, False])
+def test_start_types_its_receive_buffers_as_x_varies(recv_vmem):
+  """The start's receive outputs, declared by memory space
+  (``pltpu.VMEM`` or HBM: no manual axes), leave it typed as varying over
+  ``x``'s manual axes (``_common.vary_like``, branch h-ag09). jax 0.9
+  types the compute kernel's refs by their operands' axes: untyped, its
+  ``lax.cond`` between a read of ``x`` and one of the VMEM buffer failed
+  there ("cond branches must have equal output types"), and the buffer
+  was kept in HBM on 0.9."""
+  mesh = u.cpu_mesh((2, 4))
+  bf = "bfloat16"
+  spec = agk.AgSpec(
+    "y", ("x", "y"), 4, 16, 256, 512, bf, bf, bf, recv_vmem=recv_vmem
+  )
+  seen = {}
+
+  def body(x):
+    recvs, _, _ = agk.start((x,), spec=spec)
+    seen["x"] = jc.varying_axes(x)
+    seen["recv"] = [jc.varying_axes(r) for r in recvs]
+    return x
+
+  x = jax.ShapeDtypeStruct(
+    (32, 1024), jnp.bfloat16, sharding=jax.NamedSharding(mesh, P("x", "y"))
+  )
+  jax.jit(
+    jax.shard_map(body, mesh=mesh, in_specs=P("x", "y"), out_specs=P("x", "y"))
+  ).trace(x)
+  assert seen["x"] == {"x", "y"}
+  assert seen["recv"] == [{"x", "y"}]

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import (
   _auto,
   _fused,
@@ -193,13 +192,7 @@ def test_jit_keeps_the_fused_kernel_within_the_target(chip, fam, n, m):
   c = _llama(fam, chip, n, m, memory="jit")
   slots, chunk = _slots(fam, chip, n, m)
   over = _auto._slots_over(_auto.CHIPS[chip], n, chunk, slots)
-  if fam == "ag" and not jc.AG_RECV_VMEM and over is not None:
-    # jax 0.9: the all-gather's tp 8 slots stay in HBM, over the target
-    # on v5e and v6e (``_jax_compat.AG_RECV_VMEM``).
-    assert (chip, n) in (("v5e", 8), ("v6e", 8)), (chip, n)
-    assert c.method not in FUSED, c
-    return
-  assert _auto._slots_over(_auto.CHIPS[chip], n, chunk, slots) is None
+  assert over is None
   assert c.method in FUSED, c
   assert c == _llama(fam, chip, n, m)
 
@@ -344,13 +337,6 @@ def test_default_and_jit_within_jit_plus_a_chunk(topology, family):
   to 1.27), and ``"jit"`` runs the same fused kernel."""
   _, jit = _alloc(family, topology, None)
   assert jit < CHUNK  # jit holds no chunks or partial sums here
-  if family == "ag" and not jc.AG_RECV_VMEM:
-    # jax 0.9: the all-gather's slots stay in HBM; "jit" runs XLA's.
-    [(_, c)], alloc = _alloc(family, topology, "jit")
-    assert c.method == "xla" and alloc <= jit + 2 * CHUNK, c
-    [(_, c)], alloc = _alloc(family, topology, "fastest")
-    assert c.method in FUSED and alloc > jit + 2 * CHUNK, c
-    return
   for memory in ("fastest", "jit"):
     [(_, c)], alloc = _alloc(family, topology, memory)
     assert c.method in FUSED, (memory, c)

@@ -435,10 +435,9 @@ def _in_vmem(plan: AgPlan, device_kind: str | None) -> AgPlan:
   ``_RECV_VMEM_BYTES`` and the compute kernel's VMEM, the buffer in
   place of its chunk double buffer, fits the chip's share
   (``_VMEM_SHARE``) and the user's cap allows it (``_vmem.fused_vmem``).
-  Elsewhere, and on jax 0.9 (``_jax_compat.AG_RECV_VMEM``), the HBM
-  buffer stays."""
+  Elsewhere the HBM buffer stays."""
   spec = plan.spec
-  if spec.recv_in_out or plan.panels > 1 or not jc.AG_RECV_VMEM:
+  if spec.recv_in_out or plan.panels > 1:
     return plan
   vm = dataclasses.replace(spec, recv_vmem=True)
   need = agk.vmem_bytes(vm)

@@ -991,7 +991,7 @@ def _start_call(kernel, xs, spec: AgSpec):
     )
   else:
     shapes = tuple(c.hbm_like(r) for r in _recv_shapes(xs[0], spec))
-  return pl.pallas_call(
+  out = pl.pallas_call(
     kernel,
     out_shape=shapes + (_sem_array(spec), _sem_array(spec)),
     in_specs=[c.ANY] * nq,
@@ -999,6 +999,11 @@ def _start_call(kernel, xs, spec: AgSpec):
     compiler_params=_recv_params(spec, spec.collective_id),
     name="asyncops_ring_allgather_start",
   )(*xs)
+  # The receive buffers vary as ``x`` does (their memory-space shapes
+  # carry no manual axes): on jax 0.9 the compute kernel's ``lax.cond``
+  # between a read of ``x`` and one of a VMEM buffer needs both refs typed
+  # alike (``c.vary_like``; no HLO).
+  return (*(c.vary_like(r, xs[0]) for r in out[:nq]), *out[nq:])
 
 
 def compute(me, xs, w, recvs, recv_sems, *, spec: AgSpec, out_shape, into=None):

@@ -251,6 +251,21 @@ def shape_like(x, shape=None, dtype=None) -> jax.ShapeDtypeStruct:
   )
 
 
+def vary_like(y, x):
+  """``y`` typed as varying over every manual axis ``x`` varies over too
+  (``lax.pcast``: no HLO; ``y`` as it is where it already does).
+
+  An output declared by memory space (``pltpu.VMEM(shape, dtype)``,
+  :func:`hbm_like`) varies over no manual axis; a kernel that takes it
+  beside ``x`` gets, on jax 0.9, refs of different types (its Pallas types
+  a kernel's refs with their operands' varying axes; 0.10's with none),
+  and a ``lax.cond`` between a read of each fails there."""
+  axes = jc.varying_axes(x) - jc.varying_axes(y)
+  if not axes:
+    return y
+  return jax.lax.pcast(y, tuple(sorted(axes)), to="varying")
+
+
 def shape_joint(shape, dtype, *xs) -> jax.ShapeDtypeStruct:
   """An output shape that varies over every manual axis any of ``xs`` does
   (a matmul's result varies wherever either operand does)."""
