@@ -73,9 +73,9 @@ def _weight_bound(family, chip, n, m):
 # kernel over the target (its receive slots, [2, n - 1, m, k / 2], in HBM;
 # jit at 0.13 to 0.27 MiB there). Since branch h-agslots the all-gather's
 # six (tp 8, M = 16 to 256) hold their slots in VMEM (``AG_VMEM``), and
-# since branch h-rsslots the reduce-scatter's 14 do too, but tp 4 M = 1024
-# (``RsSpec.recv_vmem``): the tests of the rule force them into HBM
-# (``_hbm_slots``).
+# since branch h-rsslots the reduce-scatter's 14 do too (tp 4 M = 1024
+# since branch h-rsvmem, ``RsSpec.recv_vmem``): the tests of the rule
+# force them into HBM (``_hbm_slots``).
 OVER = [
   (chip, fam, n, m)
   for chip in ("v5e", "v6e")
@@ -122,15 +122,16 @@ def test_the_default_picks_by_time_there(chip, fam, n, m):
   assert "memory target" not in c.reason
 
 
-# tp 4 M = 1024 keeps its buffer in HBM (117.25 MiB of VMEM with it,
-# over ``_fused._RECV_VMEM_SHARE``), still over the target.
-OVER_RS = [p for p in OVER if p[1] == "rs" and (p[2], p[3]) != (4, 1024)]
+# All 14 since branch h-rsvmem (tp 4 M = 1024: 87.25 MiB of VMEM with its
+# buffer; 117.25 before, over ``_fused._RECV_VMEM_SHARE``, kept it in HBM).
+OVER_RS = [p for p in OVER if p[1] == "rs"]
 
 
 @pytest.mark.parametrize("chip,fam,n,m", OVER_RS)
 def test_jit_keeps_the_fused_reducescatter_with_slots_in_vmem(chip, fam, n, m):
-  """Branch h-rsslots: at 12 of the reduce-scatter's 14 points the plan
-  holds the receive buffer in VMEM, so no HBM slots are counted
+  """Branch h-rsslots: at 12 of the reduce-scatter's 14 points (all 14
+  since branch h-rsvmem) the plan holds the receive buffer in VMEM, so no
+  HBM slots are counted
   (``_auto._rs_slots``, from the kernel's ``recv_hbm_bytes``) and
   ``"jit"`` keeps the default's fused kernel, estimate and reason."""
   kw = dict(precision="DEFAULT", device_kind=CHIP[chip])
@@ -145,7 +146,7 @@ def test_jit_keeps_the_fused_reducescatter_with_slots_in_vmem(chip, fam, n, m):
   c = _llama(fam, chip, n, m, memory="jit")
   assert c.method in FUSED, c
   # The one-way kernel's estimate is dropped where its own plan's slots
-  # are in HBM (tp 4, M = 1024: the next test); nothing else differs.
+  # are in HBM (the next test); nothing else differs.
   fast = _llama(fam, chip, n, m)
   uni = dict(fused_uni_us=None)
   assert dataclasses.replace(c, **uni) == dataclasses.replace(fast, **uni)
@@ -156,9 +157,10 @@ def test_jit_drops_a_one_way_kernel_with_hbm_slots(monkeypatch):
   """The one-way kernel's own plan (a wider ``w`` block, more scoped VMEM)
   may keep its receive buffer in HBM where the two-way kernel's is in
   VMEM: at the Llama shard's tp 8, M = 1024 on v5e with the share set
-  between the two (91.0 and 97.25 MiB of 128), under ``"jit"`` the
-  one-way kernel is no candidate (no estimate), the two-way kernel is."""
-  monkeypatch.setattr(_fused, "_RECV_VMEM_SHARE", 94 / 128)
+  between the two (66.0 and 69.75 MiB of 128 with their tight scoped
+  limits, ``rsk.steps_vmem_limit``), under ``"jit"`` the one-way kernel
+  is no candidate (no estimate), the two-way kernel is."""
+  monkeypatch.setattr(_fused, "_RECV_VMEM_SHARE", 68 / 128)
   kw = dict(precision="DEFAULT", device_kind=CHIP["v5e"])
   bf = jnp.bfloat16
   args = (1024, 28672 // 8, 8192 // 8, 8, bf, bf)

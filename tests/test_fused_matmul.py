@@ -396,6 +396,79 @@ def test_reducescatter_receive_buffer_in_vmem(n, directions, dtype, capfd):
   _check_interpreter_output(capfd)
 
 
+_RS_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v5p": "TPU v5p"}
+_LLAMA = (8192, 28672)
+
+
+@pytest.mark.parametrize(
+  "chip,shape,n,m,dtype,precision,vmem,room",
+  [
+    # The Llama-3-70B shard at tp 4: with the roomy limit over the share
+    # (v5e, v6e M = 1024: 117.25 of 128 MiB; v5p M = 512: 65.0 of 64),
+    # in VMEM with the tight one since branch h-rsvmem (87.25; 50.0).
+    ("v5e", _LLAMA, 4, 1024, "bfloat16", "DEFAULT", True, False),
+    ("v6e", _LLAMA, 4, 1024, "bfloat16", "DEFAULT", True, False),
+    ("v5p", _LLAMA, 4, 512, "bfloat16", "DEFAULT", True, False),
+    # Within the share with the roomy limit: kept (v5e tp 8 M = 1024,
+    # 91.0 of 128 MiB; v5p tp 8, 512-row panels, 51.9 of 64).
+    ("v5e", _LLAMA, 8, 1024, "bfloat16", "DEFAULT", True, True),
+    ("v5p", _LLAMA, 8, 4096, "bfloat16", "DEFAULT", True, True),
+    # float32 partial sums, 2048 rows of the chapter's shape on v5p: 57.75
+    # of 64 MiB even with the tight limit: in HBM, the roomy limit.
+    ("v5p", (2048, 8192), 8, 2048, "float32", "HIGHEST", False, True),
+  ],
+)
+def test_reducescatter_vmem_accounting(
+  chip, shape, n, m, dtype, precision, vmem, room
+):
+  """Branch h-rsvmem: Mosaic's scoped area holds the steps kernel's ``x``
+  and ``w`` blocks and scratch (``rsk.scoped_vmem_bytes``), not its VMEM
+  outputs, which XLA places beside it; the VMEM in use while it runs
+  (``resident_vmem_bytes``) is its scoped limit plus those outputs and
+  the receive buffer. The plan keeps the roomy limit (from
+  ``rsk.vmem_bytes``, outputs counted too) where the buffer fits
+  ``_RECV_VMEM_SHARE`` of the chip's VMEM with it, takes the tight one
+  (the scoped area's need) where only that fits, else leaves the buffer
+  in HBM (``_fused_matmul_tpu`` checks the sum against XLA's buffer
+  assignment)."""
+  d, f = shape
+  t = jnp.dtype(dtype)
+  plan = _fused.plan_reducescatter(
+    m,
+    f // n,
+    d // n,
+    n,
+    t,
+    t,
+    directions=2,
+    precision=precision,
+    device_kind=_RS_KINDS[chip],
+  )
+  spec = plan.spec
+  cap = _fused.vmem_capacity(_RS_KINDS[chip])
+  share = _fused._RECV_VMEM_SHARE * cap
+  half = spec.m * spec.ch
+  sent = (n - 1) * 2 * half * jnp.dtype(spec.dtype).itemsize
+  own = 2 * half * 4
+  recv = rsk.recv_bytes(spec)
+  assert rsk.sent_bytes(spec) == sent
+  outputs = sent + own + 2 * half * t.itemsize
+  scoped = rsk.scoped_vmem_bytes(spec)
+  assert scoped == rsk.vmem_bytes(spec) - outputs
+  limits = {r: rsk.steps_vmem_limit(spec, cap, room=r) for r in (True, False)}
+  assert limits[False] == min(int(0.9 * cap), scoped * 5 // 4 + 2**22)
+  assert limits[False] < limits[True]
+  assert spec.vmem_limit == limits[room]
+  resident = rsk.resident_vmem_bytes(spec, recv_vmem=True)
+  assert resident == spec.vmem_limit + sent + own + recv
+  assert rsk.resident_vmem_bytes(spec, recv_vmem=False) == resident - recv
+  roomy = limits[True] + sent + own + recv
+  assert (roomy <= share) == (vmem and room)
+  assert (limits[False] + sent + own + recv <= share) == vmem
+  assert spec.recv_vmem == vmem, (resident / 2**20, plan)
+  assert rsk.recv_hbm_bytes(spec) == (0 if vmem else recv)
+
+
 def test_wrong_rows_are_caught(monkeypatch, capfd):
   """The interpreted check fails when a chunk meets the wrong rows of w."""
 

@@ -140,12 +140,11 @@ def allgather_matmul(
       chunk's send and receive buffers; where a fused pick is over it,
       auto runs XLA's program or a value ring instead (XLA's program
       where the matmul is bound by its weight read). The fused kernels
-      keep their receive slots in VMEM where they fit, so
-      the default meets the target at 70 of the 72 points of the
-      benchmark's Llama-3-70B MLP sweep (v5e, v6e, v5p; not ``n = 4``
-      reduce-scatter at 1024 rows per device on v5e and v6e) and
-      ``"jit"`` moves a pick only where the slots stay in HBM (row
-      panels, larger rows). **There it costs speed**: before
+      keep their receive slots in VMEM where they fit, so the default
+      meets the target at all 72 points of the benchmark's Llama-3-70B
+      MLP sweep (v5e, v6e, v5p) and ``"jit"`` moves a pick only where
+      the slots stay in HBM (row panels, larger rows). **There it costs
+      speed**: before
       the VMEM slots, ``"jit"`` took auto at 20 sweep points from
       0.48x-0.95x of the best XLA program's time to 0.74x-1.00x. Other
       methods ignore it. **VMEM of your own**: the slots in VMEM (up to

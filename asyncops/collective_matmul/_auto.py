@@ -663,12 +663,17 @@ def _x_copy_s(plan, k, t, chip, cal) -> float:
   prefetch, each panel's fill reads its rows from HBM, 11.2 us, and the
   two kernels' panels cost alike, 224.2 and 227.7 us; charged a panel's
   rows, 9.0 us, the one-way kernel ran, the model 1836.1 us against the
-  one-way value ring's 1766.2)."""
+  one-way value ring's 1766.2). The limit compared is the roomy one
+  (``rsk.steps_vmem_limit``) also where the plan tightened it to hold
+  the receive buffer in VMEM (branch h-rsvmem): the freed VMEM holds that
+  buffer, and the model's times there did not move (v6e tp 4 M = 1024,
+  two-way 200.6 us, one-way 218.2, before and after)."""
   spec = plan.spec
   x_bytes = spec.m * k * t
   x_all = x_bytes * max(plan.panels, 1)
   cap = _fused.vmem_capacity(f"TPU {chip.name}")
-  if spec.vmem_limit + x_all > cal.rs_x_vmem * cap:
+  limit = rsk.steps_vmem_limit(spec, cap, room=True)
+  if limit + x_all > cal.rs_x_vmem * cap:
     return 0.0
   return x_bytes / chip.hbm
 

@@ -481,9 +481,10 @@ class Cal:
       every chip takes v5e's.
     rs_x_vmem: XLA prefetches a fused reduce-scatter panel's ``x`` into
       VMEM (a ``copy-start``/``copy-done`` the kernel waits for) where
-      it fits beside the kernel's scoped VMEM limit within this share of
-      VMEM; the comparison of the two fused kernels charges its read
-      then (0: never), not their estimate against the rings and XLA.
+      it fits beside the kernel's scoped VMEM limit (the roomy one,
+      ``rsk.steps_vmem_limit``) within this share of VMEM; the
+      comparison of the two fused kernels charges its read then (0:
+      never), not their estimate against the rings and XLA.
       v6e 0.8, fit to the model at the prefill shape (tp 4, ``x`` [1024,
       7168] bf16,
       14 MiB): the two-way kernel (limit 85.25 MiB of 128) waits 8.0 us

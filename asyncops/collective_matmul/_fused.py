@@ -76,16 +76,20 @@ _SENT_BYTES = 16 * 2**20
 _RECV_VMEM_BYTES = 16 * 2**20
 # The reduce-scatter's receive buffer goes to VMEM (``RsSpec.recv_vmem``)
 # where the VMEM in use while its steps kernel runs (the scoped limit and
-# the sent partial sums, own products and receive buffer XLA places there,
-# ``rsk.resident_vmem_bytes``) stays within this share of the chip's VMEM,
-# else HBM. XLA refuses a program over all of it (v5e, tp 4, m 1024 of
-# the Llama-3-70B shard: 129.25 MiB of 128 failed, 127.25 compiled); the
-# rest is room for XLA's own VMEM buffers beside the kernels'. At 0.92
-# the Llama shard's tp 4 m >= 1024 plans (117.25 MiB) fit, and the MLP
-# around them lost time (v5e prefill: mlp 1349.6 -> 1367.5 us, mlp_gated
-# 2197.1 -> 2234.9; XLA's own buffers moved to HBM): they stay in HBM.
-# Fit: every tp 8 plan on v5e and v6e (91.0 MiB), tp 4 m <= 512 (65.0);
-# on v5p (64 MiB) tp 8 (51.9) and tp 4 m <= 256 (38.9).
+# the sent partial sums, own products and receive buffer XLA places beside
+# it, ``rsk.resident_vmem_bytes``) stays within this share of the chip's
+# VMEM, else HBM. XLA refuses a program over all of it (v5e, tp 4, m 1024
+# of the Llama-3-70B shard: 129.25 MiB of 128 failed, 127.25 compiled);
+# the rest is room for XLA's own VMEM buffers beside the kernels'. With
+# the scoped limit counting the VMEM outputs too (before branch h-rsvmem)
+# the Llama shard's tp 4 m >= 1024 plans came to 117.25 MiB; at 0.92
+# they fit, and the MLP around them lost time (v5e prefill: mlp 1349.6 ->
+# 1367.5 us, mlp_gated 2197.1 -> 2234.9; XLA's own buffers moved to HBM).
+# Since branch h-rsvmem a plan whose buffer does not fit so takes the
+# tight limit, the scoped area alone (``_rs_recv_space``): every Llama
+# sweep plan fits, on v5e and v6e tp 8 with the roomy limit (91.0 MiB)
+# and tp 4 m >= 1024 with the tight one (87.25); on v5p (64 MiB) tp 8
+# roomy (51.9) and tp 4 m >= 512 tight (50.0).
 _RECV_VMEM_SHARE = 0.85
 
 
@@ -807,16 +811,31 @@ def plan_reducescatter(
     need = rsk.vmem_bytes(spec)
     sent = (n - 1) * directions * rows * ch * jnp.dtype(t).itemsize
     if need <= budget and sent <= _SENT_BYTES:
-      limit = min(int(cap * 0.9), need + need // 4 + 2**22)
-      spec = dataclasses.replace(spec, vmem_limit=limit)
-      resident = rsk.resident_vmem_bytes(spec, recv_vmem=True)
-      recv_vmem = resident <= _RECV_VMEM_SHARE * cap and _vmem.recv_allowed(
-        rsk.recv_bytes(spec)
-      )
-      return RsPlan(dataclasses.replace(spec, recv_vmem=recv_vmem), panels)
+      return RsPlan(_rs_recv_space(spec, cap), panels)
     if rows <= sub:
       break
   return RsPlan(None, 0, f"x rows of {k} columns do not fit VMEM")
+
+
+def _rs_recv_space(spec: rsk.RsSpec, cap: int) -> rsk.RsSpec:
+  """``spec`` with its steps kernel's scoped limit and its receive
+  buffer's memory space: in VMEM with the roomy limit
+  (``rsk.steps_vmem_limit``) where the VMEM in use then is within
+  :data:`_RECV_VMEM_SHARE` of ``cap``, else with the tight limit (the
+  scoped area alone) where that fits (branch h-rsvmem: the Llama-3-70B
+  shard's tp 4, M >= 1024 on v5e and v6e, 117.25 -> 87.25 MiB of 128;
+  M >= 512 on v5p, 65.0 -> 50.0 of 64), else in HBM with the roomy
+  limit; in HBM too where the user's cap does not allow it
+  (``_vmem.fused_vmem``)."""
+  allowed = _vmem.recv_allowed(rsk.recv_bytes(spec))
+  for room in (True, False):
+    limit = rsk.steps_vmem_limit(spec, cap, room=room)
+    s = dataclasses.replace(spec, vmem_limit=limit)
+    fits = rsk.resident_vmem_bytes(s, recv_vmem=True) <= _RECV_VMEM_SHARE * cap
+    if fits and allowed:
+      return dataclasses.replace(s, recv_vmem=True)
+  limit = rsk.steps_vmem_limit(spec, cap)
+  return dataclasses.replace(spec, vmem_limit=limit, recv_vmem=False)
 
 
 reducescatter_matmul_p = jc.Primitive("asyncops_fused_reducescatter_matmul")

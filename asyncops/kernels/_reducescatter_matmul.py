@@ -56,11 +56,19 @@ bytes count against the chip's VMEM beside the steps kernel's scoped
 limit and the other VMEM outputs (:func:`resident_vmem_bytes`; XLA
 refuses a program over the chip's VMEM), so the plan keeps it in HBM
 where they would not fit or would leave XLA too little beside them
-(``_fused._RECV_VMEM_SHARE``: the Llama shard's tp 4, M >= 1024 on v5e
-and v6e, 117.25 of 128 MiB with it, where the MLP around the kernels
-lost time; v5p's 64 MiB at tp 4, M >= 512). Bounded slots (two per
-direction, a credit semaphore per slot for flow control) would meet the
-target in HBM too, by 0.08 MiB at tp 4, M = 1024; not built
+(``_fused._RECV_VMEM_SHARE``). Mosaic's scoped area holds only the
+steps kernel's ``x`` and ``w`` blocks and scratch
+(:func:`scoped_vmem_bytes`); XLA places the VMEM outputs beside it. The
+steps kernel's limit counts the outputs too (:func:`steps_vmem_limit`,
+``room``: VMEM XLA would otherwise fill with prefetches of ``w``), and
+where the receive buffer does not fit beside that the plan takes the
+tight limit, the scoped area's need alone (branch h-rsvmem: the Llama
+shard's tp 4, M >= 1024 on v5e and v6e came to 117.25 of 128 MiB with
+the buffer and kept it in HBM, 12 MiB over issue 15's memory target;
+with the tight limit 87.25 MiB, XLA's buffer assignment to the byte, and
+the buffer is in VMEM at every point of the Llama sweep on v5e, v6e and
+v5p). Bounded slots (two per direction, a credit semaphore
+per slot for flow control) would meet the target in HBM too; not built
 (design/benchmarks.md, "The reduce-scatter's receive slots").
 
 Why a finish kernel. XLA treats a kernel that starts a remote DMA as
@@ -126,7 +134,8 @@ class RsSpec:
     bn: columns of a ``w`` block.
     precision: ``jax.lax.Precision`` name for the in-kernel dots.
     collective_id: barrier semaphore id of the start kernel.
-    vmem_limit: VMEM bytes the compute kernel may use.
+    vmem_limit: the steps kernel's scoped VMEM limit (:func:`steps_vmem_limit`;
+      its VMEM outputs are outside it).
     panel: the row panel these kernels run (``m`` rows of every panel):
       the steps kernel reads rows ``panel m ..`` of the ``x`` it is given
       and the finish writes its rows of the result (``finish``'s
@@ -178,20 +187,53 @@ class RsSpec:
     return jnp.int32 if jnp.dtype(self.dtype) == jnp.int8 else jnp.float32
 
 
-def vmem_bytes(spec: RsSpec) -> int:
-  """VMEM the compute kernel needs (scratch and its VMEM output)."""
+def scoped_vmem_bytes(spec: RsSpec) -> int:
+  """VMEM the steps kernel uses within its scoped limit: its ``x`` and
+  ``w`` blocks and its scratch. Its VMEM outputs (the sent partial sums,
+  the own products) are not there: XLA places them beside the scoped
+  area (branch h-rsvmem, the Llama-3-70B shard's tp 4, M = 1024: the
+  compiled call's ``used_scoped_memory_configs``, Mosaic's use, is 41.03
+  MiB on v5e, this 41.0, and 27.86 on v6e, which keeps one ``x`` buffer;
+  with the former limit, 85.25 MiB, the sent partial sums were at offset
+  85.25 MiB, after the scoped area)."""
   t = jnp.dtype(spec.dtype).itemsize
-  o = jnp.dtype(spec.out_dtype).itemsize
   half = spec.m * spec.ch
   return (
     2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
     + 2 * spec.k * spec.bn * t  # w blocks
     + half * 4  # float32 partial of one half
     + half * t  # received partial
-    + (spec.n - 1) * spec.directions * half * t  # sent partial sums
+  )
+
+
+def vmem_bytes(spec: RsSpec) -> int:
+  """VMEM the kernels need: the steps kernel's scoped VMEM
+  (:func:`scoped_vmem_bytes`), its VMEM outputs and the finish's output
+  blocks (the plan's test for row panels)."""
+  o = jnp.dtype(spec.out_dtype).itemsize
+  half = spec.m * spec.ch
+  return (
+    scoped_vmem_bytes(spec)
+    + (spec.n - 1) * spec.directions * half * jnp.dtype(spec.dtype).itemsize
     + spec.directions * half * 4  # own products (the finish adds them)
     + 2 * half * o  # the finish's output blocks
   )
+
+
+def steps_vmem_limit(spec: RsSpec, cap: int, *, room: bool = True) -> int:
+  """The steps kernel's scoped VMEM limit on a chip of ``cap`` bytes of
+  VMEM: what it needs and a quarter more, plus 4 MiB, at most 90% of
+  ``cap``. ``room``: the need is :func:`vmem_bytes`, which also counts
+  the VMEM outputs XLA places beside the scoped area; the limit then
+  keeps VMEM that XLA would otherwise fill with prefetches of the
+  kernel's operands (branch h-rsvmem: v6e, the Llama-3-70B shard's tp 8,
+  M = 2048, two row panels: with the tight limit XLA prefetched all of
+  ``w``, 56 MiB, into VMEM, 219.0 -> 225.1 us in the benchmark model;
+  M = 4096, 430.0 -> 441.1). Else the need is
+  :func:`scoped_vmem_bytes` alone, what Mosaic uses: the plan's choice
+  where the receive buffer fits VMEM only so."""
+  need = vmem_bytes(spec) if room else scoped_vmem_bytes(spec)
+  return min(int(cap * 0.9), need + need // 4 + 2**22)
 
 
 def block_of(me, shift, s, n: int):
@@ -367,12 +409,15 @@ def recv_hbm_bytes(spec: RsSpec) -> int:
 
 def resident_vmem_bytes(spec: RsSpec, recv_vmem: bool) -> int:
   """VMEM in use while the steps kernel runs: its scoped limit
-  (``spec.vmem_limit``) plus the buffers XLA places in VMEM across the
-  kernels, the sent partial sums, the own products and, with
-  ``recv_vmem``, the receive buffer. XLA refuses a program whose VMEM
-  buffers and scoped limit exceed the chip's VMEM ("Too many buffers are
-  colored in the alternate memory": v5e, tp 4, ``m`` 1024 of the
-  Llama-3-70B shard at 129.25 of 128 MiB; 127.25 compiled)."""
+  (``spec.vmem_limit``, :func:`steps_vmem_limit`) plus the buffers XLA
+  places in VMEM beside the scoped area across the kernels, the sent
+  partial sums, the own products and, with ``recv_vmem``, the receive
+  buffer (the buffer assignment's VMEM temporaries, exactly: v5e and v6e,
+  the Llama-3-70B shard's tp 4, ``m`` 1024, 87.25 MiB). XLA refuses a
+  program whose VMEM buffers and scoped limits exceed the chip's VMEM
+  ("Too many buffers are colored in the alternate memory": v5e, tp 4,
+  ``m`` 1024 of the Llama-3-70B shard at 129.25 of 128 MiB with the
+  former limit; 127.25 compiled)."""
   own = spec.directions * spec.m * spec.ch * 4
   recv = recv_bytes(spec) if recv_vmem else 0
   return (spec.vmem_limit or 0) + sent_bytes(spec) + own + recv
