@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from asyncops import _cli
 from asyncops.inspect import analyze_module, hazards, parse_module, tpu_mesh
 from asyncops.inspect._report import mib
+from benchmarks._findings import copy_findings
 
 TOPOLOGIES = ("v5p:2x2x2", "v5e:2x4")
 SHARD = (1024, 1024)  # f32 per device
@@ -197,14 +198,9 @@ def measure(topology: str, name: str, flags: dict) -> dict:
     for c in report.copies
     if c.kind != "scalar"
   ]
-  named = {h.instr for h in found}
-  bad = [f"{h.kind} %{h.instr}: {h.detail}" for h in found]
-  bad += [
-    f"{c.kind}{' in-flight' if c.inflight else ''} copy %{c.name} of "
-    f"%{c.operand} {c.spaces[0]}->{c.spaces[1]} {mib(c.nbytes)}"
-    for c in report.copies
-    if (c.kind == "defensive" or c.inflight) and c.name not in named
-  ]
+  bad = copy_findings(
+    report, found, lambda c: f"{c.spaces[0]}->{c.spaces[1]} {mib(c.nbytes)}"
+  )
   promised = name in CLEAN
   return {
     "topology": topology,

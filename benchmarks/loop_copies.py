@@ -40,6 +40,7 @@ from asyncops.inspect import (
   parse_module,
   tpu_mesh,
 )
+from benchmarks._findings import copy_findings
 
 TOPOLOGIES = ("v5e:2x4", "v4:2x2x1", "v6e:2x4", "v5p:2x2x2")
 SHARD = (1024, 1024)  # f32 per device
@@ -163,14 +164,7 @@ def measure(topology: str, name: str, loop_name: str) -> dict:
   kinds = {}
   for c in report.copies:
     kinds[c.kind] = kinds.get(c.kind, 0) + 1
-  named = {h.instr for h in found}
-  bad = [f"{h.kind} %{h.instr}: {h.detail}" for h in found]
-  bad += [
-    f"{c.kind}{' in-flight' if c.inflight else ''} copy %{c.name} of "
-    f"%{c.operand} in %{c.computation}"
-    for c in report.copies
-    if (c.kind == "defensive" or c.inflight) and c.name not in named
-  ]
+  bad = copy_findings(report, found, lambda c: f"in %{c.computation}")
   where = f"{name} on {topology} with {loop_name}"
   return {
     "topology": topology,

@@ -22,21 +22,11 @@ from asyncops import _cli
 from asyncops.inspect import __main__ as inspect_cli
 from benchmarks import cpu_walltime, plan_twins, xla_configs, xla_ring
 from benchmarks import run as bench_run
+from tests import util as u
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MISSING = "/nonexistent/x.json"
-# A small run of benchmarks.run (compiled in a second or two).
-SMALL = [
-  "--topology",
-  "v5e:2x4",
-  "--shape",
-  "64,256,512",
-  "--families",
-  "allgather",
-  "--variants",
-  "allgather_matmul",
-  "--no-llama",
-]
+SMALL = u.BENCH_SMALL
 PLAN = ["--topology", "v5e:2x4", "--dims", "4,64,128,256"]
 
 

@@ -31,6 +31,7 @@ from benchmarks import (
   xla_ring,
 )
 from benchmarks import run as bench_run
+from tests import util as u
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 V5E = ["--topology", "v5e:2x4"]
@@ -192,16 +193,7 @@ def test_cpu_walltime_wrong_result_is_a_finding(monkeypatch, capsys):
 # --json on every command line ---------------------------------------------
 
 U2 = "tests.util:pattern_staggered_unroll2"
-SMALL_RUN = [
-  *V5E,
-  "--shape",
-  "64,256,512",
-  "--families",
-  "allgather",
-  "--variants",
-  "allgather_matmul",
-  "--no-llama",
-]
+SMALL_RUN = u.BENCH_SMALL
 
 
 def _cpu_walltime_small(monkeypatch, _):

@@ -658,3 +658,18 @@ def allgather_jit(mesh, **kw):
       out_specs=P("x", "y"),
     )
   )
+
+
+# A small run of ``benchmarks.run`` (compiled in a second or two), shared
+# by the command-line tests.
+BENCH_SMALL = [
+  "--topology",
+  "v5e:2x4",
+  "--shape",
+  "64,256,512",
+  "--families",
+  "allgather",
+  "--variants",
+  "allgather_matmul",
+  "--no-llama",
+]
