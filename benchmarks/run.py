@@ -818,4 +818,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(_cli.run(main, prog="python -m benchmarks.run"))
