@@ -121,12 +121,12 @@ NARROW_DMA = JAX_VERSION >= (0, 10)
 # (measured) Under ``jax.grad``, the libtpu of jax 0.9 (0.0.34) schedules
 # the done of the forward's second transfer of the long-prefill two-way
 # ring of whole chunks (value API, ``_gather_rings._whole_pieces``: piece
-# 1's first transfer, 2 x 512 KiB each way at the chapter shape on v5e and
-# v6e) right after its start, and the step's dot after both: that one
-# transfer is exposed, nothing is copied. The window is the scheduler's
-# choice (the barriers that order it are gone before scheduling); the
-# libtpu of jax 0.10 keeps the dot in it (tests/test_collective_matmul_
-# tpu.py, design/README.md "Branch h-suite09").
+# 1's first transfer: 256 rows of x each way, 256 KiB at the chapter
+# shape, v5e and v6e) right after its start, the step's dot after: that one
+# transfer is exposed, nothing is copied. Both jaxs trace the same
+# window (start, barrier, dot, barrier, done); the libtpu of jax 0.10
+# keeps the dot in it (tests/test_collective_matmul_tpu.py,
+# design/README.md "Branch h-suite09").
 WHOLE_RING_GRAD_WINDOWS = JAX_VERSION >= (0, 10)
 
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
