@@ -299,7 +299,7 @@ def test_two_way_whole_chunks_backward_copy_free(monkeypatch, topology):
   transfer of it returned it (no copy of the buffer the first transfer
   aliased), nothing in flight is copied, and every pair overlaps (on jax
   0.9 all but the forward's second transfer:
-  ``_jax_compat.WHOLE_RING_GRAD_WINDOWS``)."""
+  ``_jax_compat.ALL_WINDOWS_KEPT``)."""
   from asyncops.collective_matmul import _gather_rings
 
   monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
@@ -323,7 +323,7 @@ def test_two_way_whole_chunks_backward_copy_free(monkeypatch, topology):
   ring = r.pairs_for("asyncops.bidirectional")
   assert len(ring) >= n  # forward's n
   lonely = [p.start for p in r.pairs if not p.overlapped]
-  if jc.WHOLE_RING_GRAD_WINDOWS:
+  if jc.ALL_WINDOWS_KEPT:
     assert r.pairs and not lonely, lonely
   else:
     # jax 0.9's libtpu: the forward's second transfer (piece 1's first)
