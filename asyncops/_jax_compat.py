@@ -132,6 +132,15 @@ NARROW_DMA = JAX_VERSION >= (0, 10)
 #   tests/test_torus_matmul.py).
 ALL_WINDOWS_KEPT = JAX_VERSION >= (0, 10)
 
+# (measured) The gated MLP's one-way up ring keeps its two weights behind
+# the step barriers (``_gather_rings.weights_barrier``); the libtpu of jax
+# 0.10 then prefetches neither into VMEM across programs, the libtpu of
+# jax 0.9 still prefetches one on v5e (a read-only copy of a parameter,
+# not a transfer's buffer; the dots reading it tiled slower,
+# design/benchmarks.md "The one-way value ring's weight").
+# tests/test_collective_matmul_shapes_tpu.py.
+WEIGHTS_BARRIER_STOPS_PREFETCH = JAX_VERSION >= (0, 10)
+
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE
