@@ -118,6 +118,29 @@ REF_INTO_SHARD_MAP = JAX_VERSION >= (0, 10)
 # Older jax refuses those dtypes at trace time, naming the fix.
 NARROW_DMA = JAX_VERSION >= (0, 10)
 
+# (measured) The libtpu of jax 0.9 (0.0.34) leaves a few ring windows
+# empty that the libtpu of jax 0.10 fills, from the same traced window
+# (start, barrier, compute, barrier, done); nothing is copied, the
+# transfer is exposed (design/README.md "Branch h-suite09"), on v5e and
+# v6e alike:
+# - under ``jax.grad``, the forward's second transfer of the long-prefill
+#   two-way ring of whole chunks (``_gather_rings._whole_pieces``: piece
+#   1's first, 256 rows of x each way at the chapter shape): its done
+#   right after its start, the step's dot after both
+#   (tests/test_collective_matmul_tpu.py);
+# - the torus all-gather matmul's step 2 (both axes' transfers,
+#   tests/test_torus_matmul.py).
+ALL_WINDOWS_KEPT = JAX_VERSION >= (0, 10)
+
+# (measured) The gated MLP's one-way up ring keeps its two weights behind
+# the step barriers (``_gather_rings.weights_barrier``); the libtpu of jax
+# 0.10 then prefetches neither into VMEM across programs, the libtpu of
+# jax 0.9 still prefetches one on v5e (a read-only copy of a parameter,
+# not a transfer's buffer; the dots reading it tiled slower,
+# design/benchmarks.md "The one-way value ring's weight").
+# tests/test_collective_matmul_shapes_tpu.py.
+WEIGHTS_BARRIER_STOPS_PREFETCH = JAX_VERSION >= (0, 10)
+
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
 from asyncops.inspect import analyze, hazards, tpu_mesh
 from tests.test_collective_matmul_tpu import MATMUL_OPS, chunk_scope
@@ -245,10 +246,24 @@ def test_llama_up_weights_pass_the_barrier(topology):
   params = re.findall(r"%(param\S*) = bf16\[(\d+),(\d+)\]", entry)
   ws = {p for p, a, b in params if (int(a), int(b)) == (D, F // N)}
   assert len(ws) == 2, params
-  prefetched = set(
-    re.findall(r"copy-start\(%(\S+)\), cross_program_prefetch_index", entry)
+  prefetch = dict(
+    re.findall(
+      r"%(\S+) = .*copy-start\(%(\S+)\), cross_program_prefetch_index", entry
+    )
   )
-  assert not prefetched & ws, f"cross-program prefetched: {prefetched & ws}"
+  prefetched = set(prefetch.values())
+  if jc.WEIGHTS_BARRIER_STOPS_PREFETCH or topology != "v5e:2x4":
+    assert not prefetched & ws, f"cross-program prefetched: {prefetched & ws}"
+  else:
+    # jax 0.9's libtpu on v5e: one of the two prefetched (_jax_compat);
+    # its dots read that read-only copy.
+    assert len(prefetched & ws) == 1, prefetched & ws
+  reads = {f"%{w}," for w in ws - prefetched} | {
+    f"%{d},"
+    for start, w in prefetch.items()
+    if w in ws
+    for d in re.findall(rf"%(\S+) = \S+ copy-done\(%{start}\)", entry)
+  }
   dots = [
     line
     for line in entry.splitlines()
@@ -260,7 +275,7 @@ def test_llama_up_weights_pass_the_barrier(topology):
   assert len(dots) >= 2 * (N - 1), len(dots)
   for line in dots:
     operands = line.split(" fusion(", 1)[1].split(")", 1)[0] + ","
-    assert any(f"%{w}," in operands for w in ws), line[:300]
+    assert any(r in operands for r in reads), line[:300]
   check(r, "llama", "value", False, topology)
 
 

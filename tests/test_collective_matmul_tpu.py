@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as _cm
 from asyncops.inspect import analyze, tpu_mesh
 from asyncops.testing import assert_copy_free
@@ -296,7 +297,9 @@ def test_two_way_whole_chunks_backward_copy_free(monkeypatch, topology):
   """``jit(grad)`` through the long-prefill two-way ring (forced at the
   chapter shape, bf16): the backward keeps ``x`` as the forward's last
   transfer of it returned it (no copy of the buffer the first transfer
-  aliased), nothing in flight is copied, and every pair overlaps."""
+  aliased), nothing in flight is copied, and every pair overlaps (on jax
+  0.9 all but the forward's second transfer:
+  ``_jax_compat.ALL_WINDOWS_KEPT``)."""
   from asyncops.collective_matmul import _gather_rings
 
   monkeypatch.setattr(_gather_rings, "WHOLE_ACC_BYTES", 0)
@@ -317,8 +320,16 @@ def test_two_way_whole_chunks_backward_copy_free(monkeypatch, topology):
   r.assert_no_defensive_copies()
   r.assert_no_inflight_copies()
   n = TOPOLOGIES[topology][1]
-  assert len(r.pairs_for("asyncops.bidirectional")) >= n  # forward's n
-  assert r.pairs and all(p.overlapped for p in r.pairs)
+  ring = r.pairs_for("asyncops.bidirectional")
+  assert len(ring) >= n  # forward's n
+  lonely = [p.start for p in r.pairs if not p.overlapped]
+  if jc.ALL_WINDOWS_KEPT:
+    assert r.pairs and not lonely, lonely
+  else:
+    # jax 0.9's libtpu: the forward's second transfer (piece 1's first)
+    # exposed, every other pair overlapped (_jax_compat).
+    fwd = [p.start for p in ring if "transpose(" not in p.kernel]
+    assert lonely == [fwd[1]], (lonely, fwd)
 
 
 @pytest.mark.parametrize(

@@ -495,24 +495,36 @@ def test_ref_api(program, transfer):
     _data(1, (64, 128), "float32"), jax.NamedSharding(mesh, spec)
   )
 
-  def body(f):
+  def body(f, reverse=jc.REF_REVERSE_MODE):
     def run(x, t):
       f1 = functools.partial(f, a="y")
-      y, vjp = jax.vjp(f1, x)
       _, jvp = jax.jvp(f1, (x,), (t,))
+      if not reverse:  # jax 0.9: the value and jvp only
+        return f1(x), jvp
+      y, vjp = jax.vjp(f1, x)
       return y, vjp(jnp.cos(3 * y))[0], jvp
 
+    n = 3 if reverse else 2
     return jax.jit(
       jax.shard_map(
-        run, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * 3
+        run, mesh=mesh, in_specs=(spec, spec), out_specs=(spec,) * n
       )
     )
 
+  names = ("value", "vjp", "jvp") if jc.REF_REVERSE_MODE else ("value", "jvp")
+  if not jc.REF_REVERSE_MODE:
+    # jax 0.9: reverse mode through the Ref API is refused while tracing,
+    # naming the fix (_jax_compat.REF_REVERSE_MODE).
+    with (
+      pytest.raises(NotImplementedError, match=r"jax >= 0\.10.*api='value'"),
+      asyncops.emulation(transfer),
+    ):
+      body(ours, reverse=True).trace(x, t)
   want = body(ref)(x, t)
   with asyncops.emulation(transfer):
     got = body(ours)(x, t)
   exact = program != "all_gather"
-  for name, g, w in zip(("value", "vjp", "jvp"), got, want, strict=True):
+  for name, g, w in zip(names, got, want, strict=True):
     try:
       _assert_close(g, w, exact)
     except AssertionError as e:

@@ -26,6 +26,7 @@ import pytest
 from jax import lax
 
 import asyncops
+from asyncops import _jax_compat as jc
 from asyncops import scheduling as sch
 from asyncops.inspect import CopyHazardError, analyze, hazards
 from asyncops.inspect._analysis import _buffers, _Graph, _reaches
@@ -452,6 +453,8 @@ def test_a_ref_done_in_capturing_branches_has_the_compute_in_its_window(
   f, x = _compile(_ref_compute_then(await_in), topology)
   r = analyze(f, x)
   assert len(r.kernel_pairs) == n_dones and hazards(r) == []
+  if not jc.CAPTURED_WINDOW_TIE:
+    return  # jax 0.9: untied, the windows are XLA's (_jax_compat)
   assert all(p.overlapped for p in r.kernel_pairs), [
     (p.done, [i.name for i in p.between]) for p in r.kernel_pairs
   ]
@@ -504,7 +507,9 @@ def test_captured_window_source_reads(topology, case):
   assert hazards(r) == [] and not r.inflight_copies, _kinds(r)
   pairs = r.kernel_pairs
   assert len(pairs) == 2 and all(p.source_live for p in pairs)
-  tied = u.CAPTURED_READS[case]
+  # jax 0.9: never tied (_jax_compat.CAPTURED_WINDOW_TIE), the matmul
+  # runs before the start.
+  tied = u.CAPTURED_READS[case] and jc.CAPTURED_WINDOW_TIE
   for p in pairs:
     assert _matmul_in(r.module, p.between) == tied, (p.done, p.between_cycles)
     if tied:

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import asyncops
+from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import torus_allgather_matmul
 from asyncops.inspect import analyze, tpu_mesh
 from asyncops.testing import cpu_mesh
@@ -123,7 +124,13 @@ def test_tpu_four_links_every_step(topology):
   report.assert_all_awaited()
   report.assert_no_defensive_copies()
   report.assert_no_inflight_copies()
-  report.assert_overlapped(min_pairs=12, op="bidirectional")
+  lonely = [p.kernel for p in pairs if not p.overlapped]
+  if jc.ALL_WINDOWS_KEPT:
+    report.assert_overlapped(min_pairs=12, op="bidirectional")
+  else:
+    # jax 0.9's libtpu: step 2's two transfers exposed (_jax_compat).
+    assert len(lonely) == 2, lonely
+    assert all("/torus2/" in k for k in lonely), lonely
   # Per step: two start kernels, one per mesh axis (their barrier patterns
   # differ, so their collective ids do).
   by_step = collections.defaultdict(list)
