@@ -272,7 +272,22 @@ def overlapped(cts, primals, fn, *args):
     and its primal does not, in the primal's dtype; and ``fn(*args)``.
 
   Example:
-    >>> dws, dx = overlapped(dws, ws, d_lhs, g, ws)  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import AxisType, PartitionSpec as P
+    >>> from asyncops.collective_matmul._dp_reduce import overlapped
+    >>> mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    >>> @jax.jit
+    ... @jax.shard_map(
+    ...   mesh=mesh, in_specs=(P("d"), P(), P("d")), out_specs=(P(), P("d"))
+    ... )
+    ... def f(g, w, x):
+    ...   (dw,), y = overlapped((g,), (w,), jnp.sin, x)
+    ...   return dw, y
+    >>> g, w = jnp.ones((8 * 256, 512)), jnp.zeros((256, 512))
+    >>> x = jnp.arange(8.0)
+    >>> dw, y = f(g, w, x)
+    >>> dw.shape, bool(jnp.all(dw == 8.0)), bool(jnp.allclose(y, jnp.sin(x)))
+    ((256, 512), True, True)
   """
   extras = [_extra_axes(c, p) for c, p in zip(cts, primals, strict=True)]
   # A backward being differentiated again (second order) reduces with psum:
