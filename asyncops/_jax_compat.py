@@ -141,6 +141,41 @@ ALL_WINDOWS_KEPT = JAX_VERSION >= (0, 10)
 # tests/test_collective_matmul_shapes_tpu.py.
 WEIGHTS_BARRIER_STOPS_PREFETCH = JAX_VERSION >= (0, 10)
 
+# (measured) The libtpu of jax 0.9 (0.0.34) compiles a RefFuture awaited
+# in capturing ``lax.cond`` / ``lax.switch`` branches (v6e), or in such
+# branches of a ``lax.scan`` body (v5e, v6e), with the branch's done
+# handed another buffer than the one its DMA reads (``source not live``:
+# XLA may free or reuse the source while the DMA still reads it), tied or
+# not, whichever slot the window reads (v6e: 7 of the 10
+# ``tests/util.CAPTURED_READS`` cases). The guard refuses those programs
+# at compile time naming the start's line (``asyncops.jit``,
+# ``asyncops.inspect.assert_copy_free`` / ``check_hlo``); plain
+# ``jax.jit`` runs them. The libtpu of jax 0.10 (0.0.42) compiles them
+# clean (tests/test_guard_split.py; design/README.md "h-suite09b").
+CAPTURED_DONE_SOURCE_LIVE = JAX_VERSION >= (0, 10)
+
+# (measured) The Ref API's two-way ring of whole chunks
+# (``allgather_matmul(api="ref", bidirectional=True)``, whole chunks) hands
+# two Ref-API starts the same zeros broadcast as their destinations'
+# initial value. The libtpu of jax 0.9 (0.0.34) gives the first its own
+# buffer with a defensive VMEM->VMEM copy (``bf16[2,256,512]``, 512 KiB at
+# the chapter shape; 4076 cycles on v5e, 3364 on v6e), before that start
+# and outside every window: nothing in flight is copied and the guard
+# accepts it (``Copy.feeds_destination``), a cost, not a hazard. The
+# libtpu of jax 0.10 (0.0.42) makes no such copy
+# (tests/test_ref_whole_tpu.py; design/README.md "h-suite09b").
+REF_RING_DESTINATIONS_UNCOPIED = JAX_VERSION >= (0, 10)
+
+# (measured) The fused reduce-scatter's steps kernel: the Mosaic of jax
+# 0.10 uses at most ``rsk.scoped_vmem_bytes`` (its blocks and scratch)
+# plus 36 KiB of its own; the Mosaic of jax 0.9 uses 1.05 to 4.06 MiB more
+# (v5p tp 4 M 256: 17358848 bytes against 16252928; v6e tp 8 M 1024:
+# 29421568 against 25165824), still inside the scoped limit the plan
+# reserves (``spec.vmem_limit``), so the program compiles as planned; XLA's
+# VMEM temporaries equal ``rsk.resident_vmem_bytes`` on both
+# (tests/test_fused_matmul_tpu.py; design/README.md "h-suite09b").
+MOSAIC_SCOPED_VMEM_AS_PLANNED = JAX_VERSION >= (0, 10)
+
 # Pallas names: the ``pl.*`` spellings exist in every supported version.
 ANY = _pl.ANY
 SEMAPHORE = _pltpu.SEMAPHORE

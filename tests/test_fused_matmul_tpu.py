@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from asyncops import _jax_compat as jc
 from asyncops import collective_matmul as cm
 from asyncops.collective_matmul import _auto, _fused
 from asyncops.inspect import analyze, check_hlo, parse_module, tpu_mesh
@@ -494,7 +495,14 @@ def test_reducescatter_vmem_accounting_matches_xla(topology, n, m):
   # v6e: after the receive buffer, at 12 MiB; v5p: 0); beyond the blocks
   # and scratch it keeps 36 KiB of its own (v5e, v5p), far from the 24
   # MiB and more of outputs the limit counted at main.
-  assert int(used[1]) - offset <= rsk.scoped_vmem_bytes(spec) + 2**20, used
+  # jax 0.9's Mosaic uses 1.05 to 4.06 MiB more than the blocks and scratch
+  # (its own temporaries, not in the HLO's buffer assignment), within the
+  # reserved limit (jc.MOSAIC_SCOPED_VMEM_AS_PLANNED: the equality is a
+  # jax 0.10 fact).
+  if jc.MOSAIC_SCOPED_VMEM_AS_PLANNED:
+    assert int(used[1]) - offset <= rsk.scoped_vmem_bytes(spec) + 2**20, used
+  else:
+    assert int(used[1]) - offset <= spec.vmem_limit, (used, spec.vmem_limit)
   check_hlo(text, f"reduce-scatter {topology} tp {n} M {m}")
   assert not _entry_copies(text)
 
