@@ -7,31 +7,19 @@ in-process (each would otherwise start JAX again).
 """
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from asyncops import _cli
 from asyncops.compare import __main__ as compare_cli
 from asyncops.inspect import __main__ as inspect_cli
+from tests import util as u
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run(*args, cwd=ROOT, env=None):
-  e = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  e.update(env or {})
-  return subprocess.run(
-    [sys.executable, *args],
-    cwd=cwd,
-    env=e,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+_run = u.run_python
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
@@ -30,17 +29,7 @@ SMALL = u.BENCH_SMALL
 PLAN = ["--topology", "v5e:2x4", "--dims", "4,64,128,256"]
 
 
-def _run(*args, env=None):
-  e = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  e.update(env or {})
-  return subprocess.run(
-    [sys.executable, *args],
-    cwd=ROOT,
-    env=e,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+_run = u.run_python
 
 
 def _one_line_exit_2(main, argv, prog, capsys) -> str:

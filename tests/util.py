@@ -8,6 +8,10 @@ also usable from the command line::
 """
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -673,3 +677,21 @@ BENCH_SMALL = [
   "allgather_matmul",
   "--no-llama",
 ]
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_python(*args, cwd=ROOT, env=None):
+  """``python *args`` in a subprocess (CPU JAX, quiet), as a user runs a
+  command line; the completed process, output captured as text."""
+  e = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  e.update(env or {})
+  return subprocess.run(
+    [sys.executable, *args],
+    cwd=cwd,
+    env=e,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
