@@ -428,7 +428,7 @@ def plan_allgather(
 
 def _limit(need: int, device_kind: str | None) -> int:
   """The compute kernel's scoped VMEM limit for ``need`` bytes."""
-  return min(int(vmem_capacity(device_kind) * 0.9), need + need // 4 + 2**22)
+  return _common.scoped_limit(need, vmem_capacity(device_kind))
 
 
 def _in_vmem(plan: AgPlan, device_kind: str | None) -> AgPlan:
@@ -834,8 +834,8 @@ def _rs_recv_space(spec: rsk.RsSpec, cap: int) -> rsk.RsSpec:
     fits = rsk.resident_vmem_bytes(s, recv_vmem=True) <= _RECV_VMEM_SHARE * cap
     if fits and allowed:
       return dataclasses.replace(s, recv_vmem=True)
-  limit = rsk.steps_vmem_limit(spec, cap)
-  return dataclasses.replace(spec, vmem_limit=limit, recv_vmem=False)
+  roomy = rsk.steps_vmem_limit(spec, cap)
+  return dataclasses.replace(spec, vmem_limit=roomy, recv_vmem=False)
 
 
 reducescatter_matmul_p = jc.Primitive("asyncops_fused_reducescatter_matmul")

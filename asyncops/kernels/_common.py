@@ -215,6 +215,13 @@ SEM = pl.BlockSpec(memory_space=jc.SEMAPHORE)
 DMA = pltpu.SemaphoreType.DMA(())
 
 
+def scoped_limit(need: int, cap: int | None = None) -> int:
+  """A kernel's scoped VMEM limit for ``need`` bytes: a quarter more and
+  4 MiB of room, at most 90% of the chip's ``cap`` bytes where given."""
+  limit = need + need // 4 + 2**22
+  return limit if cap is None else min(int(cap * 0.9), limit)
+
+
 def params(*, collective_id: int | None = None) -> pltpu.CompilerParams:
   """Compiler params: kernels are never dead code, they move data."""
   return jc.tpu_compiler_params(collective_id=collective_id)

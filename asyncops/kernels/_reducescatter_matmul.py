@@ -233,7 +233,7 @@ def steps_vmem_limit(spec: RsSpec, cap: int, *, room: bool = True) -> int:
   :func:`scoped_vmem_bytes` alone, what Mosaic uses: the plan's choice
   where the receive buffer fits VMEM only so."""
   need = vmem_bytes(spec) if room else scoped_vmem_bytes(spec)
-  return min(int(cap * 0.9), need + need // 4 + 2**22)
+  return c.scoped_limit(need, cap)
 
 
 def block_of(me, shift, s, n: int):
@@ -583,7 +583,7 @@ def finish_vmem_limit(spec: RsSpec) -> int:
     spec.directions * half * 4 + half * jnp.dtype(spec.dtype).itemsize
   ) + 2 * half * o
   need += recv_bytes(spec) - recv_hbm_bytes(spec)
-  return need + need // 4 + 2**22
+  return c.scoped_limit(need)
 
 
 def sent_bytes(spec: RsSpec) -> int:
