@@ -141,17 +141,21 @@ ALL_WINDOWS_KEPT = JAX_VERSION >= (0, 10)
 # tests/test_collective_matmul_shapes_tpu.py.
 WEIGHTS_BARRIER_STOPS_PREFETCH = JAX_VERSION >= (0, 10)
 
-# (measured) The libtpu of jax 0.9 (0.0.34) compiles a RefFuture awaited
-# in capturing ``lax.cond`` / ``lax.switch`` branches (v6e), or in such
-# branches of a ``lax.scan`` body (v5e, v6e), with the branch's done
-# handed another buffer than the one its DMA reads (``source not live``:
-# XLA may free or reuse the source while the DMA still reads it), tied or
-# not, whichever slot the window reads (v6e: 7 of the 10
-# ``tests/util.CAPTURED_READS`` cases). The guard refuses those programs
-# at compile time naming the start's line (``asyncops.jit``,
-# ``asyncops.inspect.assert_copy_free`` / ``check_hlo``); plain
-# ``jax.jit`` runs them. The libtpu of jax 0.10 (0.0.42) compiles them
-# clean (tests/test_guard_split.py; design/README.md "h-suite09b").
+# (measured) The libtpu of jax 0.9 (0.0.34), the separate source of a Ref
+# transfer pinned to HBM (``stateful._kernels._pinned``), compiles a
+# RefFuture awaited in capturing ``lax.cond`` / ``lax.switch`` branches
+# (v6e), or in such branches of a ``lax.scan`` body (v5e, v6e), with the
+# source prefetched into VMEM for the conditional (a copy-start after the
+# start) and the branch's done handed that copy, not the buffer its DMA
+# reads (``source not live``: XLA may free or reuse the source while the
+# DMA still reads it). Unpinned (start and done), the same programs get
+# one buffer, no copy, on v5e, v6e and v5p: on older jax
+# ``stateful._api._unpin_captured`` unpins such a transfer, and refuses at
+# trace time a future passed in (a loop carry, an argument: its start is
+# not known there; pinned, "source not live" on v5e and v6e). The libtpu
+# of jax 0.10 (0.0.42) compiles them clean pinned: nothing changes there
+# (tests/test_guard_split.py, tests/test_stateful.py; design/stateful.md
+# "jax 0.9: a Ref future awaited in a capturing branch (branch h-jax09)").
 CAPTURED_DONE_SOURCE_LIVE = JAX_VERSION >= (0, 10)
 
 # (measured) The Ref API's two-way ring of whole chunks
@@ -668,6 +672,21 @@ def captured(x: Any) -> bool:
     and isinstance(now, _pe.DynamicJaxprTrace)
     and trace is not now
   )
+
+
+def branch_between(x: Any) -> str | None:
+  """``"cond"`` or ``"switch"`` when a branch of that ``lax`` op is traced
+  between the trace of ``x`` (a tracer) and the current one (the branch
+  closes over ``x``, perhaps through a nested ``jit`` or loop); else None."""
+  home = getattr(x, "_trace", None)
+  t = current_trace()
+  while t is not None and t is not home:
+    frame = getattr(t, "frame", None)
+    kind = getattr(getattr(frame, "debug_info", None), "traced_for", None)
+    if kind in ("cond", "switch"):
+      return kind
+    t = getattr(t, "parent_trace", None)
+  return None
 
 
 def live_eqns(frame: Any) -> list[Any]:

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops import _jax_compat as jc
@@ -432,40 +431,23 @@ def _ref_compute_then(await_in, source=lambda x: x * 2.0):
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_a_ref_done_at_top_level_has_the_compute_in_its_window(topology):
   f, x = _compile(_ref_compute_then("top"), topology)
-  (p,) = analyze(f, x).kernel_pairs
+  r = analyze(f, x)
+  (p,) = r.kernel_pairs
   assert p.overlapped, p.between
+  assert _pins(r) == {True}  # every jax: a top-level done keeps the pin
 
 
-# The captured reads jax 0.9 compiles with "source not live" on v6e (the
-# outer Ref's source value, jit argument and loop carry are untied and
-# clean there too).
-_V6E_SOURCE_NOT_LIVE_ON_JAX09 = frozenset(u.CAPTURED_READS) - {
-  "outer Ref, source value",
-  "outer Ref as jit argument",
-  "outer Ref, loop carry",
-}
-
-
-def _refused_on_jax09(topology, in_scan, case=None) -> bool:
-  """Whether jax 0.9's libtpu compiles this captured-branch program with
-  its done handed another buffer than the DMA's source
-  (``jc.CAPTURED_DONE_SOURCE_LIVE``): v6e, and a scan's branches on v5e."""
-  if jc.CAPTURED_DONE_SOURCE_LIVE:
-    return False
-  if topology.startswith("v6e"):
-    return case is None or case in _V6E_SOURCE_NOT_LIVE_ON_JAX09
-  return in_scan and topology.startswith("v5e")
-
-
-def _assert_source_not_live_refused(r):
-  """jax 0.9: the guard refuses the compiled program (what ``asyncops.jit``
-  and ``assert_copy_free`` raise), each hazard a source not live of one of
-  its transfers, named with the user's line of the start."""
-  assert r.kernel_pairs and _kinds(r) == ["source not live"], _kinds(r)
-  starts = {p.start for p in r.kernel_pairs}
-  assert all(h.start in starts and h.start_line for h in hazards(r))
-  with pytest.raises(CopyHazardError, match="source not live: the source"):
-    asyncops.inspect.check_report(r)
+def _pins(r) -> set[bool]:
+  """Whether the kernels of ``r``'s transfers pin their source (operand 0)
+  to HBM: a memory-space color on it, each start and done."""
+  m = r.module
+  out = set()
+  for p in r.kernel_pairs:
+    for name in (p.start, p.done):
+      cfg = m.instr(name).backend_config["custom_call_config"]
+      colors = cfg.get("input_memory_space_colors", [])
+      out.add(any(c.get("operand_index") == "0" for c in colors))
+  return out
 
 
 # Failed (xfail) before the branches' done tied the start's frame
@@ -486,17 +468,12 @@ def test_a_ref_done_in_capturing_branches_has_the_compute_in_its_window(
   f, x = _compile(_ref_compute_then(await_in), topology)
   r = analyze(f, x)
   assert len(r.kernel_pairs) == n_dones
-  if _refused_on_jax09(topology, await_in == "scan"):
-    _assert_source_not_live_refused(r)
-    # asyncops.jit refuses it at compile time, naming the user's line.
-    fn, mesh = _ref_compute_then(await_in), u.ring_mesh(topology)
-    g = asyncops.jit(
-      jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
-    )
-    with pytest.raises(CopyHazardError, match=f"(?s)source not live.*{THIS}:"):
-      g.lower(x).compile()
-    return
-  assert hazards(r) == []
+  assert hazards(r) == [], _kinds(r)
+  assert all(p.source_live for p in r.kernel_pairs)
+  # jax 0.9: the source unpinned (stateful._api._unpin_captured); pinned,
+  # its libtpu handed the dones a VMEM copy ("source not live", v6e, and
+  # v5e in the scan).
+  assert _pins(r) == {jc.CAPTURED_DONE_SOURCE_LIVE}
   if not jc.CAPTURED_WINDOW_TIE:
     return  # jax 0.9: untied, the windows are XLA's (_jax_compat)
   assert all(p.overlapped for p in r.kernel_pairs), [
@@ -548,10 +525,8 @@ def _matmul_in(m, instrs) -> bool:
 def test_captured_window_source_reads(topology, case):
   f, x = _compile(u.captured_reads(case, "i"), topology)
   r = analyze(f, x)
-  if _refused_on_jax09(topology, False, case):
-    _assert_source_not_live_refused(r)
-    return
   assert hazards(r) == [] and not r.inflight_copies, _kinds(r)
+  assert _pins(r) == {jc.CAPTURED_DONE_SOURCE_LIVE}  # as above
   pairs = r.kernel_pairs
   assert len(pairs) == 2 and all(p.source_live for p in pairs)
   # jax 0.9: never tied (_jax_compat.CAPTURED_WINDOW_TIE), the matmul

@@ -616,6 +616,51 @@ def test_captured_window_source_reads_keep_the_numbers(case):
   assert (ties > 0) == want_tied, ties
 
 
+def _carried_then_branch(x, w):
+  """A Ref future carried through a ``lax.scan`` and awaited in both
+  branches of a ``lax.cond`` in its body, then restarted."""
+  del w
+  a, b = jax.new_ref(x * 2.0), jax.new_ref(jnp.zeros_like(x))
+  i = jax.lax.axis_index("y")
+
+  def step(fut, _):
+    done = lambda: st.ppermute_done(fut, a, b)  # noqa: E731  # CARRIED
+    jax.lax.cond(i == 0, done, done)
+    return st.ppermute_start(a, b, "y", shift=1), None
+
+  fut, _ = jax.lax.scan(step, st.ppermute_start(a, b, "y", shift=1), None, 2)
+  st.ppermute_done(fut, a, b)
+  return (b[...],)
+
+
+def test_carried_ref_future_awaited_in_a_branch():
+  # jax >= 0.10: the numbers of jax.lax. jax 0.9: refused at trace time
+  # naming the done's line (stateful._api._unpin_captured: its start is
+  # not known there, so its source cannot be unpinned; pinned, that
+  # libtpu compiled the first done with a copy of the source, v5e, v6e).
+  x, w = _inputs(11)
+  if not jc.CAPTURED_DONE_SOURCE_LIVE:
+    line = u.marker_line(__file__, "CARRIED")
+    with pytest.raises(
+      NotImplementedError,
+      match=rf"ppermute_done at \S*test_stateful.py:{line} .*lax\.cond "
+      r"branch.*jax 0\.9.*pip install 'jax\[tpu\]>=0\.10'",
+    ):
+      _run(_carried_then_branch, 1, x, w, "start")
+    return
+
+  def lax(x, w):
+    del w
+    return (
+      jax.lax.ppermute(x * 2.0, "y", [(j, (j + 1) % 4) for j in range(4)]),
+    )
+
+  (want,) = _run(lax, 1, x, w, "start")
+  for transfer in ("start", "done"):
+    (got,) = _run(_carried_then_branch, 1, x, w, transfer)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("case", list(u.TOP_READS))
 def test_top_level_window_ref_reads_keep_the_numbers(case):
   # A top-level done's window reading only a Ref read (u.top_reads;

@@ -12,6 +12,8 @@ destination**: the trace-time hazard check raises if you do, also through
 a traced slot index it cannot prove different, and across loop carries.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -164,6 +166,8 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
   # A future a cond branch closes over: its start is in an enclosing trace
   # (awaited once per branch, each branch its own trace).
   nested = jc.current_trace() if fut.sems and jc.captured(fut.sems[0]) else None
+  if nested is not None and not jc.CAPTURED_DONE_SOURCE_LIVE:
+    layout = _unpin_captured(fut, layout, fn, here)
   fut.consume(fn, here, nested)
   sems = list(fut.sems)
   if fut._track is not None and nested is None:
@@ -217,6 +221,33 @@ def _done(fut, src_ref, dst_ref, fn: str, kind: str) -> None:
     fut._window = (anchor, sems)
   with jax.named_scope(f"asyncops.{fut.spec.kind}_ref_done"):
     ref_done_p.bind(*operands, *sems, spec=fut.spec, layout=layout)
+
+
+def _unpin_captured(fut: RefFuture, layout: Layout, fn: str, here: str):
+  """``layout`` for a done on jax < 0.10: unpinned (its start too) when a
+  ``lax.cond`` / ``lax.switch`` branch closes over the future.
+
+  That jax's libtpu (0.0.34) compiled such a done, the source pinned to
+  HBM, with a VMEM copy of the source the conditional was handed, not the
+  buffer the DMA reads (v6e; in a ``lax.scan`` body v5e too: the buffer
+  may be freed in flight). Unpinned, start and done get the one buffer
+  (v5e, v6e, v5p; ``_jax_compat.CAPTURED_DONE_SOURCE_LIVE``). A future
+  whose start is not known here (a loop carry, an argument) is refused.
+  """
+  kind = jc.branch_between(fut.sems[0])
+  if kind is None:
+    return layout
+  if fut._token is None:
+    raise NotImplementedError(
+      f"asyncops.stateful.{fn} at {here}: a {fut.spec.kind} future passed "
+      f"in (a loop carry or an argument) is awaited inside a lax.{kind} "
+      f"branch that closes over it; jax {jax.__version__}'s libtpu may "
+      "compile that done with a copy of the source, not the buffer the "
+      f"DMA reads. Fix: await it outside the lax.{kind}, start it in the "
+      "same function that awaits it, or pip install 'jax[tpu]>=0.10'."
+    )
+  _future.unpinned.add(fut._token)
+  return dataclasses.replace(layout, pin_source=False)
 
 
 def _other_slot(src: RefView):

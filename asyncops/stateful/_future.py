@@ -27,6 +27,13 @@ _pending: dict[int, str] = {}
 _tokens = itertools.count(1)
 
 
+# Tokens of starts whose source the kernels leave unpinned: on jax < 0.10,
+# starts awaited in a capturing ``lax.cond`` / ``lax.switch`` branch
+# (``stateful._api._unpin_captured``). Read when the start is discharged,
+# after every branch was traced; kept for later lowerings of the same trace.
+unpinned: set[int] = set()
+
+
 def new_token() -> int:
   return next(_tokens)
 

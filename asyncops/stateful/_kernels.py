@@ -78,8 +78,15 @@ def _pinned(bufs, layout: Layout):
   buffer, not a VMEM copy XLA would otherwise prefetch for it (and then
   free the original in flight). Pinned for the done only, XLA placed the
   source in VMEM for the start and gave the done an HBM copy: the buffer
-  the DMA read could be freed in flight (``tests/test_guard.py``)."""
-  if layout.n_bufs == 1:
+  the DMA read could be freed in flight (``tests/test_guard.py``).
+
+  Not pinned when ``layout.pin_source`` is False (jax < 0.10, a done in a
+  capturing ``lax.cond`` / ``lax.switch`` branch): there the libtpu of jax
+  0.9 prefetched the pinned source into VMEM for the conditional and
+  handed the branch's done that copy (``_jax_compat.
+  CAPTURED_DONE_SOURCE_LIVE``); unpinned, both kernels get the one
+  buffer."""
+  if layout.n_bufs == 1 or not layout.pin_source:
     return bufs
   bufs = list(bufs)
   bufs[layout.src_i] = jc.in_hbm(bufs[layout.src_i])

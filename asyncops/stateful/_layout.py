@@ -22,11 +22,15 @@ class Layout:
     n_bufs: 1 when source and destination are slots of one Ref, else 2.
     src_slotted: the source is ``ref.at[i]`` (a leading-axis slot).
     dst_slotted: likewise for the destination.
+    pin_source: the kernels pin a separate source to HBM (False only on
+      jax < 0.10 for a transfer awaited in a capturing ``lax.cond`` /
+      ``lax.switch`` branch: ``stateful._api._unpin_captured``).
   """
 
   n_bufs: int
   src_slotted: bool
   dst_slotted: bool
+  pin_source: bool = dataclasses.field(default=True, repr=False)
 
   def __post_init__(self):
     if self.n_bufs not in (1, 2):

@@ -15,6 +15,8 @@ Two levels:
   transfer whose result is never read.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -164,6 +166,8 @@ def _ref_start_discharge(in_avals, out_avals, *args, spec, layout, token):
   # Tracing is over when JAX discharges state: a fresh future now was
   # dropped without a done.
   _future.check_awaited(token, spec)
+  if token in _future.unpinned:
+    layout = dataclasses.replace(layout, pin_source=False)
   n = layout.n_bufs
   dst, *sems = buf_start_p.bind(
     *args[:n], _slots(args, n), spec=spec, layout=layout
