@@ -230,6 +230,11 @@ def half_dma_problem(shape: Sequence[int], dtype: Any) -> str | None:
     dimensions must span whole 128-lane tiles (its last dimension a
     multiple of 128; rank 4, the quantized row form's u8[2, 1, 256, 516]:
     "Slice shape along dimension 3 must be aligned to tiling (128)").
+
+  Consulted by the bidirectional kernel's TPU lowering
+  (``kernels._bidirectional.check_tpu_halves``) and, at trace time on a
+  TPU mesh, by the two-way quantized rings (``collective_matmul.
+  _quantized.check_two_way``: the fix is ``bidirectional=False``).
   """
   if not shape:
     return None

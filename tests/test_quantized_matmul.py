@@ -431,20 +431,29 @@ def test_grad_and_jvp_straight_through(mesh, case, transfer):
 
 
 # jax 0.9's Mosaic cannot DMA the halves of a two-way transfer of codes and
-# scales (a 516-byte last dimension, not whole 128-lane tiles): refused on
-# TPU with the fix named (_jax_compat.half_dma_problem); jax 0.10 moves them.
+# scales (a 516-byte last dimension, not whole 128-lane tiles): the public
+# op refuses it at trace time on TPU naming bidirectional=False
+# (_quantized.check_two_way, _jax_compat.half_dma_problem); jax 0.10 moves
+# them.
 TWO_WAY_CODES = jc.half_dma_problem((256, 516), jnp.uint8) is None
 
 
-def _refused_two_way(report_fn, *args):
-  """Asserts jax 0.9's refusal of a two-way quantized ring on TPU."""
-  with pytest.raises(ValueError, match=r"not a multiple of 128 lanes") as e:
-    report_fn(*args)
-  assert "ppermute_start" in str(e.value)  # the fix is named
+def _refused_two_way(program, op, moved):
+  """Asserts jax 0.9's refusal of a two-way quantized ring on TPU: a
+  ValueError when ``jax.jit`` traces it (before any lowering), naming the
+  op, the buffer moved, the cause and ``bidirectional=False``."""
+  fn, *args = program
+  with pytest.raises(ValueError) as e:
+    fn.trace(*args)
+  msg = str(e.value)
+  assert msg.startswith(f"{op}(transfer="), msg
+  assert "bidirectional=True): the two-way ring" in msg
+  assert f"uint8{moved}" in msg and "not a multiple of 128 lanes" in msg
+  assert f"jax {jax.__version__}'s Mosaic" in msg
+  assert "Pass bidirectional=False" in msg and "jax[tpu]>=0.10" in msg
 
 
-@functools.cache
-def _tpu_report(topology, transfer, bidirectional):
+def _tpu_program(topology, transfer, bidirectional):
   mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
   a = jax.ShapeDtypeStruct(
     (512, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("x", "y"))
@@ -452,9 +461,12 @@ def _tpu_report(topology, transfer, bidirectional):
   w = jax.ShapeDtypeStruct(
     (2048, 8192), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "y"))
   )
-  return analyze(
-    _ours(mesh, transfer=transfer, bidirectional=bidirectional), a, w
-  )
+  return _ours(mesh, transfer=transfer, bidirectional=bidirectional), a, w
+
+
+@functools.cache
+def _tpu_report(topology, transfer, bidirectional):
+  return analyze(*_tpu_program(topology, transfer, bidirectional))
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
@@ -463,7 +475,8 @@ def _tpu_report(topology, transfer, bidirectional):
 )
 def test_tpu_ring_moves_codes_and_scales(topology, transfer, bidirectional):
   if bidirectional and not TWO_WAY_CODES:
-    _refused_two_way(_tpu_report, topology, transfer, bidirectional)
+    program = _tpu_program(topology, transfer, bidirectional)
+    _refused_two_way(program, "allgather_matmul", [256, 516])
     return
   report = _tpu_report(topology, transfer, bidirectional)
   kind = "bidirectional" if bidirectional else "ppermute"
@@ -479,8 +492,7 @@ def test_tpu_ring_moves_codes_and_scales(topology, transfer, bidirectional):
   report.assert_overlapped(min_pairs=3, op=kind)
 
 
-@functools.cache
-def _tpu_rs_report(topology, transfer, bidirectional):
+def _tpu_rs_program(topology, transfer, bidirectional):
   # Tmp[B_X, F_Y] * W2[F_Y, D] -> Out[B_X, D_Y], bf16, global (512, 2048,
   # 2048): per device [256, 512] @ [512, 2048], blocks of 512 columns.
   mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
@@ -492,11 +504,15 @@ def _tpu_rs_report(topology, transfer, bidirectional):
     (2048, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("y", None))
   )
   fn = _rs(mesh, specs, transfer=transfer, bidirectional=bidirectional)
-  return analyze(fn, a, w)
+  return fn, a, w
 
 
 @functools.cache
-def _tpu_rows_report(topology):
+def _tpu_rs_report(topology, transfer, bidirectional):
+  return analyze(*_tpu_rs_program(topology, transfer, bidirectional))
+
+
+def _tpu_rows_program(topology):
   # Sequence parallel X[S_Y, D] * W[D, F_Y], bf16, global (2048, 512,
   # 2048), int8 two-way: per device [512, 512] rows.
   mesh = tpu_mesh(topology, (2, 4), ("x", "y"))
@@ -516,7 +532,12 @@ def _tpu_rows_report(topology):
       out_specs=P(None, "y"),
     )
   )
-  return analyze(fn, a, w)
+  return fn, a, w
+
+
+@functools.cache
+def _tpu_rows_report(topology):
+  return analyze(*_tpu_rows_program(topology))
 
 
 def _moved(report, kind):
@@ -535,7 +556,8 @@ def test_tpu_reducescatter_moves_quantized_partial_sums(
   topology, transfer, bidirectional
 ):
   if bidirectional and not TWO_WAY_CODES:
-    _refused_two_way(_tpu_rs_report, topology, transfer, bidirectional)
+    program = _tpu_rs_program(topology, transfer, bidirectional)
+    _refused_two_way(program, "matmul_reducescatter", [256, 516])
     return
   report = _tpu_rs_report(topology, transfer, bidirectional)
   kind = "bidirectional" if bidirectional else "ppermute"
@@ -552,7 +574,9 @@ def test_tpu_reducescatter_moves_quantized_partial_sums(
 @pytest.mark.parametrize("topology", ["v5e:2x4", "v6e:2x4"])
 def test_tpu_rows_form_moves_codes_and_scales(topology):
   if not TWO_WAY_CODES:
-    _refused_two_way(_tpu_rows_report, topology)
+    _refused_two_way(
+      _tpu_rows_program(topology), "allgather_matmul", [2, 1, 256, 516]
+    )
     return
   report = _tpu_rows_report(topology)
   moved = _moved(report, "bidirectional")

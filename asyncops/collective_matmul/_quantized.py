@@ -40,6 +40,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from asyncops import _jax_compat as jc
 from asyncops.collective_matmul import (
   _bwd_rings,
   _gather_rings,
@@ -135,6 +136,27 @@ def unpack(buf, transfer: str):
   return codes, scales
 
 
+def check_two_way(shape, op: str, transfer: str) -> None:
+  """Refuses, at trace time on TPU, a two-way value-API ring whose one
+  ``uint8`` buffer of ``shape`` (codes and scales) has halves Mosaic
+  cannot DMA (jax 0.9: a half's last dimension, ``k + 4`` bytes, must be
+  whole 128-lane tiles; ``_jax_compat.half_dma_problem``). Naming the
+  argument that avoids it, where the kernel's lowering would name only
+  the kernel's fixes."""
+  problem = jc.half_dma_problem(shape, jnp.uint8)
+  kind = jc.trace_device_kind()
+  if problem is None or kind is None or "TPU" not in kind:
+    return
+  raise ValueError(
+    f"{op}(transfer={transfer!r}, bidirectional=True): the two-way ring "
+    f"moves the quantized rows (codes + 4 scale bytes) as one "
+    f"uint8{list(shape)} buffer, each half of axis 0 one DMA, and "
+    f"{problem}: jax {jax.__version__}'s Mosaic cannot DMA such a half on "
+    "TPU. Pass bidirectional=False (the one-way ring moves the whole "
+    "buffer), or pip install 'jax[tpu]>=0.10'."
+  )
+
+
 def encode(x, transfer: str):
   """``x`` quantized and packed: what travels."""
   return pack(*quantize(x, transfer))
@@ -196,6 +218,8 @@ def contracting(
   h = m // 2
   with jax.named_scope(f"quantize_{transfer}"):
     buf = encode(x, transfer)
+  if bidirectional and api == "value":
+    check_two_way(buf.shape, "allgather_matmul", transfer)
   if bidirectional:
     bufs = (buf,) if api == "value" else (buf[:h], buf[h:])
   else:
@@ -259,6 +283,8 @@ def rows(
   outs = tuple(jax.lax.empty(lay.expanded(w.shape[1]), dt) for w in ws)
   if bidirectional:
     b = lay.halves(buf)
+    if api == "value":
+      check_two_way(b.shape, "allgather_matmul", transfer)
     bufs = (b,) if api == "value" else (b[0], b[1])
   else:
     bufs = (buf,)

@@ -89,7 +89,11 @@ def run(
   def send(sums):
     with jax.named_scope(f"quantize_{transfer}"):
       bufs = tuple(_quantized.encode(v, transfer) for v in sums)
-    return (join(bufs),) if one_kernel else bufs
+    if not one_kernel:
+      return bufs
+    buf = join(bufs)
+    _quantized.check_two_way(buf.shape, "matmul_reducescatter", transfer)
+    return (buf,)
 
   with jax.named_scope("chunk0"):
     sums = partials(0, *ops)
