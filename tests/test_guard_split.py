@@ -403,8 +403,9 @@ def test_checkpoint_policy_under_grad_is_refused(topology):
 def _ref_compute_then(await_in, source=lambda x: x * 2.0):
   """Start, a matmul, then the done: at top level, or in every branch of
   a ``lax.cond`` closing over the future (``"branches"``), of a nested
-  cond (``"nested"``), of a three-way ``lax.switch`` (``"switch"``), or of
-  a cond in a ``lax.scan`` body that starts (``"scan"``)."""
+  cond (``"nested"``), of a three-way ``lax.switch`` (``"switch"``), of
+  a cond in a ``lax.scan`` body that starts (``"scan"``), or in a
+  ``jax.jit`` called in each branch (``"jit in branches"``)."""
   from asyncops import stateful
 
   def body(x):
@@ -419,6 +420,8 @@ def _ref_compute_then(await_in, source=lambda x: x * 2.0):
       lax.cond(i == 0, lambda: lax.cond(i == 1, done, done), done)
     elif await_in == "switch":
       lax.switch(i % 3, [done, done, done])
+    elif await_in == "jit in branches":
+      lax.cond(i == 0, jax.jit(done), jax.jit(done))
     else:
       stateful.ppermute_done(f, a, b)
     return b[...] + z
@@ -459,7 +462,12 @@ def _pins(r) -> set[bool]:
   + [
     (t, a, n)
     for t in TOPOLOGIES[:2]  # v5e and v6e for the variants
-    for a, n in (("nested", 3), ("switch", 3), ("scan", 2))
+    for a, n in (
+      ("nested", 3),
+      ("switch", 3),
+      ("scan", 2),
+      ("jit in branches", 2),
+    )
   ],
 )
 def test_a_ref_done_in_capturing_branches_has_the_compute_in_its_window(
