@@ -634,7 +634,8 @@ def _carried_then_branch(x, w):
 
 
 def test_carried_ref_future_awaited_in_a_branch():
-  # jax >= 0.10: the numbers of jax.lax. jax 0.9: refused at trace time
+  # jax >= 0.10: the numbers of jax.lax (the compiled TPU program passes
+  # the guard, tests/test_guard_carried.py). jax 0.9: refused at trace time
   # naming the done's line (stateful._api._unpin_captured: its start is
   # not known there, so its source cannot be unpinned; pinned, that
   # libtpu compiled the first done with a copy of the source, v5e, v6e).

@@ -614,8 +614,24 @@ def analyze_module(
     srcs = srcs if "source" in covers else []
     dsts = dsts if "destination" in covers else []
     sems = [(s.name, lf.index) for lf in s.leaves if lf.memory_space == SEM]
+    # A source a loop body passes through unchanged is the loop operand's
+    # buffer (:func:`_loop_invariant`): the done may take that operand, and
+    # a write into it in the window is a write into the source.
+    hoisted = [_loop_invariant(m, g, p) for p in srcs]
+    moved = hoisted != [_resolve(m, p) for p in srcs]
     writes = (
-      _inplace_writes(m, g, s, d, srcs, dsts, between, covers) if kernel else ()
+      _inplace_writes(
+        m,
+        g,
+        s,
+        d,
+        srcs + hoisted if moved else srcs,
+        dsts,
+        between,
+        covers,
+      )
+      if kernel
+      else ()
     )
     pairs.append(
       Pair(
@@ -631,7 +647,9 @@ def analyze_module(
         between_cycles=float(sum(i.estimated_cycles or 0 for i in between)),
         overlapped=_has_compute(m, between, start_done_names),
         source_live=(
-          _reaches(g, srcs, d, sems) or _caller_owned(m, srcs)
+          _reaches(g, srcs, d, sems)
+          or _caller_owned(m, srcs)
+          or (moved and _reaches(g, hoisted, d, sems))
           if kernel
           else True
         ),
@@ -1173,6 +1191,52 @@ def _caller_owned(m: Module, positions: list[Pos]) -> bool:
     ):
       return False
   return True
+
+
+def _loop_invariant(m: Module, g: _Graph, pos: Pos) -> Pos:
+  """The outer value a loop-invariant position is, else ``pos`` resolved.
+
+  A ``while`` body's parameter element ``i`` that the body passes through
+  unchanged (its ROOT is a tuple whose element ``i`` is exactly
+  ``get-tuple-element(param, i)``) holds, on every iteration and after
+  the loop, the buffer of the while's operand element ``i``: buffer
+  assignment gives the operand, the body parameter, the ROOT element and
+  the while's result one value, one allocation (v5e, v6e, v5p, v4), and
+  XLA may then hand a use after the loop the operand itself instead of
+  the while's result (``design/inspect.md``, "A Ref future carried
+  through scan, awaited in a branch"). Followed outward through nested
+  loops. Only that exact pattern: a body writing the element, or a copy
+  on the way (inside the body or before the loop), stops it, and a
+  parameter of a body run by more than one while, or of a branch or a
+  call, is left as it is.
+  """
+  pos = _resolve(m, pos)
+  for _ in range(16):
+    name, idx = pos
+    p = m.instr(name)
+    if p.opcode != "parameter" or p.parameter_number != 0 or not idx:
+      break
+    callers = g.callers.get(p.computation, ())
+    if len(callers) != 1 or callers[0].opcode != "while":
+      break
+    w = callers[0]
+    root = m.computations[p.computation].root
+    if (
+      w.body != p.computation
+      or len(w.operands) != 1
+      or root.opcode != "tuple"
+      or idx[0] >= len(root.operands)
+    ):
+      break
+    e = m.instr(root.operands[idx[0]])
+    if (
+      e.opcode != "get-tuple-element"
+      or list(e.operands) != [name]
+      or e.tuple_index != idx[0]
+    ):
+      break
+    pos = _resolve(m, (w.operands[0], idx))
+  return pos
 
 
 def _resolve(m: Module, pos: Pos) -> Pos:

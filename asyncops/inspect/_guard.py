@@ -19,7 +19,9 @@ What is refused (each a *hazard*):
 - an instruction inside a window that writes in place into the transfer's
   source or destination;
 - a start whose source or destination does not reach its done (XLA may
-  free or reuse it while the DMA uses it);
+  free or reuse it while the DMA uses it; a source a loop body passes
+  through unchanged is the loop operand's buffer, which the done may take
+  instead of the loop's result);
 - a start that reaches no done at all (its DMA is never waited for), or
   none on some branch of a conditional its semaphores enter, or none for
   one of its semaphores (a ``send_done`` never followed by ``recv_done``),

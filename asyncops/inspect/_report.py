@@ -155,8 +155,9 @@ class Pair:
     overlapped: whether real compute (a fusion, convolution, dot, other
       custom call or non-scalar arithmetic) sits in the window.
     source_live: whether the start's source buffer reaches the done (via
-      aliasing, tuples and loop carries, without a copy), so XLA cannot
-      free or reuse it while the transfer reads it.
+      aliasing, tuples and loop carries, without a copy; a source a loop
+      body passes through unchanged is the loop operand's buffer), so XLA
+      cannot free or reuse it while the transfer reads it.
     dest_live: the same for the destination buffer.
     start_source: user code of the start.
     done_source: user code of the done.
