@@ -1036,6 +1036,11 @@ def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into):
     # the peers wrote into it in HBM, and copied the result out).
     aliases = {nq + 2: 0}
     out_shape = c.hbm_like(out_shape)
+    # The operand too: with ``x`` constrained (:func:`pinned`), jax 0.9's
+    # lowering colours only the constrained operands, and XLA refuses an
+    # uncoloured operand aliased to a coloured output (jax 0.10 colours
+    # it from the output; the same HLO there).
+    recvs = pinned(recvs)
   elif into is not None:
     # me, x, [xs], w, recv, [recv scales], sems, then the buffer.
     at = 2 * nq + 3
