@@ -555,7 +555,8 @@ def test_fused_vmem_takes_one_form():
 def sweep(topology, op, m, sizes, vmem_shape=False):
   """Prints, per user buffer size (MiB), whether the program compiles
   with the receive buffer where the planner puts it (``default``) and in
-  HBM (``hbm``): the design note's table."""
+  HBM (``hbm``), and what the copy guard says of each compiled program
+  (``clean`` or its hazard kinds): the design notes' tables."""
   for mib in sizes:
     row = []
     for how in ("jax", "hbm"):
@@ -564,6 +565,14 @@ def sweep(topology, op, m, sizes, vmem_shape=False):
       row.append(
         ("ok" if ok else "REFUSED") + ("(hbm)" if how == "hbm" else "(default)")
       )
+      if ok:
+        kinds = sorted(
+          {
+            h.kind
+            for h in asyncops.inspect.hazards(asyncops.inspect.analyze(text))
+          }
+        )
+        row[-1] += "[" + (",".join(kinds) or "clean") + "]"
     print(
       topology,
       op,

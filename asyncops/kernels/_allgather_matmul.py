@@ -1110,17 +1110,20 @@ def done(xs, recvs, token, send_sems, *, spec: AgSpec):
 
 
 def pinned(xs):
-  """``xs`` constrained to HBM, as the start and the done take them.
+  """``xs`` constrained to HBM (``pltpu.with_memory_space_constraint``),
+  as the start, the compute kernel and the done take them.
 
   The start's DMAs read ``x`` (and the scales) after it returns; the done
   takes them so XLA keeps them live until the sends end. Unconstrained,
-  XLA may place ``x`` in VMEM for the start and give the done an HBM copy
-  of it (a user kernel's VMEM output beside a large user VMEM buffer,
-  v6e): the buffer the DMAs read is then free while they run, and
-  ``check_hlo`` refuses the program ("source not live"). In HBM (one
-  placement both operands must share) the done holds the very buffer
-  the start sends. Design note: "The fused all-gather's source kept live
-  under plain jax.jit"."""
+  XLA may place ``x`` in VMEM for the start and give the compute kernel
+  and the done an HBM copy (a user kernel's VMEM output beside a large
+  user VMEM buffer, v5e and v6e): the buffer the DMAs read is then free
+  while they run, and ``check_hlo`` refuses the program ("source not
+  live"). XLA cannot give an HBM-constrained operand a VMEM copy, so the
+  three take one buffer, the one the start sends. (The compute kernel
+  too: the copy guard pairs the start with it, as it waits for the
+  receives, and a VMEM copy there was refused.) Design note: "The fused
+  all-gather's source kept live under plain jax.jit"."""
   return tuple(jc.in_hbm(v) for v in xs)
 
 
