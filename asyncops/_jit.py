@@ -21,9 +21,10 @@ the results are the same), with one
 changes nothing in the program, or fails too, the first error is raised.
 A program the copy guard refuses gets the same second lowering, and runs
 in that form if the guard passes it: XLA may move a transfer's buffer to
-make room beside receive buffers in VMEM (v6e, the fused all-gather's
-``x`` evicted to HBM beside a user's 64 MiB VMEM buffer: "source not
-live"); otherwise the refusal stands.
+make room beside receive buffers in VMEM; otherwise the refusal stands.
+(The case that made this retry, v6e's fused all-gather ``x`` evicted to
+HBM beside a user's 64 MiB VMEM buffer, "source not live", no longer
+occurs: its kernels take ``x`` pinned to HBM since branch h-agpin.)
 
 Cost: the check parses the HLO text the compile already produced and walks
 it once; it adds no compile. ``Jitted.last_check_seconds`` holds the time
@@ -259,8 +260,9 @@ class _Lowered:
       return compiled
     # XLA may move a buffer of ours out of its place to make room beside
     # receive buffers in VMEM (the fused all-gather's ``x`` evicted to
-    # HBM beside a user's 64 MiB VMEM buffer, v6e: "source not live"):
-    # the program with them in HBM, if the guard passes it, is as good.
+    # HBM beside a user's 64 MiB VMEM buffer, v6e: "source not live",
+    # until its kernels pinned ``x`` to HBM, branch h-agpin): the program
+    # with them in HBM, if the guard passes it, is as good.
     retry = self._recv_in_hbm(args, kwargs)
     if retry is not None and owner._hazard(retry[1]) is None:
       self._warn(
@@ -339,8 +341,11 @@ def jit(
   results), with a ``FusedVmemWarning``; plain ``jax.jit`` raises XLA's
   error (``RESOURCE_EXHAUSTED: ... vmem``) and the fix is that context.
   So is a program the guard refuses, where the receive buffers in HBM
-  make it pass (XLA evicting a transfer's source to make room in VMEM).
-  **Plain ``jax.jit`` runs such a program unchecked.**
+  make it pass (XLA evicting a transfer's source to make room in VMEM;
+  the fused all-gather's ``x``, the one case seen, is pinned to HBM since
+  branch h-agpin, so plain ``jax.jit`` gets a sound program there too).
+  Plain ``jax.jit`` runs no guard: a program the guard would refuse runs
+  unchecked there.
 
   Args:
     fun: the function; omit it to use ``jit(check=...)`` as a decorator.

@@ -1493,9 +1493,10 @@ def test_twin_prefetching_x_is_charged_the_read_of_x(
 def test_fused_allgather_fill_runs_before_its_first_step(topology):
   """The fused all-gather matmul's compute kernel reads ``x`` (the local
   chunk, ``pl.Buffered(1)``) and the first ``[k/2, bn]`` block of ``w``
-  before its first dot; ``x`` from HBM where XLA left it there (v5e), from
-  VMEM where XLA copied it there before the kernel (v6e: that copy is on
-  the program's timeline, so not in the fill). The model charges the fill
+  before its first dot; ``x`` from HBM on both chips (pinned there for the
+  fused all-gather's three kernels since branch h-agpin; before, XLA
+  copied it into VMEM before the kernel on v6e, and the fill read ``w``
+  only). The model charges the fill
   as the kernel's first box (op ``pipeline-fill``), at HBM bandwidth,
   before the first step's dots, which start when it ends."""
   from benchmarks import _fused_variants  # noqa: PLC0415
@@ -1512,7 +1513,7 @@ def test_fused_allgather_fill_runs_before_its_first_step(topology):
   dims = n, m, k, f = 4, 512, 512, 2048
   x = _operands(module, kernel)[1]
   assert x.dims == (m, k)
-  assert x.memory_space == (0 if topology.startswith("v5e") else 1)
+  assert x.memory_space == 0
   w_block = _first_block("ring_allgather_matmul", topology, kernel, dims)
   # v5e's kernel reads x by halves (``_split``): its first half.
   x_cols = k // 2 if _fused_variants.step_split(kernel.attrs) else k

@@ -13,9 +13,17 @@ may hand a donor's buffer to an output), and so does the same HLO with an
 ``input_output_alias`` on ``x``. Structure on compiled TPU HLO (v6e, where
 XLA makes the copy; v5e and v5p, where it does not); numerics on 8 CPU
 devices against ``jnp.dot``.
+
+Since branch h-agpin the fused all-gather pins ``x`` to HBM for its three
+kernels (``kernels._allgather_matmul.pinned``): XLA no longer makes that
+copy, the done takes the parameter itself and a donated ``x`` is accepted
+on v6e too. The guard's rules above are tested on the program as it was
+compiled before (``unpinned``: the pin undone while lowering), which is
+what XLA does to a transfer's source it may place freely.
 """
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 import asyncops
 from asyncops.collective_matmul import allgather_matmul
-from asyncops.inspect import analyze, hazards, tpu_mesh
+from asyncops.inspect import analyze, hazards, parse_module, tpu_mesh
 from asyncops.inspect._hlo import _donated_params
+from asyncops.kernels import _allgather_matmul as agk
 from tests import util as u
 
 D, F = 8192, 28672
@@ -41,7 +50,17 @@ def _step(x, w, *, produced):
 
 
 @functools.cache
-def _hlo(chip, m, x_input):
+def _hlo(chip, m, x_input, unpinned=False):
+  """Compiled HLO text; ``unpinned``: lowered with ``agk.pinned`` undone
+  (the fused all-gather's ``x`` free for XLA to place, as before branch
+  h-agpin)."""
+  if unpinned:
+    with mock.patch.object(agk, "pinned", lambda xs: xs):
+      return _compile(chip, m, x_input)
+  return _compile(chip, m, x_input)
+
+
+def _compile(chip, m, x_input):
   mesh = tpu_mesh(TOPOLOGIES[chip], (8,), ("i",))
   spec = P(None, "i")
   fn = jax.jit(
@@ -66,7 +85,7 @@ def _kinds(text):
 
 @pytest.mark.parametrize("m", [16, 256, 1024])
 def test_v6e_prefetch_of_a_parameter_source_is_accepted(m):
-  text = _hlo("v6e", m, "parameter")
+  text = _hlo("v6e", m, "parameter", unpinned=True)
   report = analyze(text)
   start = [p for p in report.kernel_pairs if "allgather_done" in p.done]
   assert start, "no fused all-gather start/done pair"
@@ -80,7 +99,7 @@ def test_v6e_prefetch_of_a_parameter_source_is_accepted(m):
 
 @pytest.mark.parametrize("m", [16, 256])
 def test_v6e_donated_source_stays_refused(m):
-  found = hazards(analyze(_hlo("v6e", m, "donated")))
+  found = hazards(analyze(_hlo("v6e", m, "donated", unpinned=True)))
   [live] = [h for h in found if h.kind == "source not live"]
   # The message names the argument and the fix.
   assert "argument 0 of the jitted function, donated" in live.detail
@@ -88,11 +107,33 @@ def test_v6e_donated_source_stays_refused(m):
 
 
 def test_v6e_aliased_parameter_stays_refused():
-  text = _hlo("v6e", 256, "parameter")
+  text = _hlo("v6e", 256, "parameter", unpinned=True)
   head, rest = text.split("\n", 1)
   aliased = head + ", input_output_alias={ {0}: (0, {}, may-alias) }\n" + rest
   assert _kinds(text) == []
   assert "source not live" in _kinds(aliased)
+
+
+@pytest.mark.parametrize("chip", ["v6e", "v5e", "v5p"])
+@pytest.mark.parametrize("m", [16, 256, 1024])
+@pytest.mark.parametrize("x_input", ["parameter", "donated"])
+def test_pinned_x_is_the_dones_own(chip, m, x_input):
+  """With the pin (branch h-agpin) the start, the compute kernel and the
+  done take the parameter itself: no copy of ``x`` on any chip, and a
+  donated ``x`` is accepted on v6e too (it lives until the done)."""
+  text = _hlo(chip, m, x_input)
+  module = parse_module(text)
+  kernels = [
+    i
+    for i in module.instructions.values()
+    if i.opcode == "custom-call"
+    and i.name.split(".")[0]
+    in ("asyncops_ring_allgather_start", "asyncops_ring_allgather_done")
+  ]
+  assert len(kernels) == 2, [i.name for i in kernels]
+  for i in kernels:
+    assert module.instr(i.operands[0]).opcode == "parameter", i.name
+  assert _kinds(text) == []
 
 
 @pytest.mark.parametrize("chip", ["v6e", "v5e", "v5p"])

@@ -142,6 +142,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from asyncops import _jax_compat as jc
 from asyncops.kernels import _common as c
 
 
@@ -925,7 +926,9 @@ def start(xs, *, spec: AgSpec, out_shape=None, into=None):
 
   ``x`` is read by DMAs after this kernel returns; it is not aliased (no
   user code sees it, and aliasing a parameter makes XLA copy it). The done
-  takes ``x`` as an operand, so XLA keeps it alive until the sends end.
+  takes ``x`` as an operand, so XLA keeps it alive until the sends end;
+  :func:`run` gives all three kernels ``x`` pinned to HBM
+  (:func:`pinned`), so that operand is the very buffer the DMAs read.
 
   ``recv_in_out``: the receive buffer is the result buffer, ``into`` (the
   previous row panel's result) or a new one of ``out_shape``; the start
@@ -1033,6 +1036,11 @@ def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into):
     # the peers wrote into it in HBM, and copied the result out).
     aliases = {nq + 2: 0}
     out_shape = c.hbm_like(out_shape)
+    # The operand too: with ``x`` constrained (:func:`pinned`), jax 0.9's
+    # lowering colours only the constrained operands, and XLA refuses an
+    # uncoloured operand aliased to a coloured output (jax 0.10 colours
+    # it from the output; the same HLO there).
+    recvs = pinned(recvs)
   elif into is not None:
     # me, x, [xs], w, recv, [recv scales], sems, then the buffer.
     at = 2 * nq + 3
@@ -1101,6 +1109,24 @@ def done(xs, recvs, token, send_sems, *, spec: AgSpec):
   )(*xs, *recvs, token, send_sems)
 
 
+def pinned(xs):
+  """``xs`` constrained to HBM (``pltpu.with_memory_space_constraint``),
+  as the start, the compute kernel and the done take them.
+
+  The start's DMAs read ``x`` (and the scales) after it returns; the done
+  takes them so XLA keeps them live until the sends end. Unconstrained,
+  XLA may place ``x`` in VMEM for the start and give the compute kernel
+  and the done an HBM copy (a user kernel's VMEM output beside a large
+  user VMEM buffer, v5e and v6e): the buffer the DMAs read is then free
+  while they run, and ``check_hlo`` refuses the program ("source not
+  live"). XLA cannot give an HBM-constrained operand a VMEM copy, so the
+  three take one buffer, the one the start sends. (The compute kernel
+  too: the copy guard pairs the start with it, as it waits for the
+  receives, and a VMEM copy there was refused.) Design note: "The fused
+  all-gather's source kept live under plain jax.jit"."""
+  return tuple(jc.in_hbm(v) for v in xs)
+
+
 def run(me, x, w, *, spec: AgSpec, out_shape, scales=None, into=None):
   """The three kernels in order; returns the result.
 
@@ -1110,7 +1136,9 @@ def run(me, x, w, *, spec: AgSpec, out_shape, scales=None, into=None):
   (:func:`compute`; with ``recv_in_out`` the start takes it and the
   peers' chunks land in this panel's rows of it first).
   """
-  xs = (x,) if scales is None else (x, scales)
+  # What the start's DMAs read, one HBM buffer the three kernels take
+  # (:func:`pinned`).
+  xs = pinned((x,) if scales is None else (x, scales))
   if spec.recv_in_out:
     with jax.named_scope(spec.slots_scope):
       recvs, send_sems, recv_sems = start(
