@@ -12,14 +12,18 @@ could still read it, and the guard passed it.
 a271e8a, ``/work/sweeps/rsfin/allreduce_probe.py v5e:2x4 2048,8192,28672
 allreduce:asyncops_fused``), its Mosaic bodies and backend configs
 dropped: the guard must refuse it, and pass it with the done given the
-original buffer. The library's programs (each panel's steps kernel now
-takes the previous panel's done token) compile clean on v5e and v6e.
+original buffer. The library's programs (each panel's start now takes
+the previous panel's done token) compile clean on v5e and v6e.
 """
 
+import functools
 import pathlib
 
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from asyncops import collective_matmul as cm
 from asyncops.inspect import (
   CopyHazardError,
   analyze_module,
@@ -27,8 +31,10 @@ from asyncops.inspect import (
   parse_module,
 )
 from asyncops.inspect._rs_sent import sent_transfers
+from tests import util as u
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "rs_sent_evicted_v5e.hlo"
+TOPOLOGIES = ("v5e:2x4", "v6e:2x4")
 
 
 def _fixture() -> str:
@@ -77,3 +83,66 @@ def test_guard_passes_the_done_given_the_original():
     bad, "custom-call(%get-tuple-element.43, %get-tuple-element.46,"
   )
   check_hlo(text, "fused all-reduce, done given the original")
+
+
+@functools.cache
+def _allreduce_text(topology, shape):
+  b, k, f = shape
+
+  def fn(x, w):
+    return cm.matmul_allreduce(x, w, "y", method="fused")
+
+  jitted, args = u.aot_sharded(
+    topology,
+    fn,
+    ((b, k), (k, f)),
+    (P("x", "y"), P("y", None)),
+    P("x", None),
+    jnp.bfloat16,
+  )
+  return jitted.trace(*args).lower().compile().as_text()
+
+
+def _calls(module, prefix):
+  order = {i.name: t for t, i in enumerate(module.entry.instrs)}
+  found = [
+    i
+    for i in module.entry.instrs
+    if i.opcode == "custom-call" and i.name.split(".")[0] == prefix
+  ]
+  return sorted(found, key=lambda i: order[i.name]), order
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_fused_allreduce_panels_await_each_done(topology):
+  """The probe's program from the library (``method="fused"``): in row
+  panels, each panel's start after the first takes the previous panel's
+  done token, so the schedule runs panel by panel (start, steps, finish,
+  done); no copy of the sent partial sums or own products; the guard
+  passes it."""
+  text = _allreduce_text(topology, (2048, 8192, 28672))
+  report = check_hlo(text, f"fused all-reduce {topology}")
+  m = parse_module(text)
+  starts, order = _calls(m, "asyncops_ring_reducescatter_start")
+  steps, _ = _calls(m, "ring_reducescatter_matmul")
+  dones, _ = _calls(m, "asyncops_ring_reducescatter_done")
+  assert len(starts) == len(steps) == len(dones) > 1, len(steps)
+  for prev, nxt in zip(dones[:-1], starts[1:], strict=True):
+    assert prev.name in nxt.operands, (prev.name, nxt.operands)
+  ours = sorted(starts + steps + dones, key=lambda i: order[i.name])
+  kernels = [i.name for i in ours]
+  assert kernels == [
+    i.name for trio in zip(starts, steps, dones, strict=True) for i in trio
+  ], kernels
+  pairs = {s.name: d.name for s, d, _, _ in sent_transfers(report)}
+  assert pairs == {s.name: d.name for s, d in zip(steps, dones, strict=True)}, (
+    pairs
+  )
+  shapes = {tuple(lf.dims) for s in steps for lf in s.leaves}
+  moved = [
+    i.name
+    for i in m.entry.instrs
+    if i.opcode in ("copy", "copy-start")
+    and any(tuple(lf.dims) in shapes for lf in i.leaves)
+  ]
+  assert not moved, moved
