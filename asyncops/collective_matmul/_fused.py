@@ -891,13 +891,21 @@ def _rs_tpu(
   spec = _planned(plan, "matmul_reducescatter")
   x = x.astype(spec.dtype)
 
+  after = [None]  # the previous row panel's done token
+
   def run(me, sp, shape, into):
     if plan.panels > 1:
       # Pinned to HBM: XLA otherwise kept the panels' result in VMEM
       # where it fits (v5e, 16 MiB at the Llama-3-70B shard's tp 4, M =
       # 4096) and copied it out after the last panel.
       shape = _common.hbm_like(shape)
-    return rsk.run(me, x, w, spec=sp, out_shape=shape, into=into)
+    # Each panel's start after the previous panel's done: else XLA gave a
+    # panel's sent partial sums' VMEM to the next panel while its last
+    # sends were in flight (branch h-rsrace).
+    out, after[0] = rsk.run(
+      me, x, w, spec=sp, out_shape=shape, into=into, after=after[0]
+    )
+    return out
 
   return _by_panels(run, plan, x, w, spec.c, out_dtype, axis_name)
 

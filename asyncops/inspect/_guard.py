@@ -69,6 +69,7 @@ from ._analysis import _is_ref_kernel, _resolve, analyze_module
 from ._hlo import parse_module
 from ._mesh import compile_tpu, tpu_mesh
 from ._report import Report
+from ._rs_sent import sent_hazards
 
 
 class CopyHazardError(ValueError):
@@ -290,6 +291,17 @@ def hazards(report: Report) -> list[Hazard]:
             stack,
           )
         )
+  out += _sent_hazards(report)
+  return out
+
+
+def _sent_hazards(report: Report) -> list[Hazard]:
+  """The fused reduce-scatter's sent partial sums, a transfer source of
+  the steps kernel's (:mod:`asyncops.inspect._rs_sent`)."""
+  out = []
+  for kind, instr, detail, steps, done in sent_hazards(report):
+    line, stack = _start_info(report, steps)
+    out.append(Hazard(kind, instr, detail, steps, done, line, stack))
   return out
 
 

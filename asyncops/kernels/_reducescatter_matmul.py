@@ -483,7 +483,7 @@ _SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
 _VMEM = pl.BlockSpec(memory_space=pltpu.VMEM)
 
 
-def start(me, *, spec: RsSpec):
+def start(me, *, spec: RsSpec, after=None):
   """``-> (recv, send_sems, recv_sems)``; the barrier.
 
   Its operand is the ring index ``me`` (``int32[1]``, unread): it starts
@@ -492,10 +492,23 @@ def start(me, *, spec: RsSpec):
   partial sums and own products, to HBM before the finish and the done:
   15 copies, 26.5 us exposed in the benchmark model at the Llama-3-70B
   shard's tp 8, M = 4096, on v5p. The sends read the sent partial sums
-  until the done.)"""
+  until the done.)
 
-  def kernel(me_ref, recv_ref, send_sems, recv_sems):
-    del me_ref, recv_ref, send_sems, recv_sems
+  ``after``: the previous row panel's done token (SMEM, unread), so this
+  panel's kernels run after that done (branch h-rsrace). Without it XLA
+  hoisted every panel's start and scheduled every done after the last
+  finish; it evicted a panel's sent partial sums to HBM, gave the done
+  the copy and their VMEM to the next panel's steps kernel while the last
+  sends could still read it (the fused all-reduce at (2048, 8192, 28672),
+  v5e). Ordering only the next steps kernel after the done left the
+  starts hoisted, every panel's receive buffer live from the top: the
+  fused all-reduce at tp 8, M = 4096 did not compile ("Too many buffers
+  are colored in the alternate memory"), as on main."""
+
+  extra = () if after is None else (after,)
+
+  def kernel(me_ref, *refs):
+    del me_ref, refs
     start_kernel(spec=spec)
 
   return pl.pallas_call(
@@ -505,11 +518,11 @@ def start(me, *, spec: RsSpec):
       _sem_array(spec),
       _sem_array(spec),
     ),
-    in_specs=[c.ANY],
+    in_specs=[c.ANY] + [_SMEM] * len(extra),
     out_specs=(_recv_spec(spec), c.SEM, c.SEM),
     compiler_params=c.params(collective_id=spec.collective_id),
     name="asyncops_ring_reducescatter_start",
-  )(me)
+  )(me, *extra)
 
 
 def _own_shape(spec: RsSpec):
@@ -628,21 +641,23 @@ def done(recv, sent, token, send_sems, *, spec: RsSpec):
   )(recv, sent, token, send_sems)
 
 
-def run(me, x, w, *, spec: RsSpec, out_shape, into=None):
-  """The four kernels in order; returns the result (``[m, c]``).
+def run(me, x, w, *, spec: RsSpec, out_shape, into=None, after=None):
+  """The four kernels in order; returns ``(result [m, c], done token)``.
 
   Row panel ``spec.panel`` reads its rows of ``x`` (which may hold every
   panel's) and, with ``into`` (the previous panel's result, aliased),
   writes its rows of the whole result ``out_shape`` in place
-  (:func:`finish`)."""
+  (:func:`finish`). ``after``: the previous panel's done token; this
+  panel's start, so its kernels, then run after that done, and the
+  previous panel's sent partial sums stay in place until their sends end
+  (:func:`start`)."""
   x = x.astype(spec.dtype)
-  recv, send_sems, recv_sems = start(me, spec=spec)
+  recv, send_sems, recv_sems = start(me, spec=spec, after=after)
   sent, own = steps(me, x, w, recv, send_sems, recv_sems, spec=spec)
   out, token = finish(
     own, recv, recv_sems, spec=spec, out_shape=out_shape, into=into
   )
-  done(recv, sent, token, send_sems, spec=spec)
-  return out
+  return out, done(recv, sent, token, send_sems, spec=spec)
 
 
 def one_kernel(me, x, w, *, spec: RsSpec, out_shape, interpret=None, into=None):
