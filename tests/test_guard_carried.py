@@ -86,6 +86,13 @@ def _loop_pair(r):
   return p
 
 
+def _compiled(topology: str):
+  """The program's text, its parsed module and the loop's pair."""
+  text = _text(topology)
+  r = _analyze(text)
+  return text, r.module, _loop_pair(r)
+
+
 def _edit(text: str, name: str, old: str, new: str) -> str:
   """``text`` with operand ``%old`` of instruction ``%name`` made ``%new``."""
   line = re.search(
@@ -168,10 +175,7 @@ def test_a_body_that_replaces_the_source_slot_is_refused(topology, edit):
   if not jc.CAPTURED_DONE_SOURCE_LIVE:
     _refused_on_0_9()
     return
-  text = _text(topology)
-  r = _analyze(text)
-  m = r.module
-  p = _loop_pair(r)
+  text, m, p = _compiled(topology)
   s = m.instr(p.start)
   (src,) = _buffers(m, s)[0]
   name, idx = _resolve(m, src)
@@ -204,10 +208,7 @@ def test_a_copy_before_the_loop_is_refused(topology):
   if not jc.CAPTURED_DONE_SOURCE_LIVE:
     _refused_on_0_9()
     return
-  text = _text(topology)
-  r = _analyze(text)
-  m = r.module
-  p = _loop_pair(r)
+  text, m, p = _compiled(topology)
   d = m.instr(p.done)
   value = d.operands[0]
   (w,) = [i for i in m.computations[m.entry_name].instrs if i.opcode == "while"]
@@ -230,10 +231,7 @@ def test_a_write_into_the_hoisted_source_before_the_done_is_refused(topology):
   if not jc.CAPTURED_DONE_SOURCE_LIVE:
     _refused_on_0_9()
     return
-  text = _text(topology)
-  r = _analyze(text)
-  m = r.module
-  p = _loop_pair(r)
+  text, m, p = _compiled(topology)
   d = m.instr(p.done)
   value = d.operands[0]
   zero = next(
