@@ -498,3 +498,18 @@ def test_fused_ag_int8_source_copied_for_the_start(name, operand, topology):
     f"operand {operand}",
     "%asyncops_ring_allgather_done",
   )
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_rs_done_removed(topology):
+  """The fused reduce-scatter with its done deleted: the start's send
+  semaphores still reach the steps kernel, which the pair trace counted
+  as their done, so main reported no unawaited start. The steps kernel's
+  sends then run with nothing waiting for them."""
+  text = _text("fused reduce-scatter", topology)
+  m = parse_module(text)
+  steps = _kernel(m, "ring_reducescatter_matmul")
+  d = _kernel(m, "asyncops_ring_reducescatter_done")
+  assert not _users(m, d.name)
+  a, b = _span(text, d.name)
+  _refused(text[:a] + text[b:], f"start with no done: %{steps.name} ")

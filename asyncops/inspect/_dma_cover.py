@@ -214,12 +214,13 @@ def _applies(m: Module, i: Instr, c: Cover) -> bool:
   return True
 
 
-def transfers(report: Report) -> list[Transfer]:
-  """Each declared buffer of each library kernel in the module, with each
-  kernel that takes the semaphore ending its use."""
+def _declared(report: Report):
+  """``(kernel, cover, semaphore, ordered, waiters)`` for each entry of
+  :data:`COVERS` that applies to a kernel in the module; ``waiters``
+  maps each custom call the semaphore reaches (the kernel excluded) to
+  the crossing to it."""
   m = report.module
   g = _Graph(m)
-  out = []
   for comp in m.computations.values():
     for i in comp.instrs:
       if i.opcode != "custom-call" or base(i) not in COVERS:
@@ -242,11 +243,28 @@ def transfers(report: Report) -> list[Transfer]:
           u = hit.user
           if u.opcode == "custom-call" and u.name != i.name:
             waiters.setdefault(u.name, (u, hit.crossing))
-        for label, pos in _positions(m, i, c.buffer, sems=False):
-          for u, crossing in waiters.values():
-            window = _window(m, i, u, crossing) if ordered else []
-            out.append(Transfer(i, c, pos, label, u, sem, tuple(window)))
+        yield i, c, sem, ordered, waiters
+
+
+def transfers(report: Report) -> list[Transfer]:
+  """Each declared buffer of each library kernel in the module, with each
+  kernel that takes the semaphore ending its use."""
+  m = report.module
+  out = []
+  for i, c, sem, ordered, waiters in _declared(report):
+    for label, pos in _positions(m, i, c.buffer, sems=False):
+      for u, crossing in waiters.values():
+        window = _window(m, i, u, crossing) if ordered else []
+        out.append(Transfer(i, c, pos, label, u, sem, tuple(window)))
   return out
+
+
+def unwaited(report: Report) -> list[tuple[Instr, Cover]]:
+  """Declared kernels whose semaphore reaches no other kernel: nothing
+  waits for the DMAs that use the buffer (the start's own semaphore
+  trace counts the kernel itself as their done: the fused
+  reduce-scatter's steps kernel takes the start's send semaphores)."""
+  return [(i, c) for i, c, _, _, w in _declared(report) if not w]
 
 
 def _held_after(m: Module, g: _Graph, t: Transfer) -> bool:
@@ -355,4 +373,16 @@ def cover_hazards(report: Report) -> list[tuple[str, str, str, str, str]]:
           w.name,
         )
       )
+  for i, c in unwaited(report):
+    found.append(
+      (
+        "start with no done",
+        i.name,
+        f"%{i.name} ({base(i)})'s DMAs use its {c.what} after it returns, "
+        f"and no kernel takes the semaphore ({c.sems}) that ends them: "
+        "nothing waits for them while XLA treats the buffer as free",
+        i.name,
+        "",
+      )
+    )
   return found
