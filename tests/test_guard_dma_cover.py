@@ -16,13 +16,16 @@ program (AOT, v5e and v6e) edited the way XLA would break it:
 - copied for the start: the kernel given a copy made before it, the
   waiting kernel the original (XLA's VMEM prefetch for a start);
 - reordered: the kernel that holds the buffer scheduled before the
-  kernel that waits for the DMA writing it.
+  kernel that waits for the DMA writing it;
+- deleted: the kernel that waits removed.
 
 Rows the guard on main already refused are locked here; the blind spots
 main passed (the copy future's destination until ``send_done``, the
-split dones' order, the fused all-gather's second source) are refused
-by the table-driven rule ``asyncops.inspect._dma_cover``. The unedited
-programs stay clean.
+split dones' order, the fused all-gather's second source, the fused
+reduce-scatter's done deleted) are refused by the table-driven rule
+``asyncops.inspect._dma_cover``. The unedited programs stay clean.
+Against main's guard (``/work/sweeps/h-dmacover_main.sh``) 20 of these
+70 tests fail.
 """
 
 import functools
