@@ -66,10 +66,10 @@ from typing import Any
 import jax
 
 from ._analysis import _is_ref_kernel, _resolve, analyze_module
+from ._dma_cover import cover_hazards
 from ._hlo import parse_module
 from ._mesh import compile_tpu, tpu_mesh
 from ._report import Report
-from ._rs_sent import sent_hazards
 
 
 class CopyHazardError(ValueError):
@@ -171,6 +171,15 @@ def _donated_operand(report: Report, start: str) -> int | None:
   return None
 
 
+def _semaphore_maker(report: Report, value: str) -> str:
+  """The kernel whose semaphore output ``value`` is (through
+  get-tuple-element, tuple, bitcast), or ``""``: a semaphore copy's
+  transfer, so its refusal names the user's line of that start."""
+  m = report.module
+  name, _ = _resolve(m, (value, ()))
+  return name if m.instr(name).opcode == "custom-call" else ""
+
+
 def hazards(report: Report) -> list[Hazard]:
   """The hazards in a harness report (empty for a safe program)."""
   out: list[Hazard] = []
@@ -186,6 +195,8 @@ def hazards(report: Report) -> list[Hazard]:
     else:
       continue
     start, done = (tuple(c.pair) + ("", ""))[:2]
+    if not start and kind == "semaphore copy":
+      start = _semaphore_maker(report, c.operand)
     line, stack = _start_info(report, start)
     what = (
       f"%{c.name} ({c.opcode}, {c.shape}, {c.spaces[0]}->{c.spaces[1]}) "
@@ -291,17 +302,27 @@ def hazards(report: Report) -> list[Hazard]:
             stack,
           )
         )
-  out += _sent_hazards(report)
+  out += _cover_hazards(report, out)
   return out
 
 
-def _sent_hazards(report: Report) -> list[Hazard]:
-  """The fused reduce-scatter's sent partial sums, a transfer source of
-  the steps kernel's (:mod:`asyncops.inspect._rs_sent`)."""
+def _cover_hazards(report: Report, known: Sequence[Hazard]) -> list[Hazard]:
+  """Hazards to the buffers each library kernel declares its DMAs use
+  after it returns (:mod:`asyncops.inspect._dma_cover`: the fused
+  reduce-scatter's sent partial sums, a copy future's destination until
+  ``send_done``, each source of the fused all-gather), less those the
+  pair rules above already name (the same copy or write, or the same
+  transfer not live)."""
+  seen = {(h.kind, h.instr) for h in known}
+  seen |= {(h.kind, h.start, h.done) for h in known if "not live" in h.kind}
   out = []
-  for kind, instr, detail, steps, done in sent_hazards(report):
-    line, stack = _start_info(report, steps)
-    out.append(Hazard(kind, instr, detail, steps, done, line, stack))
+  for kind, instr, detail, kernel, waiter in cover_hazards(report):
+    key = (kind, kernel, waiter) if "not live" in kind else (kind, instr)
+    if key in seen:
+      continue
+    seen.add(key)
+    line, stack = _start_info(report, kernel)
+    out.append(Hazard(kind, instr, detail, kernel, waiter, line, stack))
   return out
 
 

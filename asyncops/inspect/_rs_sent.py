@@ -18,129 +18,56 @@ the done the copy and the original VMEM to the next panel's steps kernel
 while the last sends could still read it (the fused all-reduce at (2048,
 8192, 28672), bf16, v5e; ``design/collective_matmul.md``).
 
-Rule. For each steps kernel and the done that waits on its send
-semaphores (the same start's semaphore array as operand), the sent
-partial sums must reach that done on every path (else ``"source not
+Rule. The steps kernel's entry in :data:`._dma_cover.COVERS` (its output
+``{0}``, a source, until the kernel that takes its send semaphores): the
+sent partial sums must reach that done on every path (else ``"source not
 live"``), and no copy in the window from the steps kernel to the done may
 give the done its result in their place, nor copy them while they are not
 live (``"in-flight copy"``). A copy that only reads them while the done
 still holds them (a move between memory spaces) is allowed, as it is for
-any source.
+any source. Branch h-dmacover moved the rule into that table, which
+declares every library kernel's buffers the same way; this module keeps
+the steps kernel's view of it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._analysis import SEM, _Graph, _inflight, _reaches, _resolve, _window
+from ._dma_cover import base, cover_hazards, transfers
 
 if TYPE_CHECKING:
-  from ._hlo import Instr, Module
   from ._report import Report
 
 STEPS = "ring_reducescatter_matmul"
 DONE = "asyncops_ring_reducescatter_done"
-SENT = (0,)  # the steps kernel's output the sends read
-
-
-def _base(i: Instr) -> str:
-  return i.name.split(".")[0]
-
-
-def _sem_operands(m: Module, i: Instr) -> set:
-  """The values (resolved) of ``i``'s semaphore operands."""
-  return {
-    _resolve(m, (o, ()))
-    for o in i.operands
-    if any(lf.memory_space == SEM for lf in m.instr(o).leaves)
-  }
 
 
 def sent_transfers(report: Report):
   """``(steps, done, pair, window)`` for each fused reduce-scatter steps
   kernel and the done that waits for its sends (``pair``: the start/done
-  :class:`Pair` of that done; ``window``: the instructions scheduled
-  between the steps kernel and the done).
-
-  The done is the one whose semaphore operands are the steps kernel's
-  send semaphores (both take the start's outputs); the window follows the
-  start/done pair's crossing when the steps kernel is in the start's
-  computation, else it is empty (the liveness test still runs)."""
-  m = report.module
-  dones = [
-    (p, m.instr(p.done))
-    for p in report.kernel_pairs
-    if _base(m.instr(p.done)) == DONE
-  ]
+  :class:`Pair` of that done, the start being the semaphores' maker;
+  ``window``: the instructions scheduled between the steps kernel and the
+  done)."""
+  pairs = {(p.start, p.done): p for p in report.kernel_pairs}
   out = []
-  for c in m.computations.values():
-    for i in c.instrs:
-      if i.opcode != "custom-call" or _base(i) != STEPS:
-        continue
-      if not i.leaves or i.leaf(SENT) is None:
-        continue
-      sems = _sem_operands(m, i)
-      for p, d in dones:
-        if not sems & _sem_operands(m, d):
-          continue
-        same = i.computation == p.computation
-        between = _window(m, i, d, p.crossing) if same else []
-        out.append((i, d, p, between))
-        break
+  for t in transfers(report):
+    if base(t.kernel) != STEPS or base(t.waiter) != DONE:
+      continue
+    pair = pairs.get((t.sems[0], t.waiter.name))
+    if pair is not None:
+      out.append((t.kernel, t.waiter, pair, list(t.window)))
   return out
 
 
-def sent_hazards(report: Report) -> list[tuple[str, str, str, str]]:
+def sent_hazards(report: Report) -> list[tuple[str, str, str, str, str]]:
   """``(kind, instr, detail, steps, done)`` for each hazard to a fused
-  reduce-scatter's sent partial sums (the module's rule): ``kind`` is
-  ``"in-flight copy"`` or ``"source not live"``, ``instr`` the copy or
-  the steps kernel, ``steps`` and ``done`` the transfer's kernels."""
-  m = report.module
-  g = _Graph(m)
-  copies = {c.name: c for c in report.copies}
-  found = []
-  for steps, done, pair, between in sent_transfers(report):
-    src = [(steps.name, SENT)]
-    sems = [
-      (pair.start, lf.index)
-      for lf in m.instr(pair.start).leaves
-      if lf.memory_space == SEM
-    ]
-    live = _reaches(g, src, done, sems)
-    what = (
-      f"%{steps.name} ({STEPS})'s sent partial sums (output {{0}}), "
-      f"which its remote DMAs read until %{done.name}"
-    )
-    touched = _inflight(m, g, steps, done, src, [], between, ("source",))
-    for (name, _), why in touched.items():
-      if live and not why.startswith("result used"):
-        continue  # reads them while the done still holds them
-      c = copies.get(name)
-      shape = f", {c.shape}, {c.spaces[0]}->{c.spaces[1]}" if c else ""
-      opcode = c.opcode if c else m.instr(name).opcode
-      operand = c.operand if c else m.instr(name).operands[0]
-      found.append(
-        (
-          "in-flight copy",
-          name,
-          f"%{name} ({opcode}{shape}) copies %{operand} in "
-          f"%{m.instr(name).computation}: the {why} {what}: the done "
-          "would hold the copy and XLA may reuse the buffer the sends "
-          "still read",
-          steps.name,
-          done.name,
-        )
-      )
-    if not live:
-      found.append(
-        (
-          "source not live",
-          steps.name,
-          f"{what}, do not reach it on every path: XLA may free or reuse "
-          "them while the last sends are in flight (order each row "
-          "panel's done before the next panel's steps kernel)",
-          steps.name,
-          done.name,
-        )
-      )
-  return found
+  reduce-scatter's sent partial sums: :func:`._dma_cover.cover_hazards`
+  for the steps kernels."""
+  steps = {
+    i.name
+    for c in report.module.computations.values()
+    for i in c.instrs
+    if i.opcode == "custom-call" and base(i) == STEPS
+  }
+  return [h for h in cover_hazards(report) if h[3] in steps]
