@@ -343,7 +343,7 @@ _SHIFT = re.compile(r"ring_shift([+-]\d+)")
 _REF_DST_SLOT = "/ref_message_dst_slot/"
 _REF_DST_WHOLE = "/ref_message_dst_whole/"
 _RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
-_HOPS = re.compile(r"ring_hops_([\d-]+)(_split)?")
+_HOPS = re.compile(r"ring_hops_([\d-]+)(_split)?(_fwd)?")
 # A fused all-gather whose receive slots are rows of its result
 # (``AgSpec.recv_in_out``): ``ring_slots_<d>x<n - 1>x<m>x<k/d>x<bytes>``.
 _SLOTS = re.compile(r"ring_slots_(\d+)x(\d+)x(\d+)x(\d+)x(\d+)")
@@ -405,6 +405,9 @@ class KernelSteps:
     halves: ``needs`` number each slot's half per direction, ``t *
       directions + d`` (a kernel whose steps are half-steps, one
       direction's halves each: ``_Transfer.halves``), not whole slots.
+    hbm_bytes: when positive, the HBM bytes the kernel moves, for its
+      floor in place of its operands' and results' (a kernel that reads
+      some rows of an operand: ``AgSpec.forward``'s compute kernels).
   """
 
   costs: tuple[float, ...]
@@ -414,6 +417,7 @@ class KernelSteps:
   sends: tuple[int, ...] = ()
   fill: float = 0.0
   halves: bool = False
+  hbm_bytes: float = 0.0
 
   @property
   def total(self) -> float:
@@ -760,14 +764,20 @@ class _Sim:
     cost = self.kernel_cost(ins, self.m)
     if cost is None:
       return None
+    moved = 0.0
     if isinstance(cost, KernelSteps):
-      cost = cost.total
+      cost, moved = cost.total, cost.hbm_bytes
     # A kernel writing blocks of a buffer it aliases (a row panel's rows
     # of one result, ``input_output_aliases``) moves those blocks, which
     # its twin writes; the rest of the buffer is neither read nor written,
     # so it stays out of the floor (as a dynamic-update-slice fusion's
-    # update does, above).
-    cost = max(cost, self._floor(self._comp, ins, in_place=True))
+    # update does, above). A kernel that says what it moves
+    # (``KernelSteps.hbm_bytes``) is floored at that.
+    if moved > 0:
+      floor = max(self._flops_s(ins), moved / self.chip.hbm_bytes_per_s)
+    else:
+      floor = self._floor(self._comp, ins, in_place=True)
+    cost = max(cost, floor)
     self.twin += cost
     return cost
 
@@ -1103,8 +1113,13 @@ class _Sim:
     split = bool(found and found.group(2))
     if sorted(hops) != list(range(1, n1 + 1)):
       hops = list(range(1, n1 + 1))
+    # ``_fwd`` (``AgSpec.forward``): the antipode's slot (two hops) is not
+    # the start's; the relay kernel sends it (:meth:`_relay`).
+    relayed = hops.index(2) if found and found.group(3) and 2 in hops else -1
     out = []
     for t in range(n1):
+      if t == relayed:
+        continue
       for dd, sh in enumerate(shifts):
         sends = ring_sends(self.rings, sh * hops[t])
         if split and (t, dd) == (n1 - 1, d - 1):
@@ -1115,6 +1130,63 @@ class _Sim:
         load, lat = self._ici(sends, size)
         out.append((t, dd, load, lat, 0))
     return out
+
+  def _relay(self, comp: str, ins: Instr, t: float) -> float:
+    """The fused all-gather's relay kernel (``asyncops_ring_allgather_
+    forward``, ``AgSpec.forward``): it waits for slot ``0`` of each
+    direction (its start's halves ``0 .. d - 1``, an exposed wait on the
+    compute track), is charged one ``Chip.issue_s`` (it issues DMAs, as a
+    start does), then sends each of those halves on to the next neighbour
+    the same way, queued on each link behind what is already on it
+    (FIFO): that neighbour's slot ``2``, which its start did not send.
+    Their arrivals become the start's halves ``2 d + dd`` (and slot 2), so
+    the compute kernel waits for them, and the start's end (the done waits
+    for the sends)."""
+    names = [n for n in self._sources(comp, ins) if n in self.pending]
+    tr = self.pending[names[0]] if names else None
+    recv = next(
+      (a for a in self._operand_arrays(comp, ins) if len(a.dims) == 4), None
+    )
+    if tr is None or recv is None or not tr.halves:
+      self.unmodelled.append(ins.name)
+      self._flag(f"{ins.name}: relay without its start (not modelled)")
+      return t
+    nd, n1 = recv.dims[0], recv.dims[1]
+    ready = max(tr.halves[:nd])
+    if ready > t:
+      self._emit("compute", ins.name, "wait", t, ready - t)
+      self.exposed += ready - t
+      t = ready
+    self._emit("compute", ins.name, "overhead", t, self.chip.issue_s)
+    t += self.chip.issue_s
+    size = recv.nbytes / (nd * n1)
+    shifts = (1, -1) if nd == 2 else (-1,)
+    halves = list(tr.halves)
+    for sh in shifts:
+      load, lat = self._ici(ring_sends(self.rings, sh), size)
+      b, e = self._ici_slot(t, load, lat)
+      lane = self._lane(b, e)
+      self._emit(
+        "ici",
+        ins.name,
+        "transfer",
+        b,
+        e - b,
+        lane,
+        op="relay",
+        links=dict(load),
+      )
+      self.transfers += 1
+      halves.append(e)
+    tr.halves = tuple(halves)
+    tr.slots = (*tr.slots, max(halves[-nd:]))
+    tr.end = max(tr.end, *halves[-nd:])
+    return t
+
+  def _operand_arrays(self, comp: str, ins: Instr):
+    """The arrays of ``ins``'s operands, in order."""
+    table = self._table(comp)
+    return [a for n in ins.operands if n in table for a in table[n].arrays]
 
   def _ref_message(self, ins: Instr, dst_bytes: int) -> float:
     """Bytes one stateful (``*_ref_start``) kernel moves.
@@ -1537,6 +1609,9 @@ class _Sim:
       if op == "conditional":
         ends = [self.run(c, t) for c in ins.called]
         t = max(ends, default=t)
+        continue
+      if ins.name.startswith("asyncops_ring_allgather_forward"):
+        t = self._relay(comp, ins, t)
         continue
       if ins.name.startswith("asyncops_") and op == "custom-call":
         twin = self._twin_cost(ins)
