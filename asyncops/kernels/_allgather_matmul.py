@@ -82,6 +82,18 @@ the open lines of small slices and at ``n = 8``). Where the matmul is
 longer than the transfers (the shapes this kernel is for), that is hidden;
 ``benchmarks/_timeline.py`` routes each copy on its own.
 
+The relay (``AgSpec.forward``, off by default). On a ring of 4 the
+antipode's halves can come through a neighbour instead: the start sends
+to both neighbours only, and the compute runs as two kernels,
+:func:`compute_local` (step 0; its float32 accumulator a VMEM output)
+and :func:`compute_rest` (the other steps, on top of it), with
+:func:`forward` between them, which waits for slot 0 of each direction
+and sends it on (three halves on the busiest link, not four). XLA's copy
+is an entry-output rule: it does not give the program's result buffer
+to a communicating kernel, as output or operand; the relay's outputs
+are semaphores and a token, so nothing is copied (design/benchmarks.md,
+"Forwarding in the fused all-gather").
+
 The last half in pieces (``AgSpec.split``, where its wait is exposed:
 v5e's chapter shape). The start's last send, the last direction's half of
 the farthest chunk, goes as two row pieces on their own semaphores (one
