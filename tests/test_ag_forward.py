@@ -6,9 +6,12 @@ slot 2). Exact against ``jnp.dot``, every DMA waited for (the relay's
 sends too), no race. The compiled TPU program is in
 ``test_ag_forward_tpu.py``."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
+from asyncops.collective_matmul import _fused
 from asyncops.kernels import _allgather_matmul as agk
 from tests import test_fused_matmul as tf
 
@@ -78,3 +81,35 @@ def test_forward_refuses_other_rings(kw):
   with pytest.raises(ValueError, match="forward"):
     agk.AgSpec(**{**base, **kw})
   assert agk.AgSpec(**{**base, "forward": False, **kw}).fwd_slot == -1
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
+def test_plan_relays_where_asked_and_it_applies(device_kind):
+  """``plan_allgather(forward=True)`` relays at the chapter's shard (a
+  4-ring, one panel, the buffer in VMEM, no split; the accumulator
+  counted twice), and leaves an 8-ring, int8 transfers and an unasked
+  plan as they were."""
+
+  def plan(n=4, forward=True, **kw):
+    return _fused.plan_allgather(
+      512,
+      512,
+      2048,
+      n,
+      jnp.bfloat16,
+      jnp.bfloat16,
+      jnp.bfloat16,
+      directions=2,
+      precision="DEFAULT",
+      device_kind=device_kind,
+      forward=forward,
+      **kw,
+    ).spec
+
+  fwd, base = plan(), plan(forward=False)
+  assert fwd.forward and fwd.recv_vmem and not (fwd.split or fwd.recv_in_out)
+  assert not base.forward
+  one = dataclasses.replace(fwd, forward=False)
+  assert agk.vmem_bytes(fwd) - agk.vmem_bytes(one) == 512 * 2048 * 4
+  assert not plan(n=8).forward
+  assert not plan(quantized=True).forward
