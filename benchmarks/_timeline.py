@@ -104,6 +104,8 @@ FILL_NAME = "pipeline_fill"
 FILL_OP = "pipeline-fill"
 # The box of a split send's share of its start's issue (``_launch``).
 SPLIT_ISSUE_OP = "split-send-issue"
+# The box of the relay's DMA issues (``AgSpec.forward``, ``_relay``).
+RELAY_ISSUE_OP = "relay-issue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,6 +346,8 @@ _REF_DST_SLOT = "/ref_message_dst_slot/"
 _REF_DST_WHOLE = "/ref_message_dst_whole/"
 _RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
 _HOPS = re.compile(r"ring_hops_([\d-]+)(_split)?(_fwd)?")
+# A compute kernel that relays slot 0 at its end (``AgSpec.forward``).
+_RELAYS = re.compile(r"ring_steps_[\w-]*_fwd")
 # A fused all-gather whose receive slots are rows of its result
 # (``AgSpec.recv_in_out``): ``ring_slots_<d>x<n - 1>x<m>x<k/d>x<bytes>``.
 _SLOTS = re.compile(r"ring_slots_(\d+)x(\d+)x(\d+)x(\d+)x(\d+)")
@@ -837,6 +841,10 @@ class _Sim:
       chain.slots = slots
       chain.end = max(chain.end, *arrived.values())
     self.compute += total
+    if ins.name.startswith("ring_allgather_matmul_local") and _RELAYS.search(
+      ins.attrs
+    ):
+      t = self._relay(comp, ins, t)
     return t
 
   def _send_step(self, ins: Instr, chain: _Transfer, t: float) -> float:
@@ -1114,7 +1122,7 @@ class _Sim:
     if sorted(hops) != list(range(1, n1 + 1)):
       hops = list(range(1, n1 + 1))
     # ``_fwd`` (``AgSpec.forward``): the antipode's slot (two hops) is not
-    # the start's; the relay kernel sends it (:meth:`_relay`).
+    # the start's; the local-step kernel relays it (:meth:`_relay`).
     relayed = hops.index(2) if found and found.group(3) and 2 in hops else -1
     out = []
     for t in range(n1):
@@ -1132,16 +1140,19 @@ class _Sim:
     return out
 
   def _relay(self, comp: str, ins: Instr, t: float) -> float:
-    """The fused all-gather's relay kernel (``asyncops_ring_allgather_
-    forward``, ``AgSpec.forward``): it waits for slot ``0`` of each
-    direction (its start's halves ``0 .. d - 1``, an exposed wait on the
-    compute track), is charged one ``Chip.issue_s`` (it issues DMAs, as a
-    start does), then sends each of those halves on to the next neighbour
-    the same way, queued on each link behind what is already on it
-    (FIFO): that neighbour's slot ``2``, which its start did not send.
-    Their arrivals become the start's halves ``2 d + dd`` (and slot 2), so
-    the compute kernel waits for them, and the start's end (the done waits
-    for the sends)."""
+    """The fused all-gather's relay (``AgSpec.forward``), at the end of
+    the local-step kernel (``ring_allgather_matmul_local`` in a ``_fwd``
+    scope): it waits for slot ``0`` of each direction (its start's halves
+    ``0 .. d - 1``, an exposed wait on the compute track), is charged its
+    DMA issues, a share of ``Chip.issue_s`` as a split start's extra
+    piece is (``issue_s`` per the start's sends, ``d (n - 2)`` of them:
+    the relay's ``d`` cost ``issue_s / (n - 2)``, half of it on a ring of
+    4), then sends each of those halves on to the next neighbour the same
+    way, queued on each link behind what is already on it (FIFO): that
+    neighbour's slot ``2``, which its start did not send. Their arrivals
+    become the start's halves ``2 d + dd`` (and slot 2), so the rest
+    kernel waits for them, and the start's end (the done waits for the
+    sends)."""
     names = [n for n in self._sources(comp, ins) if n in self.pending]
     tr = self.pending[names[0]] if names else None
     recv = next(
@@ -1157,8 +1168,9 @@ class _Sim:
       self._emit("compute", ins.name, "wait", t, ready - t)
       self.exposed += ready - t
       t = ready
-    self._emit("compute", ins.name, "overhead", t, self.chip.issue_s)
-    t += self.chip.issue_s
+    issue = self.chip.issue_s / max(n1 - 1, 1)
+    self._emit("compute", ins.name, "overhead", t, issue, op=RELAY_ISSUE_OP)
+    t += issue
     size = recv.nbytes / (nd * n1)
     shifts = (1, -1) if nd == 2 else (-1,)
     halves = list(tr.halves)
@@ -1609,9 +1621,6 @@ class _Sim:
       if op == "conditional":
         ends = [self.run(c, t) for c in ins.called]
         t = max(ends, default=t)
-        continue
-      if ins.name.startswith("asyncops_ring_allgather_forward"):
-        t = self._relay(comp, ins, t)
         continue
       if ins.name.startswith("asyncops_") and op == "custom-call":
         twin = self._twin_cost(ins)

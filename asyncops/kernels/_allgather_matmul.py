@@ -85,14 +85,15 @@ longer than the transfers (the shapes this kernel is for), that is hidden;
 The relay (``AgSpec.forward``, off by default). On a ring of 4 the
 antipode's halves can come through a neighbour instead: the start sends
 to both neighbours only, and the compute runs as two kernels,
-:func:`compute_local` (step 0; its float32 accumulator a VMEM output)
-and :func:`compute_rest` (the other steps, on top of it), with
-:func:`forward` between them, which waits for slot 0 of each direction
-and sends it on (three halves on the busiest link, not four). XLA's copy
-is an entry-output rule: it does not give the program's result buffer
-to a communicating kernel, as output or operand; the relay's outputs
-are semaphores and a token, so nothing is copied (design/benchmarks.md,
-"Forwarding in the fused all-gather").
+:func:`compute_local` (step 0; its float32 accumulator a VMEM output),
+which at its end waits for slot 0 of each direction and sends it on
+(:func:`forward_kernel`; three halves on the busiest link, not four),
+and :func:`compute_rest` (the other steps, on top of it), which starts
+no remote DMA and writes the result. XLA's copy is an entry-output
+rule: it does not give the program's result buffer to a communicating
+kernel, as output or operand; the local kernel's outputs are not the
+result, so nothing is copied (design/benchmarks.md, "Forwarding in the
+fused all-gather").
 
 The last half in pieces (``AgSpec.split``, where its wait is exposed:
 v5e's chapter shape). The start's last send, the last direction's half of
@@ -224,14 +225,15 @@ class AgSpec:
       :attr:`split`, unquantized): the start sends each half to both
       neighbours only (slots ``0`` and ``1``); the compute kernel runs
       as two kernels, the local step (:func:`compute_local`, its float32
-      accumulator a VMEM output) and the rest (:func:`compute_rest`,
-      which takes it), and between them :func:`forward` waits for slot
-      ``0`` of each direction and sends it on to the next neighbour the
-      same way, into its slot ``2`` (:attr:`fwd_slot`). The busiest
-      directed link then carries three halves, not four. The relay is a
-      kernel of its own: a compute kernel that starts a remote DMA makes
-      XLA copy its result at the program's output (design/benchmarks.md,
-      "Forwarding in the fused all-gather").
+      accumulator a VMEM output), which at its end waits for slot ``0``
+      of each direction and sends it on to the next neighbour the same
+      way, into its slot ``2`` (:attr:`fwd_slot`; :func:`forward_kernel`,
+      on the start's semaphores of that slot), and the rest
+      (:func:`compute_rest`, which takes the accumulator). The busiest
+      directed link then carries three halves, not four. The result's
+      kernel starts no remote DMA: XLA copies the result of one that
+      does at the program's output (design/benchmarks.md, "Forwarding in
+      the fused all-gather").
   """
 
   axis_name: str
@@ -623,7 +625,9 @@ def start_kernel(
         ).start()
 
 
-def compute_kernel(*refs, spec: AgSpec, lo: int = 0, hi: int | None = None):
+def compute_kernel(
+  *refs, spec: AgSpec, lo: int = 0, hi: int | None = None, relay_sems=None
+):
   """Grid step ``(s, d, j, c)``: half ``d`` of chunk ``c`` of step ``s``,
   output block ``j`` (each (chunk, half) meets its own ``w`` rows, so they
   are separate grid steps; ``w`` is one operand, read once; half-step
@@ -645,6 +649,12 @@ def compute_kernel(*refs, spec: AgSpec, lo: int = 0, hi: int | None = None):
   (:func:`compute_rest`): no ``x``, and the previous kernel's accumulator
   after ``recv_sems`` (``me, w, recv, recv_sems, acc_in, out, token, acc,
   copy_sems``), which the first half-step's products are added to.
+
+  ``relay_sems``: the start's send semaphores, given to the kernel that
+  runs step 0 with :attr:`AgSpec.forward`: after step 0's last iteration
+  it relays slot 0 (:func:`forward_kernel`). That kernel then starts
+  remote DMAs; it is not the one whose output is the result
+  (:func:`compute_local`).
   """
   q = spec.quantized
   hi = len(spec.plan) if hi is None else hi
@@ -864,27 +874,26 @@ def compute_kernel(*refs, spec: AgSpec, lo: int = 0, hi: int | None = None):
       def _(ns=ns, nd_=nd_):
         wait_next(ns, nd_)
 
+  if relay_sems is not None and lo == 0:
+    # The relay, after step 0's last iteration (its dots done).
+    end0 = (s == 0) & (d == nd - 1) & (j == nf - 1) & (ci == spec.g - 1)
+
+    @pl.when(end0)
+    def _():
+      forward_kernel(recv_ref, recv_sems, relay_sems, spec=spec)
+
 
 def done_kernel(
-  recv_ref,
-  send_sems,
-  *,
-  spec: AgSpec,
-  recv_scales=None,
-  from_x=False,
-  fwd_sems=None,
+  recv_ref, send_sems, *, spec: AgSpec, recv_scales=None, from_x=False
 ):
-  """Waits for every send of the start. ``recv_ref``: the receive buffer
+  """Waits for every send of the start (with :attr:`AgSpec.forward`, the
+  relay's sends in place of slot :attr:`AgSpec.fwd_slot`'s, on the same
+  semaphores and of the same size). ``recv_ref``: the receive buffer
   (its slots give the sizes), or with ``from_x`` ``x`` itself (a
   ``recv_in_out`` done does not take the result; this panel's rows of
-  half ``d`` of ``x`` are a slot's size). ``fwd_sems``: the relay's send
-  semaphores (:attr:`AgSpec.forward`), one a direction."""
+  half ``d`` of ``x`` are a slot's size)."""
   for d in range(spec.directions):
-    if fwd_sems is not None:
-      c.wait_dma(recv_ref.at[d, 0], fwd_sems.at[d])
     for t in range(spec.n - 1):
-      if t == spec.fwd_slot:
-        continue  # not sent by the start
       for r0, nr, at in pieces(spec, d, t):
         if from_x:
           rows = pl.ds(spec.panel * spec.m + r0, nr)
@@ -896,21 +905,23 @@ def done_kernel(
         c.wait_dma(recv_scales.at[d, t], send_sems.at[d, t])
 
 
-def forward_kernel(recv_ref, recv_sems, fwd_sems, *, spec: AgSpec):
+def forward_kernel(recv_ref, recv_sems, send_sems, *, spec: AgSpec):
   """The relay (:attr:`AgSpec.forward`): waits for slot ``0`` of each
   direction (half ``d`` of the neighbour's chunk ``shift_d`` behind) and
   sends it on to the neighbour ``shift_d`` ahead, into its slot
-  :attr:`AgSpec.fwd_slot` (for it that chunk is two hops behind), on
-  ``fwd_sems[d]`` here and its ``recv_sems[d, fwd_slot]``."""
+  :attr:`AgSpec.fwd_slot` (for it that chunk is two hops behind), on the
+  start's semaphores of that slot, which the start leaves unused
+  (``send_sems[d, fwd_slot]`` here, ``recv_sems[d, fwd_slot]`` there)."""
+  fs = spec.fwd_slot
   me = jax.lax.axis_index(spec.axis_name)
   for d in range(spec.directions):
     c.wait_dma(recv_ref.at[d, 0], recv_sems.at[d, 0])
   for d, sh in enumerate(spec.shifts):
     pltpu.make_async_remote_copy(
       recv_ref.at[d, 0],
-      recv_ref.at[d, spec.fwd_slot],
-      fwd_sems.at[d],
-      recv_sems.at[d, spec.fwd_slot],
+      recv_ref.at[d, fs],
+      send_sems.at[d, fs],
+      recv_sems.at[d, fs],
       device_id=c.ring_peer(spec, me, sh),
       device_id_type=pl.DeviceIdType.MESH,
     ).start()
@@ -1197,13 +1208,19 @@ def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into):
   )(me, *_order(xs, w, recvs), recv_sems, *extra)
 
 
-def compute_local(me, xs, w, recvs, recv_sems, *, spec: AgSpec):
+def compute_local(me, xs, w, recvs, recv_sems, send_sems, *, spec: AgSpec):
   """:attr:`AgSpec.forward`'s first compute kernel: step ``0`` (the local
-  chunk) only; returns its float32 accumulator ``[m, f]`` in VMEM (what
-  :func:`compute_rest` goes on from) and a token. It takes the receive
-  buffer and semaphores (unread: they order it after the start) and
-  starts no remote DMA."""
-  kernel = functools.partial(compute_kernel, spec=spec, lo=0, hi=1)
+  chunk), then the relay (:func:`forward_kernel`, on the start's
+  semaphores); returns its float32 accumulator ``[m, f]`` in VMEM (what
+  :func:`compute_rest` goes on from) and a token. It starts remote DMAs:
+  XLA gives the program's result to no such kernel (it copies it at the
+  ROOT), but this kernel's outputs are not the result."""
+
+  def kernel(*refs):
+    refs = list(refs)
+    relay = refs.pop(4)  # me, x, w, recv, send_sems, recv_sems, ...
+    compute_kernel(*refs, spec=spec, lo=0, hi=1, relay_sems=relay)
+
   acc, token = pl.pallas_call(
     kernel,
     out_shape=(
@@ -1213,51 +1230,25 @@ def compute_local(me, xs, w, recvs, recv_sems, *, spec: AgSpec):
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=_grid(spec, 0, 1),
-      in_specs=_in_specs(spec) + [_recv_spec(spec), c.SEM],
+      in_specs=_in_specs(spec) + [_recv_spec(spec), c.SEM, c.SEM],
       out_specs=(_VMEM, _SMEM),
       scratch_shapes=_scratch(spec, acc=False),
     ),
     compiler_params=_params(spec),
     name="ring_allgather_matmul_local",
-  )(me, *xs, w, *recvs, recv_sems)
+  )(me, *xs, w, *recvs, send_sems, recv_sems)
   return c.vary_like(acc, xs[0]), token
-
-
-def forward(recvs, recv_sems, token, *, spec: AgSpec):
-  """:attr:`AgSpec.forward`'s relay kernel (:func:`forward_kernel`), run
-  after :func:`compute_local` (it takes its ``token``); returns its send
-  semaphores ``[d]`` (the done waits for them) and a token
-  :func:`compute_rest` takes, so it runs after the relay. It has only
-  semaphores and a token as outputs: XLA copies the outputs of a kernel
-  that starts a remote DMA only at the program's result."""
-
-  def kernel(recv_ref, rs, tok_in, fwd_sems, tok_out):
-    del tok_in
-    forward_kernel(recv_ref, rs, fwd_sems, spec=spec)
-    tok_out[0] = jnp.int32(0)
-
-  return pl.pallas_call(
-    kernel,
-    out_shape=(
-      pltpu.SemaphoreType.DMA((spec.directions,)),
-      c.shape_like(token, (1,), jnp.int32),
-    ),
-    in_specs=[_recv_spec(spec), c.SEM, _SMEM],
-    out_specs=(c.SEM, _SMEM),
-    compiler_params=_recv_params(spec),
-    name="asyncops_ring_allgather_forward",
-  )(recvs[0], recv_sems, token)
 
 
 def compute_rest(me, w, recvs, recv_sems, acc, token, *, spec, out_shape):
   """:attr:`AgSpec.forward`'s second compute kernel: steps ``1 ..`` on
-  top of :func:`compute_local`'s accumulator ``acc`` (VMEM); takes the
-  relay's ``token`` (it runs after the relay, whose forward its last
-  step waits for); returns the result and a token. No remote DMA."""
+  top of :func:`compute_local`'s accumulator ``acc`` (VMEM; it takes
+  the local kernel's ``token`` too); returns the result and a token. No
+  remote DMA: its output is the program's result as it is."""
 
   def kernel(*refs):
     refs = list(refs)
-    del refs[5]  # me, w, recv, recv_sems, acc, token: the relay's token
+    del refs[5]  # me, w, recv, recv_sems, acc, token: the local's token
     compute_kernel(*refs, spec=spec, lo=1)
 
   return pl.pallas_call(
@@ -1280,7 +1271,7 @@ def _order(xs, w, recvs):
   return (*xs, w, *recvs)
 
 
-def done(xs, recvs, token, send_sems, *, spec: AgSpec, fwd_sems=None):
+def done(xs, recvs, token, send_sems, *, spec: AgSpec):
   """Waits for every send; returns a token nothing needs to read.
 
   Reads the sources and receive buffers (so XLA keeps them alive until the
@@ -1288,41 +1279,33 @@ def done(xs, recvs, token, send_sems, *, spec: AgSpec, fwd_sems=None):
   transfers stay in flight under the matmul). It has side effects, so XLA
   keeps it. ``recv_in_out``: not the receive buffer (the result, which
   the compute kernel wrote in place: a later reader would make XLA copy
-  it); the slots' sizes are ``x``'s halves. ``fwd_sems``: the relay's
-  send semaphores (:attr:`AgSpec.forward`), waited for too.
+  it); the slots' sizes are ``x``'s halves.
   """
   nq = len(xs)
   if spec.recv_in_out:
     recvs = ()
-  fwd = () if fwd_sems is None else (fwd_sems,)
 
   def kernel(*refs):
     nr = len(recvs)
     recv_refs = refs[nq : nq + nr]
-    send_sems = refs[nq + nr + 1]
-    fwd_ref = refs[nq + nr + 2] if fwd else None
-    token_ref = refs[-1]
+    send_sems, token_ref = refs[nq + nr + 1], refs[nq + nr + 2]
     done_kernel(
       recv_refs[0] if nr else refs[0],
       send_sems,
       spec=spec,
       recv_scales=recv_refs[1] if spec.quantized else None,
       from_x=not nr,
-      fwd_sems=fwd_ref,
     )
     token_ref[0] = jnp.int32(0)
 
   return pl.pallas_call(
     kernel,
     out_shape=c.shape_like(xs[0], (1,), jnp.int32),
-    in_specs=[c.ANY] * nq
-    + [_recv_spec(spec)] * len(recvs)
-    + [_SMEM, c.SEM]
-    + [c.SEM] * len(fwd),
+    in_specs=[c.ANY] * nq + [_recv_spec(spec)] * len(recvs) + [_SMEM, c.SEM],
     out_specs=_SMEM,
     compiler_params=_recv_params(spec),
     name="asyncops_ring_allgather_done",
-  )(*xs, *recvs, token, send_sems, *fwd)
+  )(*xs, *recvs, token, send_sems)
 
 
 def pinned(xs):
@@ -1370,8 +1353,9 @@ def run(me, x, w, *, spec: AgSpec, out_shape, scales=None, into=None):
     (w,) = pinned((w,))
     recvs, send_sems, recv_sems = start(xs, spec=spec)
     with jax.named_scope(spec.scope):
-      acc, token = compute_local(me, xs, w, recvs, recv_sems, spec=spec)
-      fwd_sems, token = forward(recvs, recv_sems, token, spec=spec)
+      acc, token = compute_local(
+        me, xs, w, recvs, recv_sems, send_sems, spec=spec
+      )
       out, token = compute_rest(
         me,
         w,
@@ -1382,7 +1366,7 @@ def run(me, x, w, *, spec: AgSpec, out_shape, scales=None, into=None):
         spec=spec,
         out_shape=out_shape,
       )
-    done(xs, recvs, token, send_sems, spec=spec, fwd_sems=fwd_sems)
+    done(xs, recvs, token, send_sems, spec=spec)
     return out
   else:
     recvs, send_sems, recv_sems = start(xs, spec=spec)
@@ -1436,19 +1420,18 @@ def one_kernel(
       scl = (anys[1], recvs[1]) if spec.quantized else None
       start_kernel(anys[0], recvs[0], ss, rs, spec=spec, scales=scl)
 
-    fs = scratch.pop(0) if spec.forward else None
     tok_ref, *scratch = scratch
     compute_kernel(
-      me_ref, *blocks, *recvs, rs, o_ref, tok_ref, *scratch, spec=spec
+      me_ref,
+      *blocks,
+      *recvs,
+      rs,
+      o_ref,
+      tok_ref,
+      *scratch,
+      spec=spec,
+      relay_sems=ss if spec.forward else None,
     )
-
-    if spec.forward:
-      # The relay, where its kernel runs: after the local step.
-      end0 = (s == 0) & (d == nd - 1) & (j == spec.nf - 1) & (ci == spec.g - 1)
-
-      @pl.when(end0)
-      def _():
-        forward_kernel(recvs[0], rs, fs, spec=spec)
 
     last = (s == nsteps - 1) & (j == spec.nf - 1) & (ci == spec.g - 1)
 
@@ -1460,7 +1443,6 @@ def one_kernel(
         spec=spec,
         recv_scales=recvs[1] if spec.quantized else None,
         from_x=rio,
-        fwd_sems=fs,
       )
 
   recv_out = () if rio else tuple(_recv_shapes(x, spec))
@@ -1474,7 +1456,6 @@ def one_kernel(
       out_specs=(_out_block(spec),)
       + ((_VMEM if spec.recv_vmem else c.ANY),) * len(recv_out),
       scratch_shapes=[_sem_array(spec), _sem_array(spec)]
-      + [pltpu.SemaphoreType.DMA((nd,))] * spec.forward
       + [pltpu.SMEM((1,), jnp.int32)]
       + _scratch(spec),
     ),
