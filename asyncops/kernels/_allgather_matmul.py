@@ -788,9 +788,9 @@ def compute_kernel(
   # VMEM under the last half-step's first part.
   # With the relay (:attr:`AgSpec.forward`) step 1 waits for its first
   # half-step's halves as it begins, not under step 0's last block: the
-  # relay runs between the two (its own kernel, or in ``one_kernel`` after
-  # step 0's last iteration), and a neighbour's relayed half may be one of
-  # them. The wait only (recv_vmem: nothing to copy).
+  # relay runs between the two (after step 0's last iteration, the end of
+  # the local kernel), and a neighbour's relayed half may be one of them.
+  # The wait only (recv_vmem: nothing to copy).
   cut = 1 if spec.forward else None
   if cut is not None and lo <= cut < hi:
 
