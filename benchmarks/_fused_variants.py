@@ -38,8 +38,10 @@ does, written with ``jnp`` ops of the same shapes:
   added to the own product, ``p [m, c] + r [m, c]``.
 """
 
+import dataclasses
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -359,7 +361,67 @@ def _rs_finish_twin(operands, results, attrs=""):
   )
 
 
+def _leaf(dims, dtype, memory_space=0):
+  """An operand-like leaf (``dims``, ``dtype`` as HLO spells it)."""
+  return types.SimpleNamespace(
+    dims=tuple(dims), dtype=dtype, memory_space=memory_space
+  )
+
+
+def _rest_layout(operands):
+  """``(w, recv, d, n, m, k)`` of ``ring_allgather_matmul_rest``'s
+  operands (me, w, recv ``[d, n - 1, m, k/d]``, sems, acc, token)."""
+  w = next(o for o in operands[1:] if len(o.dims) == 2)
+  recv = next(o for o in operands if len(o.dims) == 4)
+  d, n1, m, kh = recv.dims
+  return w, recv, d, n1 + 1, m, kh * d
+
+
+def _itemsize(leaf) -> int:
+  return jnp.dtype(_dt(leaf)).itemsize
+
+
+def _ag_local_twin(operands, results, attrs=""):
+  """``AgSpec.forward``'s first compute kernel (``ring_allgather_matmul_
+  local``): the one-kernel twin (:func:`_ag_twin`, the same contraction,
+  cast to ``x``'s dtype as the one kernel's result is) of which it runs
+  the local step's half-steps (``Steps.keep``): the same grid iterations
+  as the one kernel's first step, charged as they are there. Its floor
+  counts what it reads from HBM, ``x`` and the local chunk's ``k`` rows
+  of ``w`` (``Steps.hbm_bytes``; its accumulator is a VMEM output)."""
+  x, w, _, nd, n, _ = _ag_layout(operands, attrs)
+  plan, _ = step_plan(attrs, n)
+  fn, args, steps = _ag_twin(operands, [_leaf((), x.dtype)], attrs)
+  k, f = x.dims[1], w.dims[1]
+  read = _bytes(x.dims, x) + k * f * _itemsize(w)
+  keep = (0, plan[0] * nd)
+  return fn, args, dataclasses.replace(steps, keep=keep, hbm_bytes=read)
+
+
+def _ag_rest_twin(operands, results, attrs=""):
+  """``AgSpec.forward``'s second compute kernel (``ring_allgather_matmul_
+  rest``): the one-kernel twin (:func:`_ag_twin`, ``x`` taken from the
+  receive buffer's shape) of which it runs the half-steps after the
+  local step (``Steps.keep``; a first step of no cost waits for its
+  first half-step's halves, as the kernel does as it begins). Its floor
+  counts the ``(n - 1) k`` rows of ``w`` it reads and the result it
+  writes (``Steps.hbm_bytes``)."""
+  w, recv, nd, n, m, k = _rest_layout(operands)
+  plan, _ = step_plan(attrs, n)
+  x = _leaf((m, k), recv.dtype, 1)
+  ops = [operands[0], x, w, recv]
+  fn, args, steps = _ag_twin(ops, results, attrs)
+  f = w.dims[1]
+  read = (n - plan[0]) * k * f * _itemsize(w) + _bytes(
+    results[0].dims, results[0]
+  )
+  keep = (plan[0] * nd, len(steps.needs))
+  return fn, args, dataclasses.replace(steps, keep=keep, hbm_bytes=read)
+
+
 # Longer names first: the coster takes the first registered prefix.
+_kernel_costs.register("ring_allgather_matmul_local", _ag_local_twin)
+_kernel_costs.register("ring_allgather_matmul_rest", _ag_rest_twin)
 _kernel_costs.register("ring_allgather_matmul", _ag_twin)
 _kernel_costs.register("ring_reducescatter_matmul", _rs_twin)
 _kernel_costs.register("ring_reducescatter_finish", _rs_finish_twin)
@@ -458,6 +520,22 @@ def _rs_finish_reads(operands, results, attrs=""):
   return _kernel_costs.Reads(streamed=(0,))
 
 
+def _ag_rest_reads(operands, results, attrs=""):
+  """The rest kernel streams ``w`` (twin parameter 0; its fill, one
+  ``[k/d, bn]`` block) and reads the received chunks (parameter 1) in
+  place in the VMEM receive buffer and the accumulator in VMEM: no fill
+  of them."""
+  del results
+  w, _, nd, n, _, k = _rest_layout(operands)
+  _, blocks = step_plan(attrs, n)
+  first = (
+    () if _in_vmem(w) else ((0, _bytes((k // nd, w.dims[1] // blocks), w)),)
+  )
+  return _kernel_costs.Reads(whole=(), streamed=(0, 1), first=first)
+
+
+_kernel_costs.register_reads("ring_allgather_matmul_local", _ag_reads)
+_kernel_costs.register_reads("ring_allgather_matmul_rest", _ag_rest_reads)
 _kernel_costs.register_reads("ring_allgather_matmul", _ag_reads)
 _kernel_costs.register_reads("ring_reducescatter_matmul", _rs_reads)
 _kernel_costs.register_reads("ring_reducescatter_finish", _rs_finish_reads)
@@ -536,6 +614,12 @@ for _plan in (
     _flagship(directions=2, steps=_plan),
     _args("jit"),
   )
+# The antipode's halves relayed by the neighbours (``AgSpec.forward``).
+_variants.register(
+  "allgather_matmul_fused_fwd",
+  _flagship(directions=2, forward=True),
+  _args("jit"),
+)
 _variants.register(
   "allgather_matmul_fused_int8",
   _flagship(directions=2, transfer="int8"),

@@ -86,6 +86,16 @@ class Steps:
   # ``needs`` number slots' halves per direction (half-steps,
   # ``_timeline.KernelSteps.halves``).
   halves: bool = False
+  # ``(lo, hi)``: the kernel runs only steps ``lo .. hi`` of its twin's
+  # (``AgSpec.forward``'s two compute kernels each run part of the one
+  # kernel's plan, charged as there); a kernel from ``lo > 0`` first waits
+  # for step ``lo``'s slots as it begins (a first step of no cost). None:
+  # every step.
+  keep: tuple[int, int] | None = None
+  # HBM bytes the kernel reads and writes, for its floor in place of its
+  # operands' and results' (a kernel that reads some rows of an operand,
+  # ``_timeline.KernelSteps.hbm_bytes``); 0: theirs.
+  hbm_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,12 +349,22 @@ def _split(
     costs[-1] += tl.step_s - fill - sum(costs)
   else:
     costs = [(tl.step_s - fill) * g / sum(sizes) for g in sizes]
+  needs, tails, sends = steps.needs, steps.tails, steps.sends
+  if steps.keep is not None:
+    lo, hi = steps.keep
+    costs, needs = list(costs[lo:hi]), needs[lo:hi]
+    tails, sends = tails[lo:hi], sends[lo:hi]
+    if lo > 0:  # it waits for its first step's slots as it begins
+      costs, needs = [0.0, *costs], ((), *needs)
+      tails = (1.0, *tails) if tails else ()
+      sends = (-1, *sends) if sends else ()
   return _timeline.KernelSteps(
     tuple(costs),
-    steps.needs,
+    needs,
     steps.blocks,
-    steps.tails,
-    steps.sends,
+    tails,
+    sends,
     fill,
     steps.halves,
+    float(steps.hbm_bytes),
   )

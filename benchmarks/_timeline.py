@@ -104,6 +104,8 @@ FILL_NAME = "pipeline_fill"
 FILL_OP = "pipeline-fill"
 # The box of a split send's share of its start's issue (``_launch``).
 SPLIT_ISSUE_OP = "split-send-issue"
+# The box of the relay's DMA issues (``AgSpec.forward``, ``_relay``).
+RELAY_ISSUE_OP = "relay-issue"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +345,9 @@ _SHIFT = re.compile(r"ring_shift([+-]\d+)")
 _REF_DST_SLOT = "/ref_message_dst_slot/"
 _REF_DST_WHOLE = "/ref_message_dst_whole/"
 _RING_AXIS = re.compile(r"ring_axis_([^/\s\"]+)")
-_HOPS = re.compile(r"ring_hops_([\d-]+)(_split)?")
+_HOPS = re.compile(r"ring_hops_([\d-]+)(_split)?(_fwd)?")
+# A compute kernel that relays slot 0 at its end (``AgSpec.forward``).
+_RELAYS = re.compile(r"ring_steps_[\w-]*_fwd")
 # A fused all-gather whose receive slots are rows of its result
 # (``AgSpec.recv_in_out``): ``ring_slots_<d>x<n - 1>x<m>x<k/d>x<bytes>``.
 _SLOTS = re.compile(r"ring_slots_(\d+)x(\d+)x(\d+)x(\d+)x(\d+)")
@@ -405,6 +409,9 @@ class KernelSteps:
     halves: ``needs`` number each slot's half per direction, ``t *
       directions + d`` (a kernel whose steps are half-steps, one
       direction's halves each: ``_Transfer.halves``), not whole slots.
+    hbm_bytes: when positive, the HBM bytes the kernel moves, for its
+      floor in place of its operands' and results' (a kernel that reads
+      some rows of an operand: ``AgSpec.forward``'s compute kernels).
   """
 
   costs: tuple[float, ...]
@@ -414,6 +421,7 @@ class KernelSteps:
   sends: tuple[int, ...] = ()
   fill: float = 0.0
   halves: bool = False
+  hbm_bytes: float = 0.0
 
   @property
   def total(self) -> float:
@@ -760,14 +768,20 @@ class _Sim:
     cost = self.kernel_cost(ins, self.m)
     if cost is None:
       return None
+    moved = 0.0
     if isinstance(cost, KernelSteps):
-      cost = cost.total
+      cost, moved = cost.total, cost.hbm_bytes
     # A kernel writing blocks of a buffer it aliases (a row panel's rows
     # of one result, ``input_output_aliases``) moves those blocks, which
     # its twin writes; the rest of the buffer is neither read nor written,
     # so it stays out of the floor (as a dynamic-update-slice fusion's
-    # update does, above).
-    cost = max(cost, self._floor(self._comp, ins, in_place=True))
+    # update does, above). A kernel that says what it moves
+    # (``KernelSteps.hbm_bytes``) is floored at that.
+    if moved > 0:
+      floor = max(self._flops_s(ins), moved / self.chip.hbm_bytes_per_s)
+    else:
+      floor = self._floor(self._comp, ins, in_place=True)
+    cost = max(cost, floor)
     self.twin += cost
     return cost
 
@@ -827,6 +841,10 @@ class _Sim:
       chain.slots = slots
       chain.end = max(chain.end, *arrived.values())
     self.compute += total
+    if ins.name.startswith("ring_allgather_matmul_local") and _RELAYS.search(
+      ins.attrs
+    ):
+      t = self._relay(comp, ins, t)
     return t
 
   def _send_step(self, ins: Instr, chain: _Transfer, t: float) -> float:
@@ -1103,8 +1121,13 @@ class _Sim:
     split = bool(found and found.group(2))
     if sorted(hops) != list(range(1, n1 + 1)):
       hops = list(range(1, n1 + 1))
+    # ``_fwd`` (``AgSpec.forward``): the antipode's slot (two hops) is not
+    # the start's; the local-step kernel relays it (:meth:`_relay`).
+    relayed = hops.index(2) if found and found.group(3) and 2 in hops else -1
     out = []
     for t in range(n1):
+      if t == relayed:
+        continue
       for dd, sh in enumerate(shifts):
         sends = ring_sends(self.rings, sh * hops[t])
         if split and (t, dd) == (n1 - 1, d - 1):
@@ -1115,6 +1138,67 @@ class _Sim:
         load, lat = self._ici(sends, size)
         out.append((t, dd, load, lat, 0))
     return out
+
+  def _relay(self, comp: str, ins: Instr, t: float) -> float:
+    """The fused all-gather's relay (``AgSpec.forward``), at the end of
+    the local-step kernel (``ring_allgather_matmul_local`` in a ``_fwd``
+    scope): it waits for slot ``0`` of each direction (its start's halves
+    ``0 .. d - 1``, an exposed wait on the compute track), is charged its
+    DMA issues, a share of ``Chip.issue_s`` as a split start's extra
+    piece is (``issue_s`` per the start's sends, ``d (n - 2)`` of them:
+    the relay's ``d`` cost ``issue_s / (n - 2)``, half of it on a ring of
+    4), then sends each of those halves on to the next neighbour the same
+    way, queued on each link behind what is already on it (FIFO): that
+    neighbour's slot ``2``, which its start did not send. Their arrivals
+    become the start's halves ``2 d + dd`` (and slot 2), so the rest
+    kernel waits for them, and the start's end (the done waits for the
+    sends)."""
+    names = [n for n in self._sources(comp, ins) if n in self.pending]
+    tr = self.pending[names[0]] if names else None
+    recv = next(
+      (a for a in self._operand_arrays(comp, ins) if len(a.dims) == 4), None
+    )
+    if tr is None or recv is None or not tr.halves:
+      self.unmodelled.append(ins.name)
+      self._flag(f"{ins.name}: relay without its start (not modelled)")
+      return t
+    nd, n1 = recv.dims[0], recv.dims[1]
+    ready = max(tr.halves[:nd])
+    if ready > t:
+      self._emit("compute", ins.name, "wait", t, ready - t)
+      self.exposed += ready - t
+      t = ready
+    issue = self.chip.issue_s / max(n1 - 1, 1)
+    self._emit("compute", ins.name, "overhead", t, issue, op=RELAY_ISSUE_OP)
+    t += issue
+    size = recv.nbytes / (nd * n1)
+    shifts = (1, -1) if nd == 2 else (-1,)
+    halves = list(tr.halves)
+    for sh in shifts:
+      load, lat = self._ici(ring_sends(self.rings, sh), size)
+      b, e = self._ici_slot(t, load, lat)
+      lane = self._lane(b, e)
+      self._emit(
+        "ici",
+        ins.name,
+        "transfer",
+        b,
+        e - b,
+        lane,
+        op="relay",
+        links=dict(load),
+      )
+      self.transfers += 1
+      halves.append(e)
+    tr.halves = tuple(halves)
+    tr.slots = (*tr.slots, max(halves[-nd:]))
+    tr.end = max(tr.end, *halves[-nd:])
+    return t
+
+  def _operand_arrays(self, comp: str, ins: Instr):
+    """The arrays of ``ins``'s operands, in order."""
+    table = self._table(comp)
+    return [a for n in ins.operands if n in table for a in table[n].arrays]
 
   def _ref_message(self, ins: Instr, dst_bytes: int) -> float:
     """Bytes one stateful (``*_ref_start``) kernel moves.

@@ -343,11 +343,13 @@ def plan_allgather(
   collective_id: int | None = None,
   quantized: bool = False,
   steps: tuple[int, ...] | None = None,
+  forward: bool = False,
 ) -> AgPlan:
   """Block size, directions, step plan and panels for ``[m, k] @ [n k, f]``.
 
   ``steps``: chunks per ring step (``AgSpec.steps``); None chooses them
-  (:func:`choose_steps`).
+  (:func:`choose_steps`). ``forward``: relay the antipode's halves
+  (``AgSpec.forward``) where the kernel can (:func:`_forwarded`).
 
   Returns a plan with ``spec=None`` and a ``reason`` when the fused kernel
   cannot run this shape (the caller falls back).
@@ -408,6 +410,12 @@ def plan_allgather(
       continue
     spec, need = spec_for(rows)
     if need <= budget:
+      if forward:
+        fwd = _forwarded(
+          _in_vmem(AgPlan(spec, panels), device_kind), device_kind
+        )
+        if fwd is not None:
+          return fwd
       return _in_vmem(_in_out(AgPlan(spec, panels)), device_kind)
     if panels == 1 and steps is None and one and spec.g > 1:
       # One chunk per step holds half the chunk buffers (and narrower w
@@ -451,6 +459,32 @@ def _in_vmem(plan: AgPlan, device_kind: str | None) -> AgPlan:
     return plan
   vm = dataclasses.replace(vm, vmem_limit=_limit(need, device_kind))
   return dataclasses.replace(plan, spec=vm)
+
+
+def _forwarded(plan: AgPlan, device_kind: str | None) -> AgPlan | None:
+  """``plan`` with the antipode's halves relayed (``AgSpec.forward``:
+  a 4-cycle, two directions, the receive buffer in VMEM, one panel,
+  unquantized; not :func:`choose_split`'s pieces) where the compute
+  kernel's VMEM, a second float32
+  accumulator (the local step's, which the rest takes) included, fits
+  the chip's share; None elsewhere."""
+  s = plan.spec
+  if not (
+    plan.panels == 1
+    and s.recv_vmem
+    and s.n == 4
+    and s.directions == 2
+    and not s.quantized
+  ):
+    return None
+  # The last half in pieces (``AgSpec.split``) is the start's last send;
+  # relayed, it is not the start's: the relay goes whole.
+  fwd = dataclasses.replace(s, forward=True, split=False)
+  need = agk.vmem_bytes(fwd)
+  if need > int(vmem_capacity(device_kind) * _VMEM_SHARE):
+    return None
+  fwd = dataclasses.replace(fwd, vmem_limit=_limit(need, device_kind))
+  return dataclasses.replace(plan, spec=fwd)
 
 
 def _in_out(plan: AgPlan) -> AgPlan:
@@ -549,6 +583,7 @@ def _ag_tpu(
   collective_id,
   quantized=False,
   steps=None,
+  forward=False,
 ):
   m, k = x.shape
   plan = plan_allgather(
@@ -567,6 +602,7 @@ def _ag_tpu(
     collective_id=collective_id,
     quantized=quantized,
     steps=steps,
+    forward=forward,
   )
   spec = _planned(plan, "allgather_matmul")
   scales = None
@@ -629,6 +665,7 @@ def allgather_matmul(
   directions: int = 2,
   transfer: str = "native",
   steps: tuple[int, ...] | None = None,
+  forward: bool = False,
 ):
   """``all_gather(lhs, axis_name, axis=1, tiled=True) @ rhs``, fused.
 
@@ -647,6 +684,9 @@ def allgather_matmul(
       ring of 4: the local chunk, then both neighbours' at once, then the
       antipode's (positive, summing to the ring size, the first 1). None
       (default) chooses from the shape (:func:`choose_steps`).
+    forward: on a ring of 4, the neighbours relay the antipode's halves
+      (``AgSpec.forward``: three halves on the busiest link, not four)
+      where the kernel can; elsewhere ignored. Off by default.
 
   Returns:
     ``[m, f]`` in ``lhs.dtype``.
@@ -681,6 +721,7 @@ def allgather_matmul(
     collective_id=None,
     quantized=quantized,
     steps=steps,
+    forward=bool(forward),
   )
 
 

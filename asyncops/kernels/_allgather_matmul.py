@@ -82,6 +82,19 @@ the open lines of small slices and at ``n = 8``). Where the matmul is
 longer than the transfers (the shapes this kernel is for), that is hidden;
 ``benchmarks/_timeline.py`` routes each copy on its own.
 
+The relay (``AgSpec.forward``, off by default). On a ring of 4 the
+antipode's halves can come through a neighbour instead: the start sends
+to both neighbours only, and the compute runs as two kernels,
+:func:`compute_local` (step 0; its float32 accumulator a VMEM output),
+which at its end waits for slot 0 of each direction and sends it on
+(:func:`forward_kernel`; three halves on the busiest link, not four),
+and :func:`compute_rest` (the other steps, on top of it), which starts
+no remote DMA and writes the result. XLA's copy is an entry-output
+rule: it does not give the program's result buffer to a communicating
+kernel, as output or operand; the local kernel's outputs are not the
+result, so nothing is copied (design/benchmarks.md, "Forwarding in the
+fused all-gather").
+
 The last half in pieces (``AgSpec.split``, where its wait is exposed:
 v5e's chapter shape). The start's last send, the last direction's half of
 the farthest chunk, goes as two row pieces on their own semaphores (one
@@ -207,6 +220,20 @@ class AgSpec:
       done's scoped VMEM limits to hold it. Chosen by
       ``collective_matmul._fused`` where it fits the chip's VMEM budget;
       not with :attr:`recv_in_out`.
+    forward: the antipode's halves are forwarded, not sent direct (a
+      4-cycle, two directions, :attr:`recv_vmem`, one panel, no
+      :attr:`split`, unquantized): the start sends each half to both
+      neighbours only (slots ``0`` and ``1``); the compute kernel runs
+      as two kernels, the local step (:func:`compute_local`, its float32
+      accumulator a VMEM output), which at its end waits for slot ``0``
+      of each direction and sends it on to the next neighbour the same
+      way, into its slot ``2`` (:attr:`fwd_slot`; :func:`forward_kernel`,
+      on the start's semaphores of that slot), and the rest
+      (:func:`compute_rest`, which takes the accumulator). The busiest
+      directed link then carries three halves, not four. The result's
+      kernel starts no remote DMA: XLA copies the result of one that
+      does at the program's output (design/benchmarks.md, "Forwarding in
+      the fused all-gather").
   """
 
   axis_name: str
@@ -230,6 +257,7 @@ class AgSpec:
   recv_in_out: bool = False
   split: bool = False
   recv_vmem: bool = False
+  forward: bool = False
 
   def __post_init__(self):
     c.check_ring(self.directions, self.n)
@@ -266,6 +294,17 @@ class AgSpec:
         "AgSpec.recv_vmem and recv_in_out are exclusive (the receive slots "
         f"are a VMEM buffer or rows of the result), got {self}"
       )
+    if self.forward and not (
+      self.n == 4
+      and self.directions == 2
+      and self.recv_vmem
+      and self.panel == 0
+      and not (self.split or self.quantized)
+    ):
+      raise ValueError(
+        "AgSpec.forward needs a ring of 4, two directions, recv_vmem, one "
+        f"panel, no split and unquantized chunks, got {self}"
+      )
     if self.recv_in_out and not recv_fits_out(self):
       raise ValueError(
         "AgSpec.recv_in_out needs unquantized chunks in the result's dtype "
@@ -273,6 +312,12 @@ class AgSpec:
         f"{self.out_dtype}, quantized {self.quantized}, (n - 1) k = "
         f"{(self.n - 1) * self.k}, f = {self.f}. Leave it False."
       )
+
+  @property
+  def fwd_slot(self) -> int:
+    """The slot the :attr:`forward` relay fills (the antipode's, two
+    hops away); -1 without :attr:`forward`."""
+    return self.hops.index(2) if self.forward else -1
 
   @property
   def plan(self) -> tuple[int, ...]:
@@ -316,7 +361,8 @@ class AgSpec:
     plan = "-".join(str(g) for g in self.plan)
     tail = "" if self.tail is None else f"_t{self.tail}p{self.parts}"
     split = "_split" if self.split else ""
-    return f"ring_steps_{plan}_nf{self.nf}{tail}_halves{split}"
+    fwd = "_fwd" if self.forward else ""
+    return f"ring_steps_{plan}_nf{self.nf}{tail}_halves{split}{fwd}"
 
   @property
   def hops(self) -> tuple[int, ...]:
@@ -345,7 +391,8 @@ class AgSpec:
     """The named scope the start kernel runs in (the benchmark model reads
     the order of the sends from it)."""
     split = "_split" if self.split else ""
-    return "ring_hops_" + "-".join(str(a) for a in self.hops) + split
+    fwd = "_fwd" if self.forward else ""
+    return "ring_hops_" + "-".join(str(a) for a in self.hops) + split + fwd
 
   @property
   def shifts(self) -> tuple[int, ...]:
@@ -421,7 +468,7 @@ def vmem_bytes(spec: AgSpec) -> int:
   else:
     chunks = 2 * spec.g * spec.m * spec.k * t  # chunk double buffer
   return (
-    spec.m * spec.f * 4  # accumulator
+    spec.m * spec.f * 4 * (1 + spec.forward)  # accumulator (and the local's)
     + chunks
     + 2 * spec.m * spec.k * t  # x block (Mosaic keeps two buffers)
     + 2 * spec.k * spec.bn * w  # w blocks, both halves, two buffers
@@ -554,6 +601,8 @@ def start_kernel(
   # panel: this one's rows start at ``panel m``.
   rows = pl.ds(spec.panel * spec.m, spec.m)
   for t in range(n - 1):
+    if t == spec.fwd_slot:
+      continue  # relayed by the neighbour (:func:`forward_kernel`)
     for d, sh in enumerate(spec.shifts):
       pairs = [
         (
@@ -576,7 +625,9 @@ def start_kernel(
         ).start()
 
 
-def compute_kernel(*refs, spec: AgSpec):
+def compute_kernel(
+  *refs, spec: AgSpec, lo: int = 0, hi: int | None = None, relay_sems=None
+):
   """Grid step ``(s, d, j, c)``: half ``d`` of chunk ``c`` of step ``s``,
   output block ``j`` (each (chunk, half) meets its own ``w`` rows, so they
   are separate grid steps; ``w`` is one operand, read once; half-step
@@ -589,20 +640,44 @@ def compute_kernel(*refs, spec: AgSpec):
   for quantized chunks). It starts no remote DMA, so XLA does not treat it
   as communicating and writes its result in place (a communicating
   kernel's result is copied once more before it leaves the program).
+
+  ``lo``, ``hi``: the steps this kernel runs (:attr:`AgSpec.forward`'s
+  two kernels; all of them by default). Steps ``0 .. hi`` with ``hi``
+  short of the plan (:func:`compute_local`): no ``out`` and no
+  accumulator scratch, the accumulator is the output (``me, x, w, recv,
+  recv_sems, acc, token, copy_sems``). From ``lo > 0``
+  (:func:`compute_rest`): no ``x``, and the previous kernel's accumulator
+  after ``recv_sems`` (``me, w, recv, recv_sems, acc_in, out, token, acc,
+  copy_sems``), which the first half-step's products are added to.
+
+  ``relay_sems``: the start's send semaphores, given to the kernel that
+  runs step 0 with :attr:`AgSpec.forward`: after step 0's last iteration
+  it relays slot 0 (:func:`forward_kernel`). That kernel then starts
+  remote DMAs; it is not the one whose output is the result
+  (:func:`compute_local`).
   """
   q = spec.quantized
+  hi = len(spec.plan) if hi is None else hi
+  has_final = hi == len(spec.plan)
   refs = list(refs)
-  me_ref, x_ref = refs.pop(0), refs.pop(0)
+  me_ref = refs.pop(0)
+  x_ref = refs.pop(0) if lo == 0 else None
   xs_ref = refs.pop(0) if q else None
   w_ref, recv_ref = refs.pop(0), refs.pop(0)
   rs_ref = refs.pop(0) if q else None
-  recv_sems, o_ref, tok_ref, acc_ref, *bufs, copy_sems = refs
+  recv_sems = refs.pop(0)
+  acc_in = refs.pop(0) if lo > 0 else None
+  if has_final:
+    o_ref, tok_ref, acc_ref, *bufs, copy_sems = refs
+  else:
+    o_ref = None
+    acc_ref, tok_ref, *bufs, copy_sems = refs
   vm = spec.recv_vmem  # units read in place from the VMEM receive buffer
   xbuf, sbuf = (None, None) if vm else (bufs[0], bufs[1] if q else None)
   nd = spec.directions
   kh, bn, nf = spec.kh, spec.bn, spec.nf
   plan, offsets, last = spec.plan, spec.offsets, len(spec.plan) - 1
-  s, d = pl.program_id(0), pl.program_id(1)
+  s, d = pl.program_id(0) + lo, pl.program_id(1)
   j, ci = pl.program_id(2), pl.program_id(3)
   slot = jax.lax.rem(s, 2)
   del me_ref  # only the w index map reads it
@@ -611,7 +686,7 @@ def compute_kernel(*refs, spec: AgSpec):
   u1 = jnp.maximum(unit - 1, 0)
   first_it = (j == 0) & (ci == 0)
 
-  @pl.when((s == 0) & (d == 0) & first_it)
+  @pl.when((s == lo) & (d == 0) & first_it)
   def _():
     tok_ref[0] = jnp.int32(0)
 
@@ -667,7 +742,11 @@ def compute_kernel(*refs, spec: AgSpec):
   def held_rows(rows):
     """Rows ``rows`` of the half this iteration multiplies (``x`` at
     step 0: by halves, its block, with :attr:`AgSpec.split`)."""
+    if lo > 0:  # past the local step: every unit is a received one
+      return recv_ref[d, u1, rows, :].astype(spec.mxu_dtype)
     mine = x_ref[rows, :] if spec.split else x_ref[rows, half]
+    if hi == 1:  # the local step only
+      return mine.astype(spec.mxu_dtype)
     if vm:
       # Read only at s > 0: at step 0 the peers are still writing every
       # slot (a read then would race their DMAs, however discarded).
@@ -680,13 +759,17 @@ def compute_kernel(*refs, spec: AgSpec):
 
   if not spec.split:
     held_all = held_rows(slice(None))
-  first = (s == 0) & (ci == 0) & (d == 0)
+  first = (s == lo) & (ci == 0) & (d == 0)
   final = (s == last) & (ci == plan[last] - 1) & (d == nd - 1)
+  if not has_final:
+    final = jnp.bool_(False)
 
   def wait_next(ns, nd_):
     """Waits for the halves of half-step ``(ns, nd_)`` and starts their
     copies into VMEM (``recv_vmem``: only waits)."""
     for cc, dd_, u1, dst in each_copy(ns, nd_, ns % 2):
+      if spec.forward and u1 == 0:
+        continue  # slot 0: waited for by the relay (:func:`forward_kernel`)
       r0, nr, at = pieces(spec, dd_, u1)[0]  # the split half's first piece
       c.wait_dma(slot_rows(spec, recv_ref, dd_, u1, r0, nr), recv_sems.at[at])
       if q:
@@ -703,6 +786,18 @@ def compute_kernel(*refs, spec: AgSpec):
   # With ``spec.split`` the parts are row parts (``m / 2`` rows, the
   # whole block's columns): the split half's second piece is copied into
   # VMEM under the last half-step's first part.
+  # With the relay (:attr:`AgSpec.forward`) step 1 waits for its first
+  # half-step's halves as it begins, not under step 0's last block: the
+  # relay runs between the two (after step 0's last iteration, the end of
+  # the local kernel), and a neighbour's relayed half may be one of them.
+  # The wait only (recv_vmem: nothing to copy).
+  cut = 1 if spec.forward else None
+  if cut is not None and lo <= cut < hi:
+
+    @pl.when((s == cut) & (d == 0) & first_it)
+    def _():
+      wait_next(cut, 0)
+
   parts = spec.parts
   sub = bn if spec.split else bn // parts
   sr = spec.mh if spec.split else spec.m
@@ -739,15 +834,20 @@ def compute_kernel(*refs, spec: AgSpec):
 
     @pl.when(valid & first)
     def _(r=r, cols=cols, y=y):
-      acc_ref[r, cols] = y
+      if lo > 0:
+        acc_ref[r, cols] = acc_in[r, cols] + y
+      else:
+        acc_ref[r, cols] = y
 
     @pl.when(valid & ~first & ~final)
     def _(r=r, cols=cols, y=y):
       acc_ref[r, cols] += y
 
-    @pl.when(valid & final)
-    def _(r=r, cols=cols, y=y, oc=oc):
-      o_ref[r, pl.ds(oc, sub)] = (acc_ref[r, cols] + y).astype(o_ref.dtype)
+    if has_final:
+
+      @pl.when(valid & final)
+      def _(r=r, cols=cols, y=y, oc=oc):
+        o_ref[r, pl.ds(oc, sub)] = (acc_ref[r, cols] + y).astype(o_ref.dtype)
 
     # The halves of the next half-step (half 1 of this step after half 0,
     # else half 0 of the next step): wait for them and copy them into
@@ -756,6 +856,10 @@ def compute_kernel(*refs, spec: AgSpec):
     for ss, dd, ns, nd_ in half_steps(spec)[:-1]:
       if ns == 0:
         continue  # the local chunk's second half: x, already in VMEM
+      if not lo <= ss < hi or ns >= hi:
+        continue  # not this kernel's (compute_local / compute_rest)
+      if cut is not None and ss < cut <= ns:
+        continue  # waited for as step ``cut`` begins
       if spec.tail is None:
         if part < parts - 1:
           continue
@@ -770,11 +874,21 @@ def compute_kernel(*refs, spec: AgSpec):
       def _(ns=ns, nd_=nd_):
         wait_next(ns, nd_)
 
+  if relay_sems is not None and lo == 0:
+    # The relay, after step 0's last iteration (its dots done).
+    end0 = (s == 0) & (d == nd - 1) & (j == nf - 1) & (ci == spec.g - 1)
+
+    @pl.when(end0)
+    def _():
+      forward_kernel(recv_ref, recv_sems, relay_sems, spec=spec)
+
 
 def done_kernel(
   recv_ref, send_sems, *, spec: AgSpec, recv_scales=None, from_x=False
 ):
-  """Waits for every send of the start. ``recv_ref``: the receive buffer
+  """Waits for every send of the start (with :attr:`AgSpec.forward`, the
+  relay's sends in place of slot :attr:`AgSpec.fwd_slot`'s, on the same
+  semaphores and of the same size). ``recv_ref``: the receive buffer
   (its slots give the sizes), or with ``from_x`` ``x`` itself (a
   ``recv_in_out`` done does not take the result; this panel's rows of
   half ``d`` of ``x`` are a slot's size)."""
@@ -789,6 +903,28 @@ def done_kernel(
         c.wait_dma(ref, send_sems.at[at])
       if recv_scales is not None:
         c.wait_dma(recv_scales.at[d, t], send_sems.at[d, t])
+
+
+def forward_kernel(recv_ref, recv_sems, send_sems, *, spec: AgSpec):
+  """The relay (:attr:`AgSpec.forward`): waits for slot ``0`` of each
+  direction (half ``d`` of the neighbour's chunk ``shift_d`` behind) and
+  sends it on to the neighbour ``shift_d`` ahead, into its slot
+  :attr:`AgSpec.fwd_slot` (for it that chunk is two hops behind), on the
+  start's semaphores of that slot, which the start leaves unused
+  (``send_sems[d, fwd_slot]`` here, ``recv_sems[d, fwd_slot]`` there)."""
+  fs = spec.fwd_slot
+  me = jax.lax.axis_index(spec.axis_name)
+  for d in range(spec.directions):
+    c.wait_dma(recv_ref.at[d, 0], recv_sems.at[d, 0])
+  for d, sh in enumerate(spec.shifts):
+    pltpu.make_async_remote_copy(
+      recv_ref.at[d, 0],
+      recv_ref.at[d, fs],
+      send_sems.at[d, fs],
+      recv_sems.at[d, fs],
+      device_id=c.ring_peer(spec, me, sh),
+      device_id_type=pl.DeviceIdType.MESH,
+    ).start()
 
 
 # pallas_calls ----------------------------------------------------------------
@@ -822,13 +958,14 @@ def _once(shape, index=None):
   )
 
 
-def _in_specs(spec: AgSpec):
+def _in_specs(spec: AgSpec, lo: int = 0):
   """``x`` (and its scales) fetched once, then ``w``'s block ``[k/d, bn]``:
   rows of the chunk direction ``d`` holds at chunk ``ci`` of step ``s``,
-  columns of block ``j``."""
+  columns of block ``j``. From step ``lo > 0`` (grid step ``s`` is step
+  ``s + lo``): no ``x``."""
 
   def w_index(s, d, j, ci, me_ref):
-    unit, _ = _unit(spec, s, ci)
+    unit, _ = _unit(spec, s + lo, ci)
     hop = _table((0, *spec.hops), unit)
     chunk = _chunk(me_ref[0], _shift_of(spec, d), hop, spec.n)
     return (chunk * spec.directions + d, j)
@@ -849,10 +986,12 @@ def _in_specs(spec: AgSpec):
   if spec.quantized:
     scales = (spec.directions, spec.m, SCALE_LANES)
     xs.append(_once(scales, (0, spec.panel, 0)))
+  if lo > 0:
+    xs = []
   return xs + [pl.BlockSpec((spec.kh, spec.bn), w_index)]
 
 
-def _out_block(spec: AgSpec):
+def _out_block(spec: AgSpec, lo: int = 0):
   # Only the last half-step (the last step's last direction) writes the
   # output; before it every iteration maps to block (panel, 0), which is
   # first written (and flushed) then: a block flushed earlier would write
@@ -863,13 +1002,13 @@ def _out_block(spec: AgSpec):
     (spec.m, spec.bn),
     lambda s, d, j, ci, me: (
       spec.panel,
-      jnp.where((s == last) & (d == spec.directions - 1), j, 0),
+      jnp.where((s + lo == last) & (d == spec.directions - 1), j, 0),
     ),
   )
 
 
-def _scratch(spec: AgSpec):
-  out = [pltpu.VMEM((spec.m, spec.f), spec.acc_dtype)]
+def _scratch(spec: AgSpec, acc: bool = True):
+  out = [pltpu.VMEM((spec.m, spec.f), spec.acc_dtype)] if acc else []
   if not spec.recv_vmem:  # else the units are read in the receive buffer
     out.append(pltpu.VMEM((2, spec.g, spec.m, spec.k), jnp.dtype(spec.dtype)))
   if spec.quantized and not spec.recv_vmem:
@@ -880,10 +1019,12 @@ def _scratch(spec: AgSpec):
   return out + [pltpu.SemaphoreType.DMA(sems)]
 
 
-def _grid(spec: AgSpec):
+def _grid(spec: AgSpec, lo: int = 0, hi: int | None = None):
   """``(steps, directions, column blocks, chunks of the largest step)``:
-  each step runs one half-step per direction (:func:`half_steps`)."""
-  return (len(spec.plan), spec.directions, spec.nf, spec.g)
+  each step runs one half-step per direction (:func:`half_steps`); steps
+  ``lo .. hi`` of the plan (all by default)."""
+  hi = len(spec.plan) if hi is None else hi
+  return (hi - lo, spec.directions, spec.nf, spec.g)
 
 
 def _params(spec: AgSpec, collective_id=None):
@@ -1067,6 +1208,64 @@ def _compute_call(me, xs, w, recvs, recv_sems, spec, out_shape, nq, into):
   )(me, *_order(xs, w, recvs), recv_sems, *extra)
 
 
+def compute_local(me, xs, w, recvs, recv_sems, send_sems, *, spec: AgSpec):
+  """:attr:`AgSpec.forward`'s first compute kernel: step ``0`` (the local
+  chunk), then the relay (:func:`forward_kernel`, on the start's
+  semaphores); returns its float32 accumulator ``[m, f]`` in VMEM (what
+  :func:`compute_rest` goes on from) and a token. It starts remote DMAs:
+  XLA gives the program's result to no such kernel (it copies it at the
+  ROOT), but this kernel's outputs are not the result."""
+
+  def kernel(*refs):
+    refs = list(refs)
+    relay = refs.pop(4)  # me, x, w, recv, send_sems, recv_sems, ...
+    compute_kernel(*refs, spec=spec, lo=0, hi=1, relay_sems=relay)
+
+  acc, token = pl.pallas_call(
+    kernel,
+    out_shape=(
+      pltpu.VMEM((spec.m, spec.f), spec.acc_dtype),
+      c.shape_like(xs[0], (1,), jnp.int32),
+    ),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=_grid(spec, 0, 1),
+      in_specs=_in_specs(spec) + [_recv_spec(spec), c.SEM, c.SEM],
+      out_specs=(_VMEM, _SMEM),
+      scratch_shapes=_scratch(spec, acc=False),
+    ),
+    compiler_params=_params(spec),
+    name="ring_allgather_matmul_local",
+  )(me, *xs, w, *recvs, send_sems, recv_sems)
+  return c.vary_like(acc, xs[0]), token
+
+
+def compute_rest(me, w, recvs, recv_sems, acc, token, *, spec, out_shape):
+  """:attr:`AgSpec.forward`'s second compute kernel: steps ``1 ..`` on
+  top of :func:`compute_local`'s accumulator ``acc`` (VMEM; it takes
+  the local kernel's ``token`` too); returns the result and a token. No
+  remote DMA: its output is the program's result as it is."""
+
+  def kernel(*refs):
+    refs = list(refs)
+    del refs[5]  # me, w, recv, recv_sems, acc, token: the local's token
+    compute_kernel(*refs, spec=spec, lo=1)
+
+  return pl.pallas_call(
+    kernel,
+    out_shape=(out_shape, c.shape_like(acc, (1,), jnp.int32)),
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=_grid(spec, 1),
+      in_specs=_in_specs(spec, lo=1) + [_recv_spec(spec), c.SEM, _VMEM, _SMEM],
+      out_specs=(_out_block(spec, lo=1), _SMEM),
+      scratch_shapes=_scratch(spec),
+    ),
+    compiler_params=_params(spec),
+    name="ring_allgather_matmul_rest",
+  )(me, w, *recvs, recv_sems, acc, token)
+
+
 def _order(xs, w, recvs):
   """Operand order of the compute kernel: ``x, [xs], w, recv, [recv_s]``."""
   return (*xs, w, *recvs)
@@ -1147,6 +1346,28 @@ def run(me, x, w, *, spec: AgSpec, out_shape, scales=None, into=None):
       out, token = compute(
         me, xs, w, recvs, recv_sems, spec=spec, out_shape=out_shape
       )
+  elif spec.forward:
+    # Local step, relay, the rest (:attr:`AgSpec.forward`). ``w`` pinned
+    # to HBM as well: read by two kernels, XLA otherwise prefetched all
+    # of it into VMEM for the second (8 MiB at the v6e chapter shape).
+    (w,) = pinned((w,))
+    recvs, send_sems, recv_sems = start(xs, spec=spec)
+    with jax.named_scope(spec.scope):
+      acc, token = compute_local(
+        me, xs, w, recvs, recv_sems, send_sems, spec=spec
+      )
+      out, token = compute_rest(
+        me,
+        w,
+        recvs,
+        recv_sems,
+        acc,
+        token,
+        spec=spec,
+        out_shape=out_shape,
+      )
+    done(xs, recvs, token, send_sems, spec=spec)
+    return out
   else:
     recvs, send_sems, recv_sems = start(xs, spec=spec)
     out, token = compute(
@@ -1201,7 +1422,15 @@ def one_kernel(
 
     tok_ref, *scratch = scratch
     compute_kernel(
-      me_ref, *blocks, *recvs, rs, o_ref, tok_ref, *scratch, spec=spec
+      me_ref,
+      *blocks,
+      *recvs,
+      rs,
+      o_ref,
+      tok_ref,
+      *scratch,
+      spec=spec,
+      relay_sems=ss if spec.forward else None,
     )
 
     last = (s == nsteps - 1) & (j == spec.nf - 1) & (ci == spec.g - 1)
