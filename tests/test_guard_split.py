@@ -89,12 +89,20 @@ def test_split_dones_pass(topology):
     pairs["asyncops_ppermute_send_done"],
     pairs["asyncops_ppermute_recv_done"],
   )
-  # What XLA compiles: send_done takes the source (not the destination),
-  # recv_done the destination (not the source); compute in both windows,
-  # the write into the source after send_done, no copy of either buffer.
+  # What XLA compiles: send_done takes the source and passes the
+  # destination through (aliased), recv_done takes send_done's result (a
+  # data edge: it cannot run before the send wait), not the source;
+  # compute in both windows, the write into the source after send_done, no
+  # copy of either buffer.
   s = m.instr(send.start)
   srcs, dsts = _buffers(m, s)
-  assert [o for o in m.instr(send.done).operands if (o, ()) in dsts] == []
+  sd, rd = m.instr(send.done), m.instr(recv.done)
+  assert _reaches(g := _Graph(m), dsts, sd)
+  assert any(
+    m.instr(o).opcode == "get-tuple-element" and sd.name in m.instr(o).operands
+    for o in rd.operands
+  ), rd.operands
+  assert sd.position < rd.position
   assert send.overlapped and recv.overlapped
   writes = [
     i
@@ -108,10 +116,8 @@ def test_split_dones_pass(topology):
   assert not [c for c in r.copies if c.inflight or c.kind == "defensive"]
   assert hazards(r) == [], [str(h) for h in hazards(r)]
   assert not r.unawaited_semaphores and not r.unawaited_starts
-  # Each done ends its own buffer; held to both, each "was not live".
-  g = _Graph(m)
-  assert not _reaches(g, dsts, m.instr(send.done))
-  assert not _reaches(g, srcs, m.instr(recv.done))
+  # recv_done does not hold the source: a write after send_done is free.
+  assert not _reaches(g, srcs, rd)
   asyncops.inspect.assert_copy_free(f, x)
 
 

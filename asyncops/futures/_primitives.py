@@ -146,8 +146,9 @@ def _done_tpu(x, dst, *sems, spec):
 
 
 def _send_done_tpu(x, dst, *sems, spec):
-  # The destination passes through untouched: one alias per kernel.
-  return (_done.send_done(x, *sems[: n_send(spec)], spec=spec), dst)
+  # The destination goes through the send wait (its one alias), so the
+  # receive wait that takes it cannot be scheduled before it.
+  return _done.send_done(x, dst, *sems[: n_send(spec)], spec=spec)
 
 
 def _recv_done_tpu(dst, *sems, spec):
