@@ -89,7 +89,9 @@ def _ring(fn, topology):
   return f.trace(x).lower().compile().as_text()
 
 
-def _fused_ag(topology, transfer, directions=2, mkf=(256, 512, 2048)):
+def _fused_ag(
+  topology, transfer, directions=2, mkf=(256, 512, 2048), forward=False
+):
   """The fused all-gather matmul, ``m, k, f`` per device (bf16): at
   ``256, 512, 2048`` ``"native"`` lands the chunks in the result's rows
   (``recv_in_out``) and ``"int8"`` sends codes and scales into a VMEM
@@ -98,7 +100,7 @@ def _fused_ag(topology, transfer, directions=2, mkf=(256, 512, 2048)):
 
   def fn(x, w):
     return _fused.allgather_matmul(
-      x, w, "y", transfer=transfer, directions=directions
+      x, w, "y", transfer=transfer, directions=directions, forward=forward
     )
 
   jitted, args = u.aot_sharded(
@@ -161,6 +163,10 @@ PROGRAMS = {
   "fused all-gather int8 one-way": lambda t: _fused_ag(t, "int8", 1),
   "fused all-gather HBM receive": lambda t: _fused_ag(
     t, "native", mkf=(2048, 2048, 1024)
+  ),
+  # The chapter's shard: the local-step kernel relays slot 0 (AgSpec.forward).
+  "fused all-gather forward": lambda t: _fused_ag(
+    t, "native", mkf=(512, 512, 2048), forward=True
   ),
   "fused reduce-scatter": _fused_rs,
   "fused reduce-scatter one-way": lambda t: _fused_rs(t, 1),
@@ -358,6 +364,30 @@ def test_fused_ag_receive_buffer_evicted(name, out, topology):
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_fused_ag_relayed_slot_evicted(topology):
+  """``AgSpec.forward``: the local-step kernel relays receive slot 0 (the
+  start's VMEM receive buffer, its array operand 2) to the next
+  neighbour and returns; the done waits. The buffer evicted right after
+  the local kernel, the rest kernel and the done given the copy: the
+  relay's source is freed in flight. Refused by the ``COVERS`` entry of
+  ``ring_allgather_matmul_local`` (the start's own entries end at the
+  start's waiters: the buffer did reach the local kernel)."""
+  text = _text("fused all-gather forward", topology)
+  m = parse_module(text)
+  local = _kernel(m, "ring_allgather_matmul_local")
+  recv = local.operands[3]  # me, x, w, recv, send sems, recv sems
+  assert recv == _gte(m, _kernel(m, "asyncops_ring_allgather_start").name, 0)
+  later = [u for u in _users(m, recv) if u != local.name]
+  text = evict(text, recv, local.name, later)
+  _refused(
+    text,
+    "in-flight copy: %dmacover.cs",
+    f"%{local.name}",
+    "relayed half",
+  )
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_fused_ag_result_rows_evicted(topology):
   """``recv_in_out``: the peers write the result buffer (the start's
   operand 1) until the compute kernel waits; evicted after the start,
@@ -431,19 +461,18 @@ def test_rs_send_semaphores_copied(topology):
 def test_copy_destination_evicted_before_send_done(topology):
   """``copy_start``'s DMA writes its destination (start output ``{1}``)
   until ``send_done`` (its one semaphore is a send semaphore;
-  ``recv_done`` waits for nothing). Evicted right after the start,
-  ``recv_done`` given the copy: on main no pair covered the destination
-  (``send_done`` ends the source only, ``recv_done`` takes no
-  semaphore), and the guard passed it."""
+  ``recv_done`` waits for nothing). ``send_done`` passes the destination
+  through to ``recv_done`` (h-tidy's data edge). Evicted right after the
+  start, ``send_done`` (and so ``recv_done``) given the copy: refused. On
+  9c02dd6, whose ``send_done`` did not take the destination, no pair
+  covered it and the guard passed the same eviction."""
   text = _text("copy split", topology)
   m = parse_module(text)
   s = _kernel(m, "asyncops_copy_start")
   sd = _kernel(m, "asyncops_copy_send_done")
-  rd = _kernel(m, "asyncops_copy_recv_done")
   dst = _gte(m, s.name, 1)
-  text = _move_before(text, dst, sd.name)
-  text = evict(text, dst, s.name, [rd.name])
-  text = _move_before(text, "dmacover.cd", sd.name)
+  assert dst in sd.operands  # the data edge
+  text = evict(text, dst, s.name, [sd.name])
   _refused(
     text,
     f"destination not live: %{s.name} ",
@@ -457,24 +486,36 @@ def test_copy_destination_evicted_before_send_done(topology):
   "name", ["copy split", "all_gather split", "all_to_all split"]
 )
 def test_recv_done_before_send_done(name, topology):
-  """``recv_done`` scheduled before ``send_done``: the start's local copy
-  into the destination (the whole copy, or the all-gather's own slot)
-  counts on the send semaphore, so ``recv_done`` would return the
-  destination while that DMA may still write it. Nothing orders the
-  two in the HLO; on main the guard passed it."""
+  """``recv_done`` before ``send_done``: the start's local copy into the
+  destination (the whole copy, or the all-gather's own slot) counts on
+  the send semaphore, so ``recv_done`` would return the destination while
+  that DMA may still write it. The library orders them by data now
+  (``recv_done`` takes ``send_done``'s aliased result, asserted here);
+  the edit gives ``recv_done`` the start's destination directly,
+  schedules it first, as 9c02dd6's programs allowed, and reads its result
+  (a copy the later users take) before ``send_done``: refused."""
   kind = name.split()[0]
   text = _text(name, topology)
   m = parse_module(text)
   s = _kernel(m, f"asyncops_{kind}_start")
   sd = _kernel(m, f"asyncops_{kind}_send_done")
   rd = _kernel(m, f"asyncops_{kind}_recv_done")
-  assert not _users(m, sd.name)
-  text = _move_before(text, sd.name, m.entry.root.name)
+  dst = _gte(m, s.name, 1)
+  (through,) = [o for o in rd.operands if o in _users(m, sd.name)]
+  assert dst in sd.operands and m.instr(through).operands == (sd.name,)
+  readers = _users(m, rd.name)
+  text = _use(text, rd.name, through, dst)
+  text = _move_before(text, rd.name, sd.name)
+  text = _insert(
+    text, sd.name, f"%dmacover.rd = {rd.shape_text} copy(%{rd.name})"
+  )
+  for r in readers:
+    text = _use(text, r, rd.name, "dmacover.rd")
   _refused(
     text,
-    f"destination not live: %{s.name} ",
-    f"%{s.name} -> %{sd.name}",
-    f"%{rd.name}",
+    f"copy: %dmacover.rd (copy, {rd.shape_text.split(':')[0]}",
+    f"copies %{rd.name}",
+    f"breaks the transfer %{s.name}",
   )
 
 

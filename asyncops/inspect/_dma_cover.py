@@ -93,6 +93,14 @@ COVERS: dict[str, tuple[Cover, ...]] = {
   "ring_reducescatter_matmul": (
     Cover("output 0", "source", "operand 0", "sent partial sums"),
   ),
+  # kernels._allgather_matmul.compute_local (AgSpec.forward): at its end
+  # relays receive slot 0 (its array operand 2, the start's receive
+  # buffer) to the next neighbour's slot 2 on the start's send semaphores
+  # (its semaphore operand 0) until the done; the peer's relay into this
+  # device's slot 2 is the start's destination entry below.
+  "ring_allgather_matmul_local": (
+    Cover("operand 2", "source", "operand 0", "relayed half (receive slot 0)"),
+  ),
   # kernels._allgather_matmul.start: sends x (and the int8 scales) on the
   # send semaphores (output 0) until the done; the peers write its
   # receive outputs, or with recv_in_out the result buffer it takes as
