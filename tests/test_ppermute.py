@@ -255,14 +255,17 @@ def _check_split(topology, read_x):
   (recv,) = hlo.ours(instrs, "_recv_done")
   assert hlo.is_mosaic(send) and hlo.is_mosaic(recv)
   # The send wait reads the source without aliasing it (an alias made XLA
-  # copy the source when it was also read before the wait).
-  assert send.aliasing == ()
+  # copy the source when it was also read before the wait); it passes the
+  # destination through (its one alias), and the receive wait takes that:
+  # ordered after the send wait by data.
+  assert send.aliasing == (((1,), 1, ()),)
   assert recv.aliasing == (((), 0, ()),)  # produces the destination
   assert hlo.source(instrs, send.operands[0]) == (start.name, 0)
-  assert [hlo.source(instrs, o) for o in send.operands[1:]] == [
+  assert hlo.source(instrs, send.operands[1]) == (start.name, 1)
+  assert [hlo.source(instrs, o) for o in send.operands[2:]] == [
     (start.name, send_sem)
   ]
-  assert hlo.source(instrs, recv.operands[0]) == (start.name, 1)
+  assert hlo.source(instrs, recv.operands[0]) == (send.name, 1)
   assert [hlo.source(instrs, o) for o in recv.operands[1:]] == [
     (start.name, recv_sem)
   ]
