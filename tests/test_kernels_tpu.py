@@ -275,9 +275,16 @@ def test_send_done_recv_done_split(topology, kind, start_fn, n_send, n_recv):
   assert len(send_sems) == n_send and len(recv_sems) == n_recv
   assert not send_sems & recv_sems
   # send_done reads the source without aliasing it (an alias let XLA copy
-  # an in-flight source); recv_done aliases the destination (operand 0).
-  assert send.aliasing == ()
+  # an in-flight source) and passes the destination through (its one
+  # alias, operand 1 -> output 1); recv_done takes that result and aliases
+  # it (operand 0): the receive wait is ordered after the send wait by
+  # data (the local copy of copy / all_gather counts on the send
+  # semaphore).
+  assert send.aliasing == (((1,), 1, ()),)
   assert recv.aliasing == (((), 0, ()),)
+  through = m.instr(recv.operands[0])
+  assert through.opcode == "get-tuple-element"
+  assert through.operands == (send.name,) and through.tuple_index == 1
   for k in (send, recv):
     assert k.attr("custom_call_target") == '"tpu_custom_call"'
 
@@ -318,8 +325,9 @@ def test_inflight_ops_of_different_patterns_have_distinct_collective_ids():
 def test_every_done_kernel_has_exactly_one_alias(topology):
   """Several aliases on one Mosaic kernel gave wrong values (jax#24023).
 
-  Every start and done aliases exactly one buffer, except send_done, which
-  aliases none (it returns the source through an optimization barrier).
+  Every start and done aliases exactly one buffer: send_done the
+  destination it passes through (not the source, which it returns through
+  an optimization barrier).
   """
 
   def f(x):
@@ -339,8 +347,7 @@ def test_every_done_kernel_has_exactly_one_alias(topology):
   ]
   assert len(waits) == 4
   for k in ours:
-    expected = 0 if "_send_done" in k.name else 1
-    assert len(k.aliasing) == expected, (k.name, k.aliasing)
+    assert len(k.aliasing) == 1, (k.name, k.aliasing)
 
 
 def _perm_program(perms):
