@@ -247,6 +247,13 @@ _BIDI_ACC_BYTES = 128 * 2**20
 # VMEM is charged its FLOPs and a fifth of their HBM read (v5e tp 4 M =
 # 16: 8.1 us for 1.2 of FLOPs and a 35.8 us read; tp 8 1.4 for 9.0).
 _HALVES_COPY = 1.3
+# The fused all-gather's relay (``_fused_fwd_ag_s``) is picked only where
+# it is also 3% under the one kernel with both kernels' steps this much
+# longer (the model's steps, XLA's estimate of the contraction, are up to
+# 1.27x the estimate's where it takes the relay for faster and the model
+# does not: v5e's chapter shard, v6e's Llama shard at tp 4, M = 512, on a
+# line of 4).
+_RELAY_STEPS = 1.3
 _HALVES_VMEM_R = 0.2
 
 
@@ -1322,23 +1329,56 @@ def explain_allgather(
     )
     if fwd_plan.spec is None or not fwd_plan.spec.forward:
       fwd_plan = None
+  fwd_shown = None
   if fwd_plan is not None:
     fs = fwd_plan.spec
-    fwd = _fused_fwd_ag_s(
-      fs.plan,
-      cal.fused_dot * compute,
-      _fused_w(cal, chip, w_bytes) * w_s,
-      cal.fused_acc * acc / chip.hbm,
-      n,
-      chunk,
-      chip.link / cal.fused_ring,
-      wr,
-      cal.fused_step_s if compute >= hbm / 2 else 0.0,
-      cal.fused_cast * m * f * 4 / chip.hbm,
-      _fused_mid_acc(cal, chip, panels, w_bytes, acc),
-      _fused_cover(fs),
-      fs.kh * fs.bn * b / chip.hbm,
-    )
+
+    def relay_s(longer):
+      return _fused_fwd_ag_s(
+        fs.plan,
+        longer * cal.fused_dot * compute,
+        longer * _fused_w(cal, chip, w_bytes) * w_s,
+        cal.fused_acc * acc / chip.hbm,
+        n,
+        chunk,
+        chip.link / cal.fused_ring,
+        wr,
+        cal.fused_step_s if compute >= hbm / 2 else 0.0,
+        cal.fused_cast * m * f * 4 / chip.hbm,
+        _fused_mid_acc(cal, chip, panels, w_bytes, acc),
+        _fused_cover(fs),
+        fs.kh * fs.bn * b / chip.hbm,
+      )
+
+    def plain_s(longer):
+      return _fused_ag_s(
+        1,
+        plan_steps,
+        longer * cal.fused_dot * compute,
+        longer * _fused_w(cal, chip, w_bytes) * w_s,
+        cal.fused_acc * acc / chip.hbm,
+        n,
+        chunk,
+        chip.link / cal.fused_ring,
+        wr,
+        cal.fused_step_s if compute >= hbm / 2 else 0.0,
+        cal.fused_cast * m * f * 4 / chip.hbm,
+        _fused_mid_acc(cal, chip, panels, w_bytes, acc),
+        2,
+        _fused_cover(plan.spec),
+        _fused_split(plan.spec),
+        cal.fused_panel_s,
+      )
+
+    fwd = fwd_shown = relay_s(1.0)
+    # The relay gains only the one kernel's exposed wait for its sends,
+    # which the estimate's steps overstate where they are short (the
+    # model's are XLA's estimate of the contraction: v5e chapter 27.8 us
+    # for the estimate's 21.8; v6e's Llama shard at tp 4 on a line of 4,
+    # M = 512, about 107 for 86, where the relay is 1% slower): it must
+    # also win with the steps ``_RELAY_STEPS`` times longer.
+    if relay_s(_RELAY_STEPS) >= _MARGIN * plain_s(_RELAY_STEPS):
+      fwd = None
   rings = {}
   # The two-way ring of whole chunks runs in row panels to hold its
   # float32 accumulator (``_gather_rings.whole_panels``).
@@ -1480,6 +1520,8 @@ def explain_allgather(
     decode_xla_s=xla - (xla_ring if n <= cal.xla_ag_hidden_n else 0.0),
     fused_fwd_s=fwd,
   )
+  if fwd_shown is not None and choice.fused_us is not None:
+    choice = dataclasses.replace(choice, fused_fwd_us=fwd_shown * 1e6)
   if decode_rings:
     choice = dataclasses.replace(
       choice,
