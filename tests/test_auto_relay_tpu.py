@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from asyncops import collective_matmul as cm
-from asyncops.collective_matmul import _auto, _fused
+from asyncops.collective_matmul import _auto, _fused, _wiring
 from asyncops.inspect import analyze, check_hlo, parse_module
 from asyncops.kernels import _allgather_matmul as agk
 from tests import util as u
@@ -124,3 +124,17 @@ def test_auto_program_runs_the_relay_it_picks(topology, relayed):
   assert ("method_fused_fwd" in text) == relayed
   assert analyze(text).defensive_copies == []
   check_hlo(text)
+
+
+def test_relay_must_win_with_longer_steps():
+  """On a line of 4 (``--layout line``) at v6e's Llama shard, tp 4, M =
+  512, the relay's estimate is under the one kernel's (95.9 against
+  109.0 us) but not with both kernels' steps ``_RELAY_STEPS`` longer;
+  the model has it 1% slower (110.9 against 109.7): no relay. At ``[256,
+  2048] x [8192, 2048]`` on the same line it wins both ways (the model
+  53.3 -> 42.9 us in bf16): the relay."""
+  line = _wiring.from_coords([[(i, 0, 0) for i in range(4)]], (False,) * 3)
+  c = _explain("v6e", 512, 8192 // 4, 28672 // 4, wiring=line)
+  assert c.method == "fused" and c.fused_fwd_us < c.fused_us, str(c)
+  c = _explain("v6e", 256, 2048, 2048, wiring=line)
+  assert c.method == "fused_fwd", str(c)
