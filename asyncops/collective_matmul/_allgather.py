@@ -96,7 +96,9 @@ def allgather_matmul(
       (default) picks from the per-device shapes, dtype, ring size and chip
       between the fused ring kernel (``"fused"``: one Pallas kernel, the
       accumulator in VMEM, both ring directions; the contracting form with
-      one weight and no ``return_gathered``), XLA's collective then
+      one weight and no ``return_gathered``; ``"auto"`` may run it with
+      the antipode's halves relayed, ``forward=True``, on a ring of 4
+      where that is estimated faster), XLA's collective then
       ``jnp.dot`` (``"xla"``: where the matmul is bound by reading the
       weights, decode-size rows, or the fused kernel is not faster) and,
       for the forms the fused kernel does not run, the ring of
@@ -285,9 +287,13 @@ def allgather_matmul(
       else:
         gathered = jax.lax.all_gather(lhs, axis_name, axis=dim, tiled=True)
         outs = tuple(_auto.dot(gathered, w) for w in ws)
-  elif run == "fused":
-    with jax.named_scope(fn), jax.named_scope("method_fused"):
-      out = _vjp.fused_allgather(fold.fold(lhs), ws[0], axis_name, n)
+  elif run in ("fused", "fused_fwd"):  # auto's relay: fused_fwd
+    kernel = {
+      "fused": _vjp.fused_allgather,
+      "fused_fwd": _vjp.fused_allgather_fwd,
+    }[run]
+    with jax.named_scope(fn), jax.named_scope(f"method_{run}"):
+      out = kernel(fold.fold(lhs), ws[0], axis_name, n)
       outs, gathered = (fold.unfold(out, ws[0].shape[1]),), None
   else:
     with jax.named_scope(fn):

@@ -69,7 +69,13 @@ to the benchmark model's figures (:data:`CAL`):
   ``P`` panels beyond the knee) and ``CAL.fused_panels_s`` once, and
   ``CAL.fused_panel_s`` each on the contraction's path (hidden where the
   ring binds). The split last half (``AgSpec.split``) waits only before
-  the last half-step's second row part.
+  the last half-step's second row part. Where the plan can relay the
+  antipode's halves (``AgSpec.forward``: a ring of 4, one panel, the
+  receive buffer in VMEM) and the chip admits it (``CAL.fused_relay``,
+  v6e), the relay is estimated too (the start's two halves on each
+  link, the local step, its wait for slot 0 and issue, the relayed
+  halves behind the start's, the rest kernel's fill and steps) and
+  runs (``"fused_fwd"``) where 3% under the one kernel.
 - ``fused``, the reduce-scatter: per row panel, ``1.5 us + W`` (the
   kernel's charge, XLA's estimate of the same dots, reads the weight
   before them; on v5p ``CAL.rs_overlap`` of the shorter of ``W`` and the
@@ -241,6 +247,13 @@ _BIDI_ACC_BYTES = 128 * 2**20
 # VMEM is charged its FLOPs and a fifth of their HBM read (v5e tp 4 M =
 # 16: 8.1 us for 1.2 of FLOPs and a 35.8 us read; tp 8 1.4 for 9.0).
 _HALVES_COPY = 1.3
+# The fused all-gather's relay (``_fused_fwd_ag_s``) is picked only where
+# it is also 3% under the one kernel with both kernels' steps this much
+# longer (the model's steps, XLA's estimate of the contraction, are up to
+# 1.27x the estimate's where it takes the relay for faster and the model
+# does not: v5e's chapter shard, v6e's Llama shard at tp 4, M = 512, on a
+# line of 4).
+_RELAY_STEPS = 1.3
 _HALVES_VMEM_R = 0.2
 
 
@@ -262,6 +275,9 @@ class Choice:
       odd rows).
     fused_uni_us: the one-way fused reduce-scatter kernel's (None: not a
       candidate; only the reduce-scatter has one).
+    fused_fwd_us: the fused all-gather's with the antipode's halves
+      relayed (``"fused_fwd"``, ``AgSpec.forward``; None: not a
+      candidate, its plan does not run one).
   """
 
   method: str
@@ -273,6 +289,7 @@ class Choice:
   ring_us: float | None = None
   ring_bidi_us: float | None = None
   fused_uni_us: float | None = None
+  fused_fwd_us: float | None = None
 
   def __str__(self) -> str:
     if self.ring_form:
@@ -287,6 +304,8 @@ class Choice:
     rings = ""
     if self.fused_uni_us is not None:
       rings = f", one-way fused {us(self.fused_uni_us)}"
+    if self.fused_fwd_us is not None:
+      rings = f", relayed {us(self.fused_fwd_us)}"
     if self.ring_us is not None or self.ring_bidi_us is not None:
       rings += (
         f", ring {us(self.ring_us)}, two-way ring {us(self.ring_bidi_us)}"
@@ -330,6 +349,7 @@ def _decide(
   w_s=float("inf"),
   fused_uni_s=None,
   decode_xla_s=None,
+  fused_fwd_s=None,
 ) -> Choice:
   """The fastest candidate by estimate; a ring or fused kernel must beat
   XLA's program by 3% (it adds kernels and barriers). With ``hbm_rule``,
@@ -338,7 +358,9 @@ def _decide(
   all-gather the fused kernel's fixed costs over the ring when shorter)
   keeps XLA's program. ``fused_uni_s`` (the one-way fused reduce-scatter,
   when it can run) is picked over the two-way kernel only 3% under it, and
-  stands for the fused kernel against the rings and XLA."""
+  stands for the fused kernel against the rings and XLA. So does
+  ``fused_fwd_s`` (the all-gather's relay, ``"fused_fwd"``) where it is
+  3% under the plain kernel."""
 
   def us(v):
     return None if v is None else v * 1e6
@@ -350,7 +372,17 @@ def _decide(
     ring_us=us(ring_s),
     ring_bidi_us=us(ring_bidi_s),
     fused_uni_us=us(fused_uni_s) if fused_reason is None else None,
+    fused_fwd_us=us(fused_fwd_s) if fused_reason is None else None,
   )
+  kernel = "fused"
+  if fused_reason is None:
+    # The one-way fused kernel (the relay) replaces the two-way one where
+    # it is 3% faster (the two-way kernel is the measured default
+    # elsewhere).
+    if fused_uni_s is not None and fused_uni_s < _MARGIN * fused_s:
+      kernel, fused_s = "fused_uni", fused_uni_s
+    elif fused_fwd_s is not None and fused_fwd_s < _MARGIN * fused_s:
+      kernel, fused_s = "fused_fwd", fused_fwd_s
   rings = {"ring": ring_s, "ring_bidi": ring_bidi_s}
   rings = {k: v for k, v in rings.items() if v is not None}
   if fused_reason is not None and not rings:
@@ -366,7 +398,7 @@ def _decide(
       and fused_s < _MARGIN * decode_xla_s
     ):
       return Choice(
-        "fused",
+        kernel,
         "bound by reading the weights from HBM, but the fused kernel, which "
         "streams them once with its ring hidden, is estimated under XLA's "
         "program",
@@ -379,12 +411,7 @@ def _decide(
       **est,
     )
   ours = dict(rings)
-  kernel = "fused"
   if fused_reason is None:
-    # The one-way fused kernel replaces the two-way one where it is 3%
-    # faster (the two-way kernel is the measured default elsewhere).
-    if fused_uni_s is not None and fused_uni_s < _MARGIN * fused_s:
-      kernel, fused_s = "fused_uni", fused_uni_s
     ours[kernel] = fused_s
   best = min(ours, key=ours.get)
   if best != kernel and kernel in ours and ours[best] > _KEEP_FUSED * fused_s:
@@ -394,7 +421,7 @@ def _decide(
     if fused_reason is not None:
       why = f"{why} (fused kernels unavailable: {fused_reason})"
     return Choice("xla", why, **est)
-  if best in ("fused", "fused_uni"):
+  if best in _FUSED:
     why = "the ring transfers hide under the matmul"
     if compute_s < hbm_s / 2 and hbm_rule:
       why = (
@@ -411,6 +438,11 @@ def _decide(
       why = (
         "the one-way fused kernel: its ring hides under the matmul, and "
         "XLA prefetches x into VMEM before the two-way kernel only"
+      )
+    if best == "fused_fwd":
+      why = (
+        f"{why}; the neighbours relay the antipode's halves (three on "
+        "the busiest link, not four)"
       )
     return Choice(best, why, **est)
   why = {
@@ -576,18 +608,9 @@ def _fused_ag_s(
   the ring binds: the model at v5p tp 8 has 155.4 us a panel of 1024
   rows in 1, 4, 8 and 16 panels; branch h-v5pcal)."""
   p = panels
-  mid = acc_s if mid_acc_s is None else mid_acc_s
   extra_hops = wiring.direct_hops - _wiring.ideal(n).direct_hops
   ring = wiring.direct_load * chunk / p / link + (n - 1 + extra_hops) * _HOP_S
-  last = len(plan) - 1
-  steps = [
-    max(
-      g * compute / (n * p),
-      g * w_s / n + (acc_s if s in (0, last) else mid) / p,
-    )
-    + step_s
-    for s, g in enumerate(plan)
-  ]
+  steps = _fused_ag_steps(p, plan, compute, w_s, acc_s, n, step_s, mid_acc_s)
   # The last half-step (the last direction's share of the last step)
   # waits for the last half to arrive; the final cast follows it.
   half = (steps[-1] - step_s) / directions
@@ -603,6 +626,75 @@ def _fused_ag_s(
   return p * _FUSED_OVERHEAD_S + max(
     p * c + (p - 1) * panel_s, p * (ring + after)
   )
+
+
+def _fused_ag_steps(p, plan, compute, w_s, acc_s, n, step_s, mid_acc_s):
+  """The fused all-gather's steps (seconds, one panel of ``p``): each
+  step of ``plan`` its chunks' share of the contraction or of the read
+  of ``w``, whichever is longer, and its accumulator charge
+  (:func:`_fused_ag_s`)."""
+  mid = acc_s if mid_acc_s is None else mid_acc_s
+  last = len(plan) - 1
+  return [
+    max(
+      g * compute / (n * p),
+      g * w_s / n + (acc_s if s in (0, last) else mid) / p,
+    )
+    + step_s
+    for s, g in enumerate(plan)
+  ]
+
+
+def _fused_fwd_ag_s(
+  plan,
+  compute,
+  w_s,
+  acc_s,
+  n,
+  chunk,
+  link,
+  wiring,
+  step_s=0.0,
+  cast_s=0.0,
+  mid_acc_s=None,
+  cover=0.0,
+  fill_s=0.0,
+):
+  """The fused all-gather with the antipode's halves relayed
+  (``AgSpec.forward``: a ring of 4, two directions, one panel), charged
+  as the benchmark model runs it (``_timeline._relay``, branch h-agfwd2).
+  The start sends each half to both neighbours only (slots 0 and 1, two
+  halves on each link, ``2 wiring.bidi_load`` messages); the local-step
+  kernel runs step 0 (``plan[0]`` chunks), waits for slot 0 (the first
+  half on each link, and its hop), issues the two relay sends
+  (``_SPLIT_ISSUE_S / (n - 2)``: the start's issue per send, as a split
+  send's extra piece is charged), which queue on their links behind the
+  start's two halves and land a half's transfer and a hop later as the
+  neighbours' slot 2 (the antipode's halves, the last step's). The
+  rest kernel starts after the relay, reads its first block of ``w``
+  (``fill_s``; the local kernel's fill is the one kernel's), and runs
+  the other steps; it waits for the relayed halves before its last step
+  (with one chunk in it, within the step before: ``cover`` of its last
+  half-step; both halves land together, so the whole last step runs
+  after) and, where its first step holds more than the neighbours' slot
+  0, for slot 1 as it begins. The rest as :func:`_fused_ag_s` (one
+  panel); ``directions`` is 2."""
+  steps = _fused_ag_steps(1, plan, compute, w_s, acc_s, n, step_s, mid_acc_s)
+  steps[-1] += cast_s
+  per = 2 * wiring.bidi_load  # messages on the busiest link, one shift
+  half = chunk / 2 / link  # one half on one link
+  hop = wiring.bidi_hops * _HOP_S
+  slot0 = per * half + hop
+  start_busy = 2 * per * half  # the start's two halves on each link
+  relay = max(steps[0], slot0) + _SPLIT_ISSUE_S / (n - 2)
+  landed = max(relay, start_busy) + per * half + hop
+  begin = relay + fill_s
+  if len(plan) > 1 and plan[1] > 1:
+    begin = max(begin, start_busy + hop)  # slot 1's halves
+  post = steps[-1]
+  if len(plan) > 2 and plan[-1] == 1:
+    post += cover * (steps[-2] - step_s) / 2
+  return _FUSED_OVERHEAD_S + max(begin + sum(steps[1:]), landed + post)
 
 
 def _fused_cover(spec) -> float:
@@ -1038,7 +1130,7 @@ def _slots_over(chip, n, chunk, slots):
 
 
 _NO_FUSED = "the fused kernel is no candidate"
-_FUSED = ("fused", "fused_uni")
+_FUSED = ("fused", "fused_uni", "fused_fwd")
 
 
 def _mem_reason(choice, mem, fused_s, rings=None):
@@ -1217,6 +1309,76 @@ def explain_allgather(
     knee = max(1.0, panels / cal.fused_panel_knee)
     fused += (panels - 1) * cal.fused_panel * w_s * knee
     fused += cal.fused_panels_s
+  # The relay (``AgSpec.forward``) where its plan runs one
+  # (:func:`_fused_fwd_ag_s`), estimated from the same charges.
+  fwd_plan = None
+  fwd = None
+  if plan.spec is not None and panels == 1 and cal.fused_relay:
+    fwd_plan = _fused.plan_allgather(
+      m,
+      k,
+      f,
+      n,
+      dtype,
+      dtype,
+      dtype,
+      directions=2,
+      precision=precision,
+      device_kind=device_kind,
+      forward=True,
+    )
+    if fwd_plan.spec is None or not fwd_plan.spec.forward:
+      fwd_plan = None
+  fwd_shown = None
+  if fwd_plan is not None:
+    fs = fwd_plan.spec
+
+    def relay_s(longer):
+      return _fused_fwd_ag_s(
+        fs.plan,
+        longer * cal.fused_dot * compute,
+        longer * _fused_w(cal, chip, w_bytes) * w_s,
+        cal.fused_acc * acc / chip.hbm,
+        n,
+        chunk,
+        chip.link / cal.fused_ring,
+        wr,
+        cal.fused_step_s if compute >= hbm / 2 else 0.0,
+        cal.fused_cast * m * f * 4 / chip.hbm,
+        _fused_mid_acc(cal, chip, panels, w_bytes, acc),
+        _fused_cover(fs),
+        fs.kh * fs.bn * b / chip.hbm,
+      )
+
+    def plain_s(longer):
+      return _fused_ag_s(
+        1,
+        plan_steps,
+        longer * cal.fused_dot * compute,
+        longer * _fused_w(cal, chip, w_bytes) * w_s,
+        cal.fused_acc * acc / chip.hbm,
+        n,
+        chunk,
+        chip.link / cal.fused_ring,
+        wr,
+        cal.fused_step_s if compute >= hbm / 2 else 0.0,
+        cal.fused_cast * m * f * 4 / chip.hbm,
+        _fused_mid_acc(cal, chip, panels, w_bytes, acc),
+        2,
+        _fused_cover(plan.spec),
+        _fused_split(plan.spec),
+        cal.fused_panel_s,
+      )
+
+    fwd = fwd_shown = relay_s(1.0)
+    # The relay gains only the one kernel's exposed wait for its sends,
+    # which the estimate's steps overstate where they are short (the
+    # model's are XLA's estimate of the contraction: v5e chapter 27.8 us
+    # for the estimate's 21.8; v6e's Llama shard at tp 4 on a line of 4,
+    # M = 512, about 107 for 86, where the relay is 1% slower): it must
+    # also win with the steps ``_RELAY_STEPS`` times longer.
+    if relay_s(_RELAY_STEPS) >= _MARGIN * plain_s(_RELAY_STEPS):
+      fwd = None
   rings = {}
   # The two-way ring of whole chunks runs in row panels to hold its
   # float32 accumulator (``_gather_rings.whole_panels``).
@@ -1285,7 +1447,13 @@ def explain_allgather(
   # Llama shard: XLA's program).
   mem = None
   if reason is None and memory == "jit":
-    mem = _slots_over(chip, n, m * k * b, _ag_slots(plan))
+    # The relay's plan where it would run (its receive buffer in VMEM:
+    # no HBM slots; its second float32 accumulator, a VMEM output of the
+    # local-step kernel, is within ``_fused._forwarded``'s VMEM share).
+    relayed = fwd is not None and fwd < _MARGIN * fused
+    mem = _slots_over(
+      chip, n, m * k * b, _ag_slots(fwd_plan if relayed else plan)
+    )
     reason = mem
   # Dropped for its slots alone, bound by the weight read: XLA's program,
   # not a value ring (their estimates there are 13% to 17% under the
@@ -1350,7 +1518,10 @@ def explain_allgather(
     # all-gather hides under the weight read on rings of at most
     # ``Cal.xla_ag_hidden_n`` devices.
     decode_xla_s=xla - (xla_ring if n <= cal.xla_ag_hidden_n else 0.0),
+    fused_fwd_s=fwd,
   )
+  if fwd_shown is not None and choice.fused_us is not None:
+    choice = dataclasses.replace(choice, fused_fwd_us=fwd_shown * 1e6)
   if decode_rings:
     choice = dataclasses.replace(
       choice,

@@ -549,7 +549,17 @@ class Cal:
       21.2). v6e 1.2: tp 4 (112 MiB of ``w``, not prefetched) M = 16 is
       87.5 us for a 71.6 us read, tp 8 (56 MiB, prefetched) 40.5 for
       35.8. v5e 1 (tp 4 M = 16 145.5 for 143.4).
-    fused_ring: the fused all-gather's direct sends' time over the link
+    fused_relay: the fused all-gather's relay (``AgSpec.forward``,
+      ``_auto._fused_fwd_ag_s``) is a candidate (branch h-fwdauto).
+      v6e only: there the model's one kernel is link bound at the
+      chapter's shape (``(1024, 2048, 8192)``, 3.71 us exposed in bf16,
+      1.74 in f32) and the relay is faster (16.98 -> 14.53 us, 18.32 ->
+      17.38), as estimated (16.96 -> 12.82, 17.82 -> 14.25). On v5e the
+      one kernel is compute bound there (its steps 27.8 us, the sends
+      24.8; nothing exposed in bf16) and the relay slower (30.40 ->
+      31.69, 33.29 -> 34.36), but the estimate's steps are the
+      contraction's FLOPs (21.8 us, ``fused_dot`` 1), under the sends
+      (22.8): it would call the relay faster (29.51 -> 25.73).
       bandwidth's (``_auto._fused_ag_s``'s ring; branch h-agrefit). v5p
       1.3: on the 2x2x2 cube at tp 8 the model's steps wait for chunks
       (17.9 to 286.9 us exposed from M = 1024) the estimate's last-step
@@ -636,6 +646,7 @@ class Cal:
   fused_w: float = 1.0
   fused_ring: float = 1.0
   xla_ag_hidden_n: int = 0
+  fused_relay: bool = False
 
 
 # v5e and v6e: fit to the Llama-3-70B sweep at tp 8 (design/benchmarks.md);
@@ -726,5 +737,6 @@ CAL = {
     rs_ring_x=1.5,
     bidi_rs_acc=0.0,
     rs_chain=True,
+    fused_relay=True,
   ),
 }

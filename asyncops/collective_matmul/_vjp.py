@@ -496,6 +496,16 @@ fused_allgather = _fused_custom_jvp(
   forward mode runs the fused kernel on the tangents; the backward is the
   contracting gather's ring backward (``_bwd_rings``).""",
 )
+fused_allgather_fwd = _fused_custom_jvp(
+  "fused_allgather_fwd",
+  lambda x, w, axis_name: _fused.allgather_matmul(
+    x, w, axis_name, forward=True
+  ),
+  _fused_allgather_bwd,
+  """``fused_allgather`` with the antipode's halves relayed by the
+  neighbours (``forward=True``, ``AgSpec.forward``; auto's
+  ``"fused_fwd"``), differentiable the same way.""",
+)
 fused_reducescatter = _fused_custom_jvp(
   "fused_reducescatter",
   lambda x, w, axis_name: _fused.matmul_reducescatter(x, w, axis_name),
