@@ -11,9 +11,9 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from asyncops.collective_matmul import _fused
 from asyncops.kernels import _allgather_matmul as agk
 from tests import test_fused_matmul as tf
+from tests import util as u
 
 
 @pytest.mark.parametrize(
@@ -91,20 +91,7 @@ def test_plan_relays_where_asked_and_it_applies(device_kind):
   plan as they were."""
 
   def plan(n=4, forward=True, **kw):
-    return _fused.plan_allgather(
-      512,
-      512,
-      2048,
-      n,
-      jnp.bfloat16,
-      jnp.bfloat16,
-      jnp.bfloat16,
-      directions=2,
-      precision="DEFAULT",
-      device_kind=device_kind,
-      forward=forward,
-      **kw,
-    ).spec
+    return u.chapter_ag_plan(device_kind, n, forward=forward, **kw).spec
 
   fwd, base = plan(), plan(forward=False)
   assert fwd.forward and fwd.recv_vmem and not (fwd.split or fwd.recv_in_out)

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from asyncops import collective_matmul as cm
 from asyncops.collective_matmul import _auto, _gather_rings, _wiring
 from asyncops.inspect import tpu_mesh
+from tests import util as u
 
 V5E = {"precision": "DEFAULT", "device_kind": "TPU v5 lite"}
 V6E = {"precision": "DEFAULT", "device_kind": "TPU v6 lite"}
@@ -1673,32 +1674,13 @@ def test_fused_allgather_estimate_charges_the_last_half_step(key):
   assert lo < c.fused_us / model < 1.027, str(c)
 
 
-def _chapter_plan(kind):
-  """The fused all-gather's plan at the chapter's shape (per device ``x``
-  [512, 512], ``w`` [2048, 2048], a ring of 4, bf16) on ``kind``."""
-  from asyncops.collective_matmul import _fused
-
-  return _fused.plan_allgather(
-    512,
-    512,
-    2048,
-    4,
-    jnp.bfloat16,
-    jnp.bfloat16,
-    jnp.bfloat16,
-    directions=2,
-    precision="DEFAULT",
-    device_kind=kind,
-  )
-
-
 def test_fused_cover_follows_the_kernel_spec():
   """The share of the last step's first half-step after its wait: the
   tail's parts (v5e chapter shape: one part of two per iteration, 4
   blocks of 1 unit: 1/8) or, with no tail, the last block (v6e: 1/4)."""
   covers = {}
   for kind in ("TPU v5 lite", "TPU v6 lite"):
-    plan = _chapter_plan(kind)
+    plan = u.chapter_ag_plan(kind)
     s = plan.spec
     nf = s.f // s.bn
     want = 1 / nf if s.tail is None else s.tail / (s.parts * nf * s.plan[-1])
@@ -1716,7 +1698,7 @@ def test_fused_split_charges_the_second_piece_after_the_first_part(
   piece only after the last half-step's first row part (1 of 2 parts of
   2 blocks: 1/4), so it is under the same kernel charged unsplit (branch
   h-v5pcal: 29.5 against 30.7 us; the model 30.40)."""
-  specs = {k: _chapter_plan(k).spec for k in ("TPU v5 lite", "TPU v6 lite")}
+  specs = {k: u.chapter_ag_plan(k).spec for k in ("TPU v5 lite", "TPU v6 lite")}
   shares = {kind: _auto._fused_split(s) for kind, s in specs.items()}
   spec = specs["TPU v5 lite"]
   assert spec.split and shares["TPU v5 lite"] == pytest.approx(

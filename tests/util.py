@@ -695,3 +695,25 @@ def run_python(*args, cwd=ROOT, env=None):
     text=True,
     timeout=600,
   )
+
+
+def chapter_ag_plan(device_kind, n=4, **kw):
+  """The fused all-gather's plan at the chapter's shard (per device ``x``
+  [512, 512], ``w`` [n 512, 2048], bf16, both ring directions) on
+  ``device_kind``; ``kw`` as ``plan_allgather`` takes them (``forward``,
+  ``quantized``, ...)."""
+  from asyncops.collective_matmul import _fused
+
+  return _fused.plan_allgather(
+    512,
+    512,
+    2048,
+    n,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    jnp.bfloat16,
+    directions=2,
+    precision="DEFAULT",
+    device_kind=device_kind,
+    **kw,
+  )
